@@ -1,0 +1,38 @@
+"""verispec: lossless speculative decoding. A cheap drafter proposes, the target verifies in one pass.
+
+    from verispec import load
+    engine = load()                      # Qwen2.5-Coder 1.5B target + 0.5B draft, shipped via PyPI
+    print(engine.generate("Write a haiku about caches.").text)
+"""
+
+from verispec.engine import Engine, Generation, GenerationConfig
+from verispec.errors import (
+    IncompatibleModelsError,
+    InvalidParameterError,
+    ModelNotFoundError,
+    PromptError,
+    VerispecError,
+)
+from verispec.sampling import SamplingParams
+from verispec.types import GenerationResult, GenerationStats, Origin, TokenEvent
+
+__all__ = [
+    "load", "Engine", "Generation", "GenerationConfig", "SamplingParams", "GenerationResult", "GenerationStats",
+    "Origin", "TokenEvent", "VerispecError", "ModelNotFoundError", "IncompatibleModelsError",
+    "InvalidParameterError", "PromptError",
+]
+
+
+def load(
+    target: str = "qwen2.5-coder-1.5b-instruct",
+    draft: str | None = "model",
+    dtype: str = "float32",
+    gamma: int = 4,
+    gamma_policy: str = "analytic",
+) -> Engine:
+    """Load a target and a drafter (spec as in `verispec.drafters.make_drafter`) into an Engine."""
+    from verispec.drafters import make_drafter
+    from verispec.models.loading import load_model
+
+    target_model = load_model(target, dtype)
+    return Engine(target_model, make_drafter(draft, target_model), gamma=gamma, gamma_policy=gamma_policy)

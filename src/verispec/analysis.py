@@ -1,0 +1,37 @@
+"""The theory of speculative decoding (seeds 000 and 004) as functions.
+
+α: acceptance rate, Σₓ min(target_prob(x), draft_prob(x)). γ: draft length. c: cost of one draft
+token relative to one target forward. verify_cost(γ): T(γ+1)/T(1), the cost of verifying γ+1
+positions relative to decoding one (1 when verification is free, as the seeds assume).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["acceptance_rate", "expected_tokens", "expected_speedup", "optimal_gamma"]
+
+
+def acceptance_rate(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """α per row: Σₓ min(target_probs, draft_probs) over [..., vocab]."""
+    return torch.minimum(target_probs, draft_probs).sum(dim=-1)
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """E[tokens per step] = (1 − α^(γ+1)) / (1 − α)."""
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def expected_speedup(alpha: float, gamma: int, c: float, verify_cost: Callable[[int], float] | None = None) -> float:
+    """E[tokens] / (γ·c + T(γ+1)/T(1)); the seeds' (1−α^(γ+1)) / ((1−α)(γc+1)) when verify_cost is None."""
+    verify = verify_cost(gamma) if verify_cost is not None else 1.0
+    return expected_tokens(alpha, gamma) / (gamma * c + verify)
+
+
+def optimal_gamma(alpha: float, c: float, max_gamma: int = 16, verify_cost: Callable[[int], float] | None = None) -> int:
+    """The γ in [1, max_gamma] with the highest expected speedup."""
+    return max(range(1, max_gamma + 1), key=lambda g: expected_speedup(alpha, g, c, verify_cost))

@@ -1,0 +1,87 @@
+"""γ policies: how many tokens to draft next step.
+
+- constant: always γ.
+- heuristic: Hugging Face's original schedule: start at 5 (or the given γ), +2 when every draft
+  token was accepted, −1 otherwise, never below 1.
+- analytic: the γ that maximises E[tokens] / (γ·c + T(γ+1)/T(1)) for the α and costs measured in
+  this run (α: the geometric estimate from accepted counts; c and T(n) from timings).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from verispec.analysis import optimal_gamma
+from verispec.control.costs import CostModel
+from verispec.errors import InvalidParameterError
+
+__all__ = ["GammaPolicy", "ConstantGamma", "HeuristicGamma", "AnalyticGamma", "make_gamma_policy", "POLICIES"]
+
+
+class GammaPolicy(ABC):
+    @abstractmethod
+    def next_gamma(self) -> int: ...
+
+    def update(self, proposed: int, accepted: int) -> None:
+        """Told after each step how many of `proposed` draft tokens were accepted."""
+
+
+class ConstantGamma(GammaPolicy):
+    def __init__(self, gamma: int):
+        self.gamma = gamma
+
+    def next_gamma(self) -> int:
+        return self.gamma
+
+
+class HeuristicGamma(GammaPolicy):
+    def __init__(self, gamma: int = 5, max_gamma: int = 32):
+        self.gamma, self.max_gamma = gamma, max_gamma
+
+    def next_gamma(self) -> int:
+        return self.gamma
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if proposed == 0:
+            return
+        self.gamma = min(self.gamma + 2, self.max_gamma) if accepted == proposed else max(self.gamma - 1, 1)
+
+
+class AnalyticGamma(GammaPolicy):
+    """α is estimated with a prior worth `prior_weight` judged tokens, so early steps do not swing γ."""
+
+    def __init__(self, costs: CostModel, gamma: int = 4, max_gamma: int = 12, prior_alpha: float = 0.7, prior_weight: float = 8.0):
+        self.costs, self.max_gamma = costs, max_gamma
+        self.accepted, self.judged = prior_alpha * prior_weight, prior_weight
+        self.gamma = gamma
+
+    @property
+    def alpha(self) -> float:
+        return min(max(self.accepted / self.judged, 0.01), 0.99)
+
+    def next_gamma(self) -> int:
+        return self.gamma
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if proposed == 0:
+            return
+        self.accepted += accepted
+        self.judged += accepted + (accepted < proposed)
+        c = self.costs.draft_cost_ratio()
+        if c is not None:
+            self.gamma = optimal_gamma(self.alpha, c, self.max_gamma, self.costs.verify_cost)
+
+
+POLICIES = ("constant", "heuristic", "analytic")
+
+
+def make_gamma_policy(name: str, gamma: int, costs: CostModel, max_gamma: int = 12) -> GammaPolicy:
+    if not isinstance(gamma, int) or gamma < 1:
+        raise InvalidParameterError(f"gamma (draft length) must be an integer ≥ 1, got {gamma!r}")
+    if name == "constant":
+        return ConstantGamma(gamma)
+    if name == "heuristic":
+        return HeuristicGamma(gamma, max_gamma=max(max_gamma, gamma))
+    if name == "analytic":
+        return AnalyticGamma(costs, gamma, max_gamma=max(max_gamma, gamma))
+    raise InvalidParameterError(f"unknown gamma policy {name!r}: use one of {', '.join(POLICIES)}")

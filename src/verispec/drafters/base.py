@@ -1,0 +1,38 @@
+"""The drafter interface: one object per drafter kind, one session per request.
+
+`Drafter.start(prompt_ids)` opens a `DraftSession` holding that request's state (a KV cache, an
+n-gram index, …). Each step the engine calls `session.propose(ids, gamma, ...)` and, after
+verification, `session.commit(ids)` with the new committed sequence, so the session can roll back
+whatever the target did not keep. A session that returns `Draft.probs = None` is deterministic:
+the verifier treats each token as a point mass.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from verispec.sampling.processors import SamplingParams
+from verispec.types import Draft
+
+__all__ = ["Drafter", "DraftSession"]
+
+
+class DraftSession(ABC):
+    @abstractmethod
+    def propose(
+        self, ids: list[int], gamma: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Draft:
+        """Up to `gamma` tokens that may follow `ids` (fewer, even none, is allowed)."""
+
+    def commit(self, ids: list[int]) -> None:
+        """`ids` is the committed sequence after verification; drop state past it."""
+
+
+class Drafter(ABC):
+    name: str = "drafter"
+
+    @abstractmethod
+    def start(self, prompt_ids: list[int]) -> DraftSession:
+        """Open the per-request state for a prompt."""

@@ -1,0 +1,70 @@
+"""Drafting with a small model of the target's family, with its own static KV cache.
+
+The draft cache always holds a prefix of the committed sequence: after verification it is cut to
+the accepted path, with no recomputation. When every draft token was accepted the draft has not
+seen its own last token yet; the next step feeds it together with the target's bonus token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from verispec.drafters.base import Drafter, DraftSession
+from verispec.models.loading import LoadedModel
+from verispec.sampling.processors import SamplingParams, greedy_tokens, seen_mask, to_probs
+from verispec.sampling.samplers import multinomial
+from verispec.types import Draft
+
+__all__ = ["DraftModelDrafter"]
+
+
+class DraftModelDrafter(Drafter):
+    def __init__(self, model: LoadedModel, target_vocab_size: int):
+        self.model = model
+        self.name = f"model:{model.name}"
+        self.target_vocab_size = target_vocab_size
+
+    def start(self, prompt_ids: list[int]) -> DraftSession:
+        session = _DraftModelSession(self)
+        session.cache.ensure(len(prompt_ids) + 64)
+        if len(prompt_ids) > 1:
+            session.runner.forward(session.cache, torch.tensor(prompt_ids[:-1]), logits="none")
+        return session
+
+
+class _DraftModelSession(DraftSession):
+    def __init__(self, drafter: DraftModelDrafter):
+        self.drafter = drafter
+        self.runner = drafter.model.runner
+        self.cache = self.runner.new_cache()
+
+    def propose(self, ids, gamma, params, generator):
+        if gamma == 0:
+            return Draft(torch.zeros(0, dtype=torch.long))
+        runner, vocab = self.runner, self.runner.config.vocab_size
+        logits = runner.forward(self.cache, torch.tensor(ids[self.cache.length :]), logits="last")  # [1, vocab]
+        seen = seen_mask(vocab, ids) if params.repetition_penalty != 1.0 else None  # [1, vocab]
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        for i in range(gamma):
+            if params.greedy:
+                token = int(greedy_tokens(logits, params, seen))
+            else:
+                row = to_probs(logits, params, seen)  # [1, vocab]
+                token = int(multinomial(row, generator))
+                probs.append(row[0])
+            tokens.append(token)
+            if seen is not None:
+                seen[0, token] = True
+            if i + 1 < gamma:
+                logits = runner.forward(self.cache, torch.tensor([token]), logits="last")
+        draft_probs = None
+        if probs:
+            draft_probs = torch.stack(probs)  # [γ, vocab]
+            if vocab < self.drafter.target_vocab_size:
+                draft_probs = F.pad(draft_probs, (0, self.drafter.target_vocab_size - vocab))
+        return Draft(torch.tensor(tokens, dtype=torch.long), draft_probs)
+
+    def commit(self, ids):
+        self.cache.truncate(min(self.cache.length, len(ids) - 1))

@@ -1,0 +1,56 @@
+"""Prompt-lookup (n-gram) drafting: continue the text the way it continued last time.
+
+The suffix of the sequence (n tokens, n from `max_n` down to `min_n`) is looked up in an index of
+every earlier n-gram; the most recent earlier occurrence of the longest matching suffix wins, and
+the tokens that followed it are the draft. Hugging Face's prompt lookup scans left to right and
+takes the first (oldest) match. The index is a dict updated incrementally with the committed tokens,
+so a lookup costs microseconds whatever the context length. Deterministic: no draft probabilities.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.drafters.base import Drafter, DraftSession
+from verispec.errors import InvalidParameterError
+from verispec.types import Draft
+
+__all__ = ["NgramDrafter"]
+
+
+class NgramDrafter(Drafter):
+    def __init__(self, max_n: int = 3, min_n: int = 1):
+        if not 1 <= min_n <= max_n:
+            raise InvalidParameterError(f"n-gram sizes need 1 ≤ min_n ≤ max_n, got min_n={min_n}, max_n={max_n}")
+        self.max_n, self.min_n = max_n, min_n
+        self.name = f"ngram:max_n={max_n}"
+
+    def start(self, prompt_ids: list[int]) -> DraftSession:
+        return _NgramSession(self.max_n, self.min_n)
+
+
+class _NgramSession(DraftSession):
+    def __init__(self, max_n: int, min_n: int):
+        self.max_n, self.min_n = max_n, min_n
+        self.index: dict[tuple[int, ...], int] = {}  # n-gram -> position right after its latest occurrence
+        self.indexed_until = 0  # n-grams ending before this position are indexed
+
+    def _index(self, ids: list[int]) -> None:
+        # Index n-grams ending at positions < len(ids) - 1, so each has a continuation
+        # and the current suffix never matches itself.
+        for end in range(self.indexed_until, len(ids) - 1):
+            for n in range(self.min_n, self.max_n + 1):
+                if end - n + 1 >= 0:
+                    self.index[tuple(ids[end - n + 1 : end + 1])] = end + 1
+        self.indexed_until = max(self.indexed_until, len(ids) - 1)
+
+    def propose(self, ids, gamma, params, generator):
+        self._index(ids)
+        tokens: list[int] = []
+        if gamma > 0:
+            for n in range(min(self.max_n, len(ids)), self.min_n - 1, -1):
+                start = self.index.get(tuple(ids[-n:]))
+                if start is not None:
+                    tokens = ids[start : start + gamma]
+                    break
+        return Draft(torch.tensor(tokens, dtype=torch.long))

@@ -1,0 +1,234 @@
+"""The speculative decoding loop.
+
+Per step: the drafter proposes γ tokens; the target scores the last committed token plus the γ
+drafts in ONE forward pass ([γ+1, vocab] logits); the verifier keeps the accepted prefix and adds
+one token of the target's own; the target's KV cache is cut back to the accepted path (a length
+change, no recompute) and the drafter is told the new sequence. With no drafter (or γ = 0) the same
+loop is plain autoregressive decoding of the target — the honest baseline.
+
+`Engine` holds what is shared across requests (models, drafter, measured costs); `Generation` holds
+one request's state (token ids, caches, RNG, γ policy, statistics) and advances one step at a time,
+so requests stay independent.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from verispec.control import CostModel, make_gamma_policy
+from verispec.drafters.base import Drafter
+from verispec.errors import InvalidParameterError, PromptError
+from verispec.models.loading import LoadedModel
+from verispec.sampling.processors import SamplingParams, greedy_tokens, seen_mask, to_probs
+from verispec.types import Draft, GenerationResult, GenerationStats, Origin, StepRecord, TokenEvent
+from verispec.verify import verify_greedy, verify_sampled
+
+__all__ = ["Engine", "Generation", "GenerationConfig"]
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    chat: bool = True  # wrap a text prompt in the model's chat template
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise InvalidParameterError(f"max_new_tokens must be an integer ≥ 1, got {self.max_new_tokens!r}")
+        if any(not s for s in self.stop):
+            raise InvalidParameterError("stop strings must be non-empty")
+
+
+class Engine:
+    """Target + optional drafter + γ policy. Load once, generate many times."""
+
+    def __init__(
+        self,
+        target: LoadedModel,
+        drafter: Drafter | None = None,
+        gamma: int = 4,
+        gamma_policy: str = "analytic",
+        max_gamma: int = 12,
+    ):
+        self.target, self.drafter = target, drafter
+        self.gamma, self.gamma_policy, self.max_gamma = gamma, gamma_policy, max_gamma
+        make_gamma_policy(gamma_policy, gamma, CostModel(), max_gamma)  # validate now, not mid-request
+        self._costs: CostModel | None = None
+
+    @property
+    def costs(self) -> CostModel:
+        if self._costs is None:
+            if self.drafter is not None and self.gamma_policy == "analytic":
+                self._costs = CostModel.calibrated(self.target.runner, str(self.target.folder), self.max_gamma + 1)
+            else:
+                self._costs = CostModel()
+        return self._costs
+
+    def prompt_ids(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise PromptError("the prompt is empty: give some text to continue")
+            ids = self.target.encode_prompt(prompt, chat)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise PromptError("the prompt has no tokens: give some text to continue")
+        if len(ids) >= self.target.context_length:
+            raise PromptError(
+                f"the prompt has {len(ids)} tokens but {self.target.name} has a context of "
+                f"{self.target.context_length}: shorten the prompt to leave room for new tokens"
+            )
+        if max(ids) >= self.target.vocab_size or min(ids) < 0:
+            raise PromptError(f"prompt token ids must lie in [0, {self.target.vocab_size})")
+        return ids
+
+    def start(self, prompt: str | Sequence[int], config: GenerationConfig | None = None) -> Generation:
+        config = config or GenerationConfig()
+        return Generation(self, self.prompt_ids(prompt, config.chat), config)
+
+    def stream(self, prompt: str | Sequence[int], config: GenerationConfig | None = None) -> Iterator[TokenEvent]:
+        generation = self.start(prompt, config)
+        while not generation.done:
+            yield from generation.step()
+
+    def generate(self, prompt: str | Sequence[int], config: GenerationConfig | None = None) -> GenerationResult:
+        generation = self.start(prompt, config)
+        while not generation.done:
+            generation.step()
+        return generation.result()
+
+
+class _Detokenizer:
+    """Incremental text for streamed ids; holds back bytes of an unfinished UTF-8 character."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = self.read_offset = 0
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        before = decode(self.ids[self.prefix_offset : self.read_offset])
+        after = decode(self.ids[self.prefix_offset :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return after[len(before) :]
+        return ""
+
+
+class Generation:
+    """One request's state; `step()` runs one draft + verify step and returns the emitted tokens."""
+
+    def __init__(self, engine: Engine, prompt_ids: list[int], config: GenerationConfig):
+        self.engine, self.config = engine, config
+        self.target = engine.target
+        self.params = config.sampling
+        self.generator = torch.Generator()
+        self.generator.manual_seed(config.seed if config.seed is not None else int(torch.seed() % 2**63))
+        self.ids = list(prompt_ids)
+        self.prompt_len = len(prompt_ids)
+        self.max_new = min(config.max_new_tokens, self.target.context_length - self.prompt_len)
+        self.stats = GenerationStats(prompt_tokens=self.prompt_len)
+        self.output_ids: list[int] = []
+        self.origins: list[Origin] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self._detok = _Detokenizer(self.target.tokenizer)
+        self._started = time.perf_counter()
+
+        self.policy = make_gamma_policy(engine.gamma_policy, engine.gamma, engine.costs, engine.max_gamma)
+        start = time.perf_counter()
+        self.cache = self.target.runner.new_cache(self.prompt_len + self.max_new + engine.max_gamma + 2)
+        if self.prompt_len > 1:
+            self.target.runner.forward(self.cache, torch.tensor(self.ids[:-1]), logits="none")
+        self.session = engine.drafter.start(self.ids) if engine.drafter is not None else None
+        self.stats.prefill_seconds = time.perf_counter() - start
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def _draft(self, gamma: int) -> Draft:
+        if self.session is None or gamma <= 0:
+            return Draft(torch.zeros(0, dtype=torch.long))
+        draft = self.session.propose(self.ids, gamma, self.params, self.generator)
+        return Draft(draft.tokens[:gamma], None if draft.probs is None else draft.probs[:gamma])
+
+    def step(self) -> list[TokenEvent]:
+        if self.done:
+            return []
+        remaining = self.max_new - len(self.output_ids)
+        gamma = min(self.policy.next_gamma(), remaining - 1) if self.session is not None else 0
+
+        t0 = time.perf_counter()
+        draft = self._draft(gamma)
+        t1 = time.perf_counter()
+        feed = torch.cat([torch.tensor(self.ids[-1:]), draft.tokens])  # [γ+1]
+        logits = self.target.runner.forward(self.cache, feed, logits="all")  # [γ+1, vocab]
+        seen = seen_mask(logits.shape[-1], self.ids, draft.tokens) if self.params.repetition_penalty != 1.0 else None
+        if self.params.greedy:
+            verdict = verify_greedy(draft.tokens, greedy_tokens(logits, self.params, seen))
+        else:
+            target_probs = to_probs(logits, self.params, seen)  # [γ+1, vocab]
+            verdict = verify_sampled(draft.tokens, draft.probs, target_probs, self.generator)
+        t2 = time.perf_counter()
+
+        new_tokens = draft.tokens[: verdict.accepted].tolist() + [verdict.next_token]
+        last_origin = Origin.TARGET if len(draft) == 0 else verdict.next_origin
+        origins = [Origin.ACCEPTED] * verdict.accepted + [last_origin]
+        self.ids.extend(new_tokens)
+        self.cache.truncate(len(self.ids) - 1)
+        if self.session is not None:
+            self.session.commit(self.ids)
+        self.stats.record(StepRecord(len(draft), verdict.accepted, t1 - t0, t2 - t1))
+        self.policy.update(len(draft), verdict.accepted)
+        self.engine.costs.observe_draft(t1 - t0, len(draft))
+        return self._emit(new_tokens, origins)
+
+    def _emit(self, tokens: list[int], origins: list[Origin]) -> list[TokenEvent]:
+        events = []
+        for token, origin in zip(tokens, origins):
+            self.output_ids.append(token)
+            self.origins.append(origin)
+            if token in self.target.eos_ids:
+                self._finish("stop")
+                break
+            piece = self._detok.push(token)
+            piece = self._cut_at_stop_string(piece)
+            events.append(TokenEvent(token, piece, origin))
+            if self.done:
+                break
+            if len(self.output_ids) >= self.max_new:
+                self._finish("length")
+                break
+        return events
+
+    def _cut_at_stop_string(self, piece: str) -> str:
+        if not self.config.stop or not piece:
+            self.text += piece
+            return piece
+        before = len(self.text)
+        self.text += piece
+        window_start = max(0, before - max(len(s) for s in self.config.stop))
+        hits = [i for s in self.config.stop if (i := self.text.find(s, window_start)) != -1]
+        if not hits:
+            return piece
+        cut = min(hits)
+        self.text = self.text[:cut]
+        self._finish("stop")
+        return self.text[before:]
+
+    def _finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        self.stats.new_tokens = len(self.output_ids)
+        self.stats.wall_seconds = time.perf_counter() - self._started
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(self.text, list(self.output_ids), self.finish_reason or "length", self.stats, list(self.origins))

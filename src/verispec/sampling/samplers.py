@@ -1,0 +1,41 @@
+"""Samplers: argmax, multinomial and Gumbel-max draws, and Gumbel-top-k (k distinct tokens in one pass).
+
+All randomness flows through an explicit `torch.Generator` owned by the request: never a global
+reseed, so one seed reproduces one output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["argmax", "multinomial", "gumbel_noise", "gumbel_max", "gumbel_topk"]
+
+
+def argmax(scores: torch.Tensor) -> torch.Tensor:
+    """[n, vocab] -> [n]"""
+    return scores.argmax(dim=-1)
+
+
+def multinomial(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row from probs [n, vocab] -> [n]."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def gumbel_noise(shape: torch.Size | tuple[int, ...], generator: torch.Generator | None) -> torch.Tensor:
+    """Standard Gumbel noise −log(−log U), U ~ Uniform(0, 1)."""
+    uniform = torch.rand(shape, generator=generator).clamp_(min=1e-20, max=1.0 - 1e-7)
+    return -torch.log(-torch.log(uniform))
+
+
+def gumbel_max(logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """A draw from softmax(logits) per row, as argmax(logits + Gumbel): [n, vocab] -> [n]."""
+    return (logits.float() + gumbel_noise(logits.shape, generator)).argmax(dim=-1)
+
+
+def gumbel_topk(logits: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
+    """k distinct tokens per row, distributed as k draws without replacement from softmax(logits).
+
+    logits [n, vocab] (−inf allowed for excluded tokens) -> [n, k]; order is the draw order.
+    """
+    perturbed = logits.float() + gumbel_noise(logits.shape, generator)
+    return torch.topk(perturbed, k, dim=-1).indices

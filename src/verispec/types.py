@@ -1,0 +1,161 @@
+"""Plain data shared by drafters, verifiers, the engine and its callers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+
+class Origin(str, Enum):
+    """Where an emitted token came from."""
+
+    ACCEPTED = "accepted"  # a draft token the target accepted
+    RECOVERED = "recovered"  # sampled from the residual after a rejection (or the target's argmax)
+    BONUS = "bonus"  # the target's extra token after every draft token was accepted
+    TARGET = "target"  # plain decoding: no draft this step
+
+
+@dataclass
+class Draft:
+    """A drafter's proposal for one step.
+
+    tokens: [γ] proposed ids (a chain: token i follows token i−1).
+    probs: [γ, vocab] the distribution each token was sampled from, after the same processing as the
+      target's; None marks a deterministic drafter (a point mass at each token).
+    """
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The rejection rule's decision: keep `accepted` draft tokens, then append `next_token`."""
+
+    accepted: int
+    next_token: int
+    next_origin: Origin
+
+
+@dataclass
+class TokenEvent:
+    """One emitted token, as streamed to callers."""
+
+    token_id: int
+    text: str
+    origin: Origin
+
+
+@dataclass
+class StepRecord:
+    proposed: int
+    accepted: int
+    draft_seconds: float
+    target_seconds: float
+
+
+@dataclass
+class GenerationStats:
+    """What one generation did: steps, acceptance, timings. Field names match the CLI's --json."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    steps: int = 0
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    records: list[StepRecord] = field(default_factory=list)
+
+    def record(self, record: StepRecord) -> None:
+        self.records.append(record)
+        self.steps += 1
+        self.draft_seconds += record.draft_seconds
+        self.target_seconds += record.target_seconds
+
+    @property
+    def proposed_tokens(self) -> int:
+        return sum(r.proposed for r in self.records)
+
+    @property
+    def accepted_tokens(self) -> int:
+        return sum(r.accepted for r in self.records)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """τ: tokens emitted per target forward (accepted + 1)."""
+        return (self.accepted_tokens + self.steps) / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """α estimate: accepted / drafted positions that were actually judged (the geometric MLE)."""
+        judged = sum(r.accepted + (r.accepted < r.proposed) for r in self.records)
+        return self.accepted_tokens / judged if judged else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """Share of steps whose draft reached and kept position i (over steps that proposed ≥ i+1)."""
+        longest = max((r.proposed for r in self.records), default=0)
+        rates = []
+        for i in range(longest):
+            offered = [r for r in self.records if r.proposed > i]
+            rates.append(sum(r.accepted > i for r in offered) / len(offered))
+        return rates
+
+    @property
+    def accepted_histogram(self) -> dict[int, int]:
+        hist: dict[int, int] = {}
+        for r in self.records:
+            hist[r.accepted] = hist.get(r.accepted, 0) + 1
+        return dict(sorted(hist.items()))
+
+    @property
+    def cost_ratio(self) -> float:
+        """c: seconds per drafted token / seconds per target forward."""
+        proposed = self.proposed_tokens
+        if not proposed or not self.target_seconds:
+            return 0.0
+        return (self.draft_seconds / proposed) / (self.target_seconds / self.steps)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.wall_seconds if self.wall_seconds else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "steps": self.steps,
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance],
+            "accepted_histogram": self.accepted_histogram,
+            "draft_seconds": round(self.draft_seconds, 4),
+            "target_seconds": round(self.target_seconds, 4),
+            "prefill_seconds": round(self.prefill_seconds, 4),
+            "cost_ratio": round(self.cost_ratio, 4),
+            "tokens_per_second": round(self.tokens_per_second, 3),
+            "wall_seconds": round(self.wall_seconds, 4),
+        }
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    stats: GenerationStats
+    origins: list[Origin] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "stats": self.stats.to_dict(),
+        }
