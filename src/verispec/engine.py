@@ -65,7 +65,8 @@ class Engine:
     def costs(self) -> CostModel:
         if self._costs is None:
             if self.drafter is not None and self.gamma_policy == "analytic":
-                self._costs = CostModel.calibrated(self.target.runner, str(self.target.folder), self.max_gamma + 1)
+                draft_model = getattr(self.drafter, "model", None)  # None for model-free drafters
+                self._costs = CostModel.calibrated(self.target, self.max_gamma + 1, draft_model)
             else:
                 self._costs = CostModel()
         return self._costs
@@ -189,7 +190,6 @@ class Generation:
             self.session.commit(self.ids)
         self.stats.record(StepRecord(len(draft), verdict.accepted, t1 - t0, t2 - t1))
         self.policy.update(len(draft), verdict.accepted)
-        self.engine.costs.observe_draft(t1 - t0, len(draft))
         return self._emit(new_tokens, origins)
 
     def _emit(self, tokens: list[int], origins: list[Origin]) -> list[TokenEvent]:

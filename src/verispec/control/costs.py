@@ -1,8 +1,10 @@
 """Measured costs that the analytic γ policy needs: T(n)/T(1) of the target and c of the drafter.
 
-The target's verification curve T(n) (seconds for a forward over n new positions) is measured once
-per (model folder, dtype, threads) and kept in the cache directory, since on a CPU it is far from
-flat in some dtypes. The draft cost per token is measured online, as an exponential moving average.
+Both are measured once per (model folder, dtype, threads) and kept in the cache directory: the
+target's verification curve T(n) (seconds for a forward over n new positions; far from flat on a
+CPU in some dtypes) and the draft model's seconds per token. They are not re-measured during a
+generation on purpose: γ then depends only on acceptance, so a seed reproduces an output exactly.
+A model-free drafter (n-gram) counts as free (c = 0).
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ import time
 
 import torch
 
+from verispec.models.loading import LoadedModel
 from verispec.models.registry import cache_dir
 from verispec.models.transformer import Transformer
+from verispec.progress import status
 
 __all__ = ["CostModel", "measure_verify_curve"]
 
@@ -34,25 +38,31 @@ def measure_verify_curve(runner: Transformer, max_positions: int, context: int =
     return times
 
 
+def _cached_curve(runner: Transformer, folder: str, max_positions: int) -> list[float]:
+    key = f"{folder}|{runner.dtype}|threads={torch.get_num_threads()}"
+    file = cache_dir() / "verify_costs.json"
+    table = json.loads(file.read_text()) if file.exists() else {}
+    times = table.get(key)
+    if times is None or len(times) < max_positions:
+        times = measure_verify_curve(runner, max_positions)
+        table[key] = times
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_text(json.dumps(table, indent=1))
+    return times
+
+
 class CostModel:
-    def __init__(self, target_seconds: list[float] | None = None, smoothing: float = 0.2):
+    def __init__(self, target_seconds: list[float] | None = None, draft_token_seconds: float | None = None):
         self.target_seconds = target_seconds  # index n-1 -> T(n)
-        self.draft_token_seconds: float | None = None
-        self.smoothing = smoothing
+        self.draft_token_seconds = draft_token_seconds
 
     @classmethod
-    def calibrated(cls, runner: Transformer, folder: str, max_positions: int) -> CostModel:
-        """Load the target's T(n) from the cache directory, measuring it first if needed."""
-        key = f"{folder}|{runner.dtype}|threads={torch.get_num_threads()}"
-        file = cache_dir() / "verify_costs.json"
-        table = json.loads(file.read_text()) if file.exists() else {}
-        times = table.get(key)
-        if times is None or len(times) < max_positions:
-            times = measure_verify_curve(runner, max_positions)
-            table[key] = times
-            file.parent.mkdir(parents=True, exist_ok=True)
-            file.write_text(json.dumps(table, indent=1))
-        return cls(times)
+    def calibrated(cls, target: LoadedModel, max_positions: int, draft: LoadedModel | None = None) -> CostModel:
+        """T(n) of the target and the draft model's seconds per token, from the cache or measured now."""
+        with status("measuring verification costs (once per model, dtype and thread count)"):
+            target_seconds = _cached_curve(target.runner, str(target.folder), max_positions)
+            draft_seconds = _cached_curve(draft.runner, str(draft.folder), 1)[0] if draft is not None else 0.0
+        return cls(target_seconds, draft_seconds)
 
     def verify_cost(self, gamma: int) -> float:
         """T(γ+1) / T(1); 1 (free verification) when unmeasured."""
@@ -60,15 +70,6 @@ class CostModel:
             return 1.0
         n = min(gamma + 1, len(self.target_seconds))
         return self.target_seconds[n - 1] / self.target_seconds[0]
-
-    def observe_draft(self, seconds: float, tokens: int) -> None:
-        if tokens <= 0:
-            return
-        per_token = seconds / tokens
-        if self.draft_token_seconds is None:
-            self.draft_token_seconds = per_token
-        else:
-            self.draft_token_seconds += self.smoothing * (per_token - self.draft_token_seconds)
 
     def draft_cost_ratio(self) -> float | None:
         """c = seconds per draft token / T(1), or None before both are known."""

@@ -5,7 +5,10 @@ and 6–10 ms for 2–8 rows, because the weight is re-laid-out on every call; t
 prepacked for oneDNN costs 1.7 ms for one row and 2.9 ms for eight. In bf16 prepacking halves the
 single-row cost (1.36 → 0.60 ms) and keeps it flat to 8 rows. Verification of γ+1 positions is
 therefore nearly as cheap as one decode step only with packed weights. Elsewhere (GPU, or a torch
-build without oneDNN) the layer falls back to `F.linear`.
+build without oneDNN) the layer falls back to `F.linear`, and so do tiny layers (under 64K weights),
+where oneDNN's fixed cost per call (~0.2 ms) exceeds the matmul itself. oneDNN packs bf16 weights
+only on CPUs with AVX-512 or AVX-NE-CONVERT; on an AVX2-only CPU (e.g. some AMD EPYC machines) a
+bf16 layer stays plain `F.linear`.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PackedLinear", "packing_available"]
+__all__ = ["PackedLinear", "packing_available", "MIN_PACKED_WEIGHTS"]
+
+MIN_PACKED_WEIGHTS = 1 << 16
 
 
 def packing_available() -> bool:
@@ -26,11 +31,14 @@ class PackedLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
         self.out_features, self.in_features = weight.shape
         self.bias = bias.contiguous() if bias is not None else None
-        self.packed = pack and weight.device.type == "cpu" and packing_available()
+        big = weight.numel() >= MIN_PACKED_WEIGHTS
+        self.packed = pack and big and weight.device.type == "cpu" and packing_available()
+        self.weight = weight.contiguous()
         if self.packed:
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
-        else:
-            self.weight = weight.contiguous()
+            try:
+                self.weight = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
+            except RuntimeError:  # this CPU lacks the instructions oneDNN needs for this dtype
+                self.packed = False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [rows, in] -> [rows, out]
         if self.packed:

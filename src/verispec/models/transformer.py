@@ -140,7 +140,7 @@ class Transformer:
         self.final_norm = weights["model.norm.weight"]
         head = self.embed if config.tie_word_embeddings else weights["lm_head.weight"]
         self.lm_head = PackedLinear(head, None, pack)
-        self._rope_cache = torch.empty(0)
+        self._rope_cache = torch.empty(2, 0, config.head_dim)  # [cos/sin, positions, head_dim]
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim))
         self._inv_freq = inv_freq  # [head_dim / 2]
 
@@ -163,8 +163,8 @@ class Transformer:
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         needed = int(positions.max()) + 1
-        if self._rope_cache.shape[0] < needed:
-            size = max(needed, 2 * self._rope_cache.shape[0], 1024)
+        if self._rope_cache.shape[1] < needed:
+            size = max(needed, 2 * self._rope_cache.shape[1], 1024)
             angles = torch.outer(torch.arange(size, dtype=torch.float64), self._inv_freq)  # [size, head_dim/2]
             angles = torch.cat([angles, angles], dim=-1)
             self._rope_cache = torch.stack([angles.cos(), angles.sin()]).to(self.dtype)  # [2, size, head_dim]

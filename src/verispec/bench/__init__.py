@@ -1,0 +1,1 @@
+"""Benchmarks: verispec against Hugging Face generation on a small built-in prompt set."""

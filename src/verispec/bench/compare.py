@@ -1,0 +1,422 @@
+"""First measurement: verispec against Hugging Face generation, in one process, on the same prompts.
+
+Methods (comma list for --methods):
+  hf-plain      the target's `generate`, greedy: the baseline every speedup is measured against;
+  hf-assisted   the same with `assistant_model=<--draft>` (Hugging Face's assisted generation defaults);
+  hf-pld        the same with `prompt_lookup_num_tokens=10` (prompt lookup decoding);
+  vs:SPEC[@POLICY]  a verispec Engine with the drafter spec SPEC (`none`, `model`, `ngram`, …; see
+                `verispec.drafters.make_drafter`) and γ policy POLICY (default analytic). A bare
+                `vs:model` drafts with --draft, so it matches hf-assisted.
+
+Protocol: every method gets the same chat-templated token ids, the same dtype, greedy decoding, at most
+--max-new-tokens tokens and the same stop ids. Each method first runs one untimed warm-up generation;
+then prompts are run one at a time, every method on that prompt before the next (the method order
+rotates from prompt to prompt so none always runs first). Time is the wall time of the whole generate
+call, prefill included; new tokens count up to and including the first stop id.
+
+Reported per method, overall and per category: tokens/s (median, mean); speedup vs hf-plain as the
+ratio of mean tokens/s over the same prompts (Spec-Bench's definition) and the median per-prompt
+ratio; the share of outputs identical to hf-plain's; for verispec methods the means of τ (mean
+accepted length), α, per-position acceptance and c (draft/target cost ratio). A Markdown table goes
+to stdout; --json FILE writes the summary and every generation. Ctrl-C reports what was measured.
+
+    python -m verispec.bench.compare --max-new-tokens 64 --methods hf-plain,hf-assisted,vs:model --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from verispec.bench.prompts import CATEGORIES, Prompt, select_prompts
+from verispec.control import POLICIES
+from verispec.drafters import Drafter, make_drafter
+from verispec.engine import Engine, GenerationConfig
+from verispec.errors import InvalidParameterError, VerispecError
+from verispec.models.loading import LoadedModel, load_model, parse_dtype, resolve_folder
+from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
+from verispec.progress import console, status
+
+__all__ = ["main", "parse_method", "summarize", "markdown_report"]
+
+BASELINE = "hf-plain"
+HF_METHODS = ("hf-plain", "hf-assisted", "hf-pld")
+PLD_TOKENS = 10
+DEFAULT_METHODS = "hf-plain,hf-assisted,vs:none,vs:model"
+
+
+# --- methods --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A parsed --methods entry: an HF mode, or a verispec drafter spec with a γ policy."""
+
+    name: str
+    drafter: str | None = None  # verispec drafter spec; None for hf-* methods
+    policy: str = "analytic"
+
+    @property
+    def is_verispec(self) -> bool:
+        return self.drafter is not None
+
+
+def parse_method(name: str) -> MethodSpec:
+    name = name.strip()
+    if name in HF_METHODS:
+        return MethodSpec(name)
+    if not name.startswith("vs:"):
+        raise InvalidParameterError(f"unknown method {name!r}: use {', '.join(HF_METHODS)} or vs:DRAFTER[@POLICY]")
+    drafter, _, policy = name.removeprefix("vs:").partition("@")
+    if not drafter:
+        raise InvalidParameterError(f"method {name!r} names no drafter: use e.g. vs:none, vs:model, vs:ngram")
+    policy = policy or "analytic"
+    if policy not in POLICIES:
+        raise InvalidParameterError(f"unknown γ policy {policy!r} in {name!r}: use one of {', '.join(POLICIES)}")
+    return MethodSpec(name, drafter, policy)
+
+
+@dataclass
+class Output:
+    token_ids: list[int]  # new tokens only, up to and including the first stop id
+    seconds: float
+    stats: dict | None = None  # verispec GenerationStats.to_dict(); None for HF methods
+
+
+class Method(Protocol):
+    name: str
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Output: ...
+
+
+def cut_at_eos(token_ids: list[int], eos_ids: frozenset[int]) -> list[int]:
+    """`token_ids` up to and including the first stop id (verispec's rule for `token_ids`)."""
+    for i, token in enumerate(token_ids):
+        if token in eos_ids:
+            return token_ids[: i + 1]
+    return token_ids
+
+
+@dataclass
+class HFMethod:
+    name: str
+    model: torch.nn.Module  # a transformers PreTrainedModel
+    eos_ids: frozenset[int]
+    pad_id: int
+    extra: dict = field(default_factory=dict)  # extra generate() arguments: assistant_model, …
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Output:
+        input_ids = torch.tensor([prompt_ids])  # [1, L]
+        start = time.perf_counter()
+        out = self.model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+            do_sample=False, eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id, **self.extra,
+        )  # [1, L + n]
+        seconds = time.perf_counter() - start
+        return Output(cut_at_eos(out[0, len(prompt_ids):].tolist(), self.eos_ids), seconds)
+
+
+@dataclass
+class VerispecMethod:
+    name: str
+    engine: Engine
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Output:
+        config = GenerationConfig(max_new_tokens=max_new_tokens, seed=0)
+        start = time.perf_counter()
+        result = self.engine.generate(prompt_ids, config)
+        seconds = time.perf_counter() - start
+        return Output(list(result.token_ids), seconds, result.stats.to_dict())
+
+
+class Models:
+    """Loads each model once, on first use: the verispec target, the HF target, the HF assistant."""
+
+    def __init__(self, target: str, draft: str, dtype: str):
+        self.target_spec, self.draft_spec, self.dtype = target, draft, dtype
+        self._drafters: dict[str, Drafter | None] = {}
+
+    @cached_property
+    def target(self) -> LoadedModel:
+        return load_model(self.target_spec, self.dtype)
+
+    def _hf(self, spec: str) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        with status(f"loading {spec} into transformers"):
+            return AutoModelForCausalLM.from_pretrained(resolve_folder(spec), dtype=parse_dtype(self.dtype)).eval()
+
+    @cached_property
+    def hf_target(self) -> torch.nn.Module:
+        return self._hf(self.target_spec)
+
+    @cached_property
+    def hf_draft(self) -> torch.nn.Module:
+        return self._hf(self.draft_spec)
+
+    def drafter(self, spec: str) -> Drafter | None:
+        """A verispec drafter, shared by every engine that uses the same spec."""
+        if spec == "model":
+            spec = f"model:{self.draft_spec}"
+        if spec not in self._drafters:
+            self._drafters[spec] = make_drafter(spec, self.target)
+        return self._drafters[spec]
+
+    def method(self, spec: MethodSpec) -> Method:
+        if spec.is_verispec:
+            return VerispecMethod(spec.name, Engine(self.target, self.drafter(spec.drafter), gamma_policy=spec.policy))
+        eos = self.target.eos_ids
+        pad = self.target.tokenizer.eos_token_id
+        pad = pad if pad is not None else min(eos)
+        extra = {"hf-plain": {}, "hf-assisted": {"assistant_model": self.hf_draft},
+                 "hf-pld": {"prompt_lookup_num_tokens": PLD_TOKENS}}[spec.name]
+        return HFMethod(spec.name, self.hf_target, eos, pad, extra)
+
+
+# --- measuring ------------------------------------------------------------------------------------
+
+
+def measure(method: Method, prompt: Prompt, prompt_ids: list[int], max_new_tokens: int, eos_ids: frozenset[int]) -> dict:
+    """One timed generation, as a JSON-ready record."""
+    out = method.generate(prompt_ids, max_new_tokens)
+    n = len(out.token_ids)
+    record = {
+        "method": method.name, "prompt": prompt.name, "category": prompt.category,
+        "prompt_tokens": len(prompt_ids), "new_tokens": n, "seconds": round(out.seconds, 4),
+        "tokens_per_second": round(n / out.seconds, 4) if out.seconds else 0.0,
+        "finish_reason": "stop" if out.token_ids and out.token_ids[-1] in eos_ids else "length",
+        "token_ids": out.token_ids,
+    }
+    if out.stats is not None:
+        record["stats"] = out.stats
+    return record
+
+
+def rotated(items: Sequence, shift: int) -> list:
+    shift %= max(len(items), 1)
+    return list(items[shift:]) + list(items[:shift])
+
+
+def run(
+    methods: list[Method], prompts: list[Prompt], prompt_ids: list[list[int]], max_new_tokens: int,
+    eos_ids: frozenset[int], records: list[dict], tick: Callable[[str], None],
+) -> None:
+    """Warm up every method once, then measure every (prompt, method), appending to `records`."""
+    with torch.inference_mode():
+        for method in methods:
+            tick(f"warm-up {method.name}")
+            method.generate(prompt_ids[0], max_new_tokens)
+        for i, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
+            for method in rotated(methods, i):
+                tick(f"{prompt.name} · {method.name}")
+                records.append(measure(method, prompt, ids, max_new_tokens, eos_ids))
+
+
+# --- summarizing ----------------------------------------------------------------------------------
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _mean_per_position(rows: list[list[float]]) -> list[float]:
+    """Elementwise mean of ragged lists (position i over the rows that reach it)."""
+    longest = max((len(r) for r in rows), default=0)
+    return [statistics.fmean(r[i] for r in rows if len(r) > i) for i in range(longest)]
+
+
+def group_metrics(records: list[dict], baseline: dict[str, dict]) -> dict:
+    """Metrics over one method's `records`; `baseline` maps prompt name → the hf-plain record."""
+    tps = [r["tokens_per_second"] for r in records]
+    paired = [(r, baseline[r["prompt"]]) for r in records if r["prompt"] in baseline]
+    base_mean = _mean([b["tokens_per_second"] for _, b in paired])
+    metrics = {
+        "n": len(records),
+        "tokens_per_second": _mean(tps),
+        "tokens_per_second_median": _median(tps),
+        "speedup_vs_hf_plain": _mean([r["tokens_per_second"] for r, _ in paired]) / base_mean if base_mean else None,
+        "speedup_median_ratio": _median([r["tokens_per_second"] / b["tokens_per_second"]
+                                         for r, b in paired if b["tokens_per_second"]]),
+        "identical_to_hf_plain": _mean([float(r["token_ids"] == b["token_ids"]) for r, b in paired]),
+        "new_tokens_mean": _mean([r["new_tokens"] for r in records]),
+    }
+    stats = [r["stats"] for r in records if "stats" in r]
+    if stats:
+        metrics |= {
+            "mean_accepted_length": _mean([s["mean_accepted_length"] for s in stats]),
+            "acceptance_rate": _mean([s["acceptance_rate"] for s in stats]),
+            "per_position_acceptance": _mean_per_position([s["per_position_acceptance"] for s in stats]),
+            "cost_ratio": _mean([s["cost_ratio"] for s in stats]),
+        }
+    return metrics
+
+
+def summarize(records: list[dict], method_names: list[str]) -> dict[str, dict]:
+    """Per method: overall metrics plus `per_category`, for the methods that have records."""
+    baseline = {r["prompt"]: r for r in records if r["method"] == BASELINE}
+    summary = {}
+    for name in method_names:
+        mine = [r for r in records if r["method"] == name]
+        if not mine:
+            continue
+        categories = dict.fromkeys(r["category"] for r in mine)
+        summary[name] = group_metrics(mine, baseline) | {
+            "per_category": {c: group_metrics([r for r in mine if r["category"] == c], baseline) for c in categories}
+        }
+    return summary
+
+
+# --- reporting ------------------------------------------------------------------------------------
+
+COLUMNS = [  # (header, metric key, format)
+    ("n", "n", "{:d}"),
+    ("tok/s median", "tokens_per_second_median", "{:.2f}"),
+    ("tok/s mean", "tokens_per_second", "{:.2f}"),
+    ("speedup", "speedup_vs_hf_plain", "{:.2f}×"),
+    ("speedup (median ratio)", "speedup_median_ratio", "{:.2f}×"),
+    ("identical", "identical_to_hf_plain", "{:.0%}"),
+    ("τ", "mean_accepted_length", "{:.2f}"),
+    ("α", "acceptance_rate", "{:.2f}"),
+    ("c", "cost_ratio", "{:.3f}"),
+    ("per-position acceptance", "per_position_acceptance", None),
+]
+
+
+def _cell(value, fmt: str | None) -> str:
+    if value is None:
+        return "–"
+    if fmt is None:
+        return " ".join(f"{x:.2f}" for x in value) or "–"
+    return fmt.format(value)
+
+
+def _table(rows: list[tuple[list[str], dict]], key_headers: list[str]) -> str:
+    headers = key_headers + [h for h, _, _ in COLUMNS]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    for keys, metrics in rows:
+        cells = keys + [_cell(metrics.get(key), fmt) for _, key, fmt in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def markdown_report(summary: dict[str, dict], config: dict) -> str:
+    head = (f"target {config['target']}, draft {config['draft']}, {config['dtype']}, greedy, "
+            f"≤{config['max_new_tokens']} new tokens, {config['measured_prompts']} prompts")
+    if config.get("interrupted"):
+        head += " — INTERRUPTED: partial results"
+    overall = _table([([name], m) for name, m in summary.items()], ["method"])
+    per_category = _table(
+        [([name, cat], m) for name, s in summary.items() for cat, m in s["per_category"].items()],
+        ["method", "category"],
+    )
+    return f"{head}\n\n## Overall\n\n{overall}\n\n## Per category\n\n{per_category}\n"
+
+
+class ProgressTicker:
+    """A rich progress bar on stderr, one tick per generation (warm-ups included)."""
+
+    def __init__(self, total: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+        columns = ("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        self.progress = Progress(*columns, console=console)
+        self.task = self.progress.add_task("starting", total=total)
+        self.started = 0
+
+    def __call__(self, description: str) -> None:
+        """Called as each generation starts: show it, and count the ones before it as done."""
+        self.progress.update(self.task, description=description, completed=self.started)
+        self.started += 1
+
+    def __enter__(self) -> ProgressTicker:
+        self.progress.start()
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        if exc_type is None:
+            self.progress.update(self.task, description="done", completed=self.started)
+        self.progress.stop()
+
+
+# --- command line ---------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m verispec.bench.compare", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="shipped model name, HF folder or .gguf path")
+    parser.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model for hf-assisted and vs:model")
+    parser.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma list (default {DEFAULT_METHODS})")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--per-category", type=int, default=None, help="first N prompts of each category (default all)")
+    parser.add_argument("--categories", default=None, help=f"comma list of {', '.join(CATEGORIES)} (default all)")
+    parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="write summary and every generation")
+    return parser.parse_args(argv)
+
+
+def _split(text: str | None) -> list[str] | None:
+    return [item.strip() for item in text.split(",") if item.strip()] if text else None
+
+
+def run_config(args: argparse.Namespace, prompts: list[Prompt], specs: list[MethodSpec]) -> dict:
+    import transformers
+
+    return {
+        "target": args.target, "draft": args.draft, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+        "methods": [s.name for s in specs], "categories": sorted({p.category for p in prompts}, key=CATEGORIES.index),
+        "per_category": args.per_category, "prompts": [p.name for p in prompts], "greedy": True,
+        "warmup": "one untimed generation per method on the first prompt", "order": "per prompt, rotating method order",
+        "pld_tokens": PLD_TOKENS, "torch": torch.__version__, "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(), "machine": platform.machine(), "python": platform.python_version(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        specs = [parse_method(m) for m in _split(args.methods) or []]
+        if not specs:
+            raise InvalidParameterError("--methods is empty")
+        if args.max_new_tokens < 1:
+            raise InvalidParameterError("--max-new-tokens must be ≥ 1")
+        prompts = select_prompts(_split(args.categories), args.per_category)
+        config = run_config(args, prompts, specs)
+        models = Models(args.target, args.draft, args.dtype)
+        prompt_ids = [models.target.encode_prompt(p.text, chat=True) for p in prompts]
+        methods = [models.method(s) for s in specs]
+    except VerispecError as e:
+        console.print(f"[red]error:[/red] {e}", highlight=False)
+        return 2
+
+    records: list[dict] = []
+    config["interrupted"] = False
+    try:
+        with ProgressTicker(len(methods) * (len(prompts) + 1)) as tick:
+            run(methods, prompts, prompt_ids, args.max_new_tokens, models.target.eos_ids, records, tick)
+    except KeyboardInterrupt:
+        config["interrupted"] = True
+
+    config["measured_prompts"] = len({r["prompt"] for r in records})
+    summary = summarize(records, [s.name for s in specs])
+    print(markdown_report(summary, config))
+    if args.json:
+        args.json.write_text(json.dumps({"config": config, "methods": summary, "runs": records}, indent=1, ensure_ascii=False))
+    return 130 if config.get("interrupted") else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,129 @@
+"""The `verispec` command line: generate, bench, models.
+
+`verispec generate "prompt"` streams the answer with each token coloured by where it came from
+(green: draft token the target accepted; yellow: recovered after a rejection; blue: bonus token;
+plain: the target alone), then prints a one-line summary. `--json` prints one JSON object instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rich.console import Console
+from rich.text import Text
+
+from verispec.errors import VerispecError
+from verispec.types import Origin
+
+__all__ = ["main"]
+
+ORIGIN_STYLES = {Origin.ACCEPTED: "green", Origin.RECOVERED: "yellow", Origin.BONUS: "bold blue", Origin.TARGET: ""}
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="shipped model name, HF folder or .gguf path")
+    parser.add_argument("--draft", default="model", help="drafter: none | model[:NAME] | NAME/PATH | ngram[:max_n=3]")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--gamma", type=int, default=4, help="draft length γ (the starting value for adaptive policies)")
+    parser.add_argument("--gamma-policy", default="analytic", choices=["constant", "heuristic", "analytic"])
+
+
+def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--eta", type=float, default=0.0, help="η-sampling ε (0.0009 is usual; 0 = off)")
+    parser.add_argument("--epsilon", type=float, default=0.0, help="ε-sampling cutoff (0 = off)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from verispec import GenerationConfig, SamplingParams, load
+
+    sampling = SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        eta=args.eta, epsilon=args.epsilon, repetition_penalty=args.repetition_penalty,
+    )
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
+                              stop=tuple(args.stop), chat=not args.raw)
+    engine = load(args.target, args.draft, args.dtype, args.gamma, args.gamma_policy)
+    if args.json:
+        result = engine.generate(args.prompt, config)
+        print(json.dumps(result.to_dict(), ensure_ascii=False))
+        return 0
+    out = Console(highlight=False)
+    generation = engine.start(args.prompt, config)
+    while not generation.done:
+        for event in generation.step():
+            out.print(Text(event.text, style=ORIGIN_STYLES[event.origin]), end="")
+    out.print()
+    s = generation.stats
+    legend = Text.assemble(("accepted", "green"), " ", ("recovered", "yellow"), " ", ("bonus", "bold blue"))
+    err = Console(stderr=True, highlight=False)
+    err.print(
+        f"[dim]{s.new_tokens} tokens in {s.wall_seconds:.2f}s ({s.tokens_per_second:.2f} tok/s) · "
+        f"{s.steps} steps · τ {s.mean_accepted_length:.2f} · α {s.acceptance_rate:.2f} · c {s.cost_ratio:.2f} · "
+        f"prefill {s.prefill_seconds:.2f}s · finish: {generation.finish_reason} ·[/dim]",
+        legend,
+    )
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    from verispec.models.registry import SHIPPED_MODELS, cache_dir, prepare_shipped_model
+
+    if args.pull:
+        for name in args.pull:
+            print(prepare_shipped_model(name))
+        return 0
+    for name in SHIPPED_MODELS:
+        ready = (cache_dir() / "hf" / name / "config.json").exists()
+        print(f"{name:32s} {'converted' if ready else 'not yet converted (pulled on first use)'}")
+    return 0
+
+
+def _bench(argv: list[str]) -> int:
+    from verispec.bench.compare import main as bench_main
+
+    return bench_main(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="verispec", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text with speculative decoding")
+    gen.add_argument("prompt")
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, finish_reason, stats)")
+    _add_model_options(gen)
+    _add_sampling_options(gen)
+    gen.set_defaults(func=_generate)
+    models = sub.add_parser("models", help="list shipped models, or --pull NAME to install and convert")
+    models.add_argument("--pull", nargs="*", metavar="NAME")
+    models.set_defaults(func=_models)
+    sub.add_parser("bench", help="benchmark against Hugging Face generate() (see `verispec bench --help`)", add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        return _bench(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except VerispecError as error:
+        Console(stderr=True).print(f"[bold red]error:[/bold red] {error}")
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,58 @@
+"""Tiny random models built from configs (with a word-level tokenizer) for fast CPU tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def make_tiny_model(folder: Path, vocab_size: int = 48, seed: int = 0, layers: int = 2, arch: str = "qwen2", hidden: int = 32) -> Path:
+    """Save a random model + tokenizer ("t0" … "t{V-1}", eos = t0) into `folder`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    config = config_cls(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, eos_token_id=0,
+        bos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():  # larger logits than the default init, so distributions are not near-uniform
+        model.lm_head.weight.mul_(20.0)
+    model.save_pretrained(folder)
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t1"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="t0", unk_token="t1").save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_dir) -> Path:
+    return make_tiny_model(tiny_dir / "target", seed=1, layers=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tiny_dir) -> Path:
+    return make_tiny_model(tiny_dir / "draft", seed=2, layers=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_other_vocab(tiny_dir) -> Path:
+    return make_tiny_model(tiny_dir / "other", vocab_size=40, seed=3, layers=1)
+
+
+@pytest.fixture(scope="session")
+def hf_target(tiny_target):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()

