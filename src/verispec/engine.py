@@ -27,7 +27,7 @@ from verispec.sampling.processors import SamplingParams, greedy_tokens, seen_mas
 from verispec.types import Draft, GenerationResult, GenerationStats, Origin, StepRecord, TokenEvent
 from verispec.verify import verify_greedy, verify_sampled
 
-__all__ = ["Engine", "Generation", "GenerationConfig"]
+__all__ = ["Engine", "Generation", "GenerationConfig", "StepPlan"]
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,15 @@ class Engine:
         return generation.result()
 
 
+@dataclass
+class StepPlan:
+    """What one step asks of the target: score `feed` [γ+1] (the last committed token + the draft)."""
+
+    draft: Draft
+    feed: torch.Tensor
+    draft_seconds: float
+
+
 class _Detokenizer:
     """Incremental text for streamed ids; holds back bytes of an unfinished UTF-8 character."""
 
@@ -142,10 +151,10 @@ class Generation:
         self.text = ""
         self.finish_reason: str | None = None
         self._detok = _Detokenizer(self.target.tokenizer)
-        self._started = time.perf_counter()
 
+        # engine.costs may measure the models once (then cached on disk): not part of this request's time
         self.policy = make_gamma_policy(engine.gamma_policy, engine.gamma, engine.costs, engine.max_gamma)
-        start = time.perf_counter()
+        start = self._started = time.perf_counter()
         self.cache = self.target.runner.new_cache(self.prompt_len + self.max_new + engine.max_gamma + 2)
         if self.prompt_len > 1:
             self.target.runner.forward(self.cache, torch.tensor(self.ids[:-1]), logits="none")
@@ -162,24 +171,25 @@ class Generation:
         draft = self.session.propose(self.ids, gamma, self.params, self.generator)
         return Draft(draft.tokens[:gamma], None if draft.probs is None else draft.probs[:gamma])
 
-    def step(self) -> list[TokenEvent]:
-        if self.done:
-            return []
+    def plan(self) -> StepPlan:
+        """Draft this step's tokens and say what the target must score."""
         remaining = self.max_new - len(self.output_ids)
         gamma = min(self.policy.next_gamma(), remaining - 1) if self.session is not None else 0
-
-        t0 = time.perf_counter()
+        start = time.perf_counter()
         draft = self._draft(gamma)
-        t1 = time.perf_counter()
         feed = torch.cat([torch.tensor(self.ids[-1:]), draft.tokens])  # [γ+1]
-        logits = self.target.runner.forward(self.cache, feed, logits="all")  # [γ+1, vocab]
+        return StepPlan(draft, feed, time.perf_counter() - start)
+
+    def commit(self, plan: StepPlan, logits: torch.Tensor, target_seconds: float) -> list[TokenEvent]:
+        """Verify `plan` against the target's logits [γ+1, vocab]; keep the accepted path; emit tokens."""
+        start = time.perf_counter()
+        draft = plan.draft
         seen = seen_mask(logits.shape[-1], self.ids, draft.tokens) if self.params.repetition_penalty != 1.0 else None
         if self.params.greedy:
             verdict = verify_greedy(draft.tokens, greedy_tokens(logits, self.params, seen))
         else:
             target_probs = to_probs(logits, self.params, seen)  # [γ+1, vocab]
             verdict = verify_sampled(draft.tokens, draft.probs, target_probs, self.generator)
-        t2 = time.perf_counter()
 
         new_tokens = draft.tokens[: verdict.accepted].tolist() + [verdict.next_token]
         last_origin = Origin.TARGET if len(draft) == 0 else verdict.next_origin
@@ -188,9 +198,19 @@ class Generation:
         self.cache.truncate(len(self.ids) - 1)
         if self.session is not None:
             self.session.commit(self.ids)
-        self.stats.record(StepRecord(len(draft), verdict.accepted, t1 - t0, t2 - t1))
+        verify_seconds = time.perf_counter() - start
+        self.stats.record(StepRecord(len(draft), verdict.accepted, plan.draft_seconds, target_seconds + verify_seconds))
         self.policy.update(len(draft), verdict.accepted)
         return self._emit(new_tokens, origins)
+
+    def step(self) -> list[TokenEvent]:
+        """One draft + verify step; returns the tokens it emitted."""
+        if self.done:
+            return []
+        plan = self.plan()
+        start = time.perf_counter()
+        logits = self.target.runner.forward(self.cache, plan.feed, logits="all")  # [γ+1, vocab]
+        return self.commit(plan, logits, time.perf_counter() - start)
 
     def _emit(self, tokens: list[int], origins: list[Origin]) -> list[TokenEvent]:
         events = []
