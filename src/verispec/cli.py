@@ -41,6 +41,8 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--num-beams", type=int, default=1,
+                        help="beam search with the target alone when > 1 (deterministic; the draft is not used)")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -52,6 +54,8 @@ def _generate(args: argparse.Namespace) -> int:
     )
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
                               stop=tuple(args.stop), chat=not args.raw)
+    if args.num_beams > 1:
+        return _beam(args, config)
     engine = load(args.target, args.draft, args.dtype, args.gamma, args.gamma_policy)
     if args.json:
         result = engine.generate(args.prompt, config)
@@ -72,6 +76,24 @@ def _generate(args: argparse.Namespace) -> int:
         f"prefill {s.prefill_seconds:.2f}s · finish: {generation.finish_reason} ·[/dim]",
         legend,
     )
+    return 0
+
+
+def _beam(args: argparse.Namespace, config) -> int:
+    from verispec.models.loading import load_model
+    from verispec.sampling.beam import beam_search
+
+    if not config.sampling.greedy:
+        Console(stderr=True).print("[yellow]note:[/yellow] beam search is deterministic; sampling options are ignored")
+    target = load_model(args.target, args.dtype)
+    prompt_ids = target.encode_prompt(args.prompt, chat=not args.raw)
+    result = beam_search(target, prompt_ids, args.num_beams, args.max_new_tokens)
+    text = target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    if args.json:
+        print(json.dumps({"text": text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
+                          "score": result.score, "num_beams": args.num_beams}, ensure_ascii=False))
+    else:
+        print(text)
     return 0
 
 

@@ -18,7 +18,7 @@ from verispec.models.registry import SHIPPED_MODELS, cache_dir, convert_gguf, pr
 from verispec.models.transformer import Transformer
 from verispec.progress import status
 
-__all__ = ["LoadedModel", "load_model", "resolve_folder", "check_compatible", "parse_dtype"]
+__all__ = ["LoadedModel", "load_model", "load_tokenizer", "resolve_folder", "check_compatible", "parse_dtype"]
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -94,14 +94,26 @@ def _eos_ids(folder: Path, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def load_model(spec: str | Path, dtype: str | torch.dtype = "float32") -> LoadedModel:
-    from transformers import AutoTokenizer
+def load_tokenizer(folder: Path):
+    """The folder's tokenizer, read from tokenizer.json itself when there is one.
 
+    transformers 5's AutoTokenizer picks the class from the model type and rebuilds the tokenizer
+    from its vocabulary, which silently breaks any tokenizer.json of another kind (a word-level
+    one, say); the generic fast tokenizer reads the file as written (identical ids for Qwen).
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if (folder / "tokenizer.json").exists():
+        return PreTrainedTokenizerFast.from_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def load_model(spec: str | Path, dtype: str | torch.dtype = "float32") -> LoadedModel:
     torch_dtype = parse_dtype(dtype)
     folder = resolve_folder(spec)
     with status(f"loading {spec} ({str(torch_dtype).removeprefix('torch.')})"):
         runner = Transformer.from_folder(folder, torch_dtype)
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer = load_tokenizer(folder)
     return LoadedModel(str(spec), folder, runner, tokenizer, _eos_ids(folder, tokenizer))
 
 
