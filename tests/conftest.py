@@ -56,3 +56,11 @@ def hf_target(tiny_target):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_text_pair(tiny_dir) -> tuple[Path, Path]:
+    """A (target, draft) pair whose tokenizers encode text ("t3 t4 t5" → [3, 4, 5]): Llama configs, since
+    AutoTokenizer maps a qwen2 config to Qwen2Tokenizer, which drops the word-level vocabulary."""
+    return (make_tiny_model(tiny_dir / "text-target", seed=4, layers=2, arch="llama"),
+            make_tiny_model(tiny_dir / "text-draft", seed=5, layers=1, arch="llama"))

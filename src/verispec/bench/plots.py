@@ -1,0 +1,143 @@
+"""PNG figures (matplotlib, no display needed) for `verispec bench --plots` and `verispec analyze --plots`.
+
+Benchmark figures, from a summary of `verispec.bench.report.summarize`:
+  speedup_by_category.png    grouped bars: speedup vs hf-plain per category, one bar per method;
+  acceptance_by_position.png one line per verispec method: share of steps keeping draft position i;
+  speedup_vs_gamma.png       per drafting method, the theory's speedup against γ from its measured α
+                             and c (optimum marked) and the measured speedup at the run's mean γ.
+Theory figures (the seeds' plots):
+  expected_tokens.png        E[tokens per step] against γ for several α;
+  optimal_gamma.png          the optimal γ over the (α, c) plane, as a heatmap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from verispec.analysis import expected_speedup, expected_tokens, optimal_gamma
+
+__all__ = ["write_bench_plots", "write_theory_plots"]
+
+MAX_GAMMA = 12
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _pyplot().close(fig)
+    return path
+
+
+def speedup_by_category(summary: dict[str, dict], path: Path) -> Path:
+    plt = _pyplot()
+    categories = list(dict.fromkeys(c for m in summary.values() for c in m["per_category"])) + ["overall"]
+    methods = list(summary)
+    width = 0.8 / max(len(methods), 1)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(categories)), 4))
+    for i, name in enumerate(methods):
+        groups = summary[name]["per_category"] | {"overall": summary[name]}
+        values = [(groups.get(c) or {}).get("speedup_vs_hf_plain") or 0.0 for c in categories]
+        ax.bar([x + i * width for x in range(len(categories))], values, width, label=name)
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(categories))], categories, rotation=20)
+    ax.set_ylabel("speedup vs hf-plain (×)")
+    ax.set_title("Speedup per category")
+    ax.legend(fontsize="small")
+    return _save(fig, path)
+
+
+def acceptance_by_position(summary: dict[str, dict], path: Path) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, metrics in summary.items():
+        rates = metrics.get("per_position_acceptance") or []
+        if rates:
+            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=name)
+    ax.set_xlabel("draft position i")
+    ax.set_ylabel("share of steps keeping position i")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("Acceptance per draft position")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
+    return _save(fig, path)
+
+
+def speedup_vs_gamma(summary: dict[str, dict], path: Path) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    gammas = range(1, MAX_GAMMA + 1)
+    for name, m in summary.items():
+        alpha, c, mean_gamma = m.get("acceptance_rate"), m.get("cost_ratio"), m.get("mean_gamma")
+        if alpha is None or c is None or not mean_gamma:
+            continue  # not a drafting method
+        alpha = min(alpha, 1.0)
+        (line,) = ax.plot(gammas, [expected_speedup(alpha, g, c) for g in gammas], label=f"{name} theory (α={alpha:.2f}, c={c:.3f})")
+        best = optimal_gamma(alpha, c, MAX_GAMMA)
+        ax.plot([best], [expected_speedup(alpha, best, c)], marker="*", markersize=14, color=line.get_color())
+        if m.get("speedup_vs_hf_plain") is not None:
+            ax.plot([mean_gamma], [m["speedup_vs_hf_plain"]], marker="o", linestyle="none", color=line.get_color(),
+                    label=f"{name} measured at γ̄={mean_gamma:.1f}")
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xlabel("γ (draft length)")
+    ax.set_ylabel("speedup (×)")
+    ax.set_title("Measured vs theoretical speedup (★ = optimal γ)")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="x-small")
+    return _save(fig, path)
+
+
+def write_bench_plots(summary: dict[str, dict], folder: Path) -> list[Path]:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    return [
+        speedup_by_category(summary, folder / "speedup_by_category.png"),
+        acceptance_by_position(summary, folder / "acceptance_by_position.png"),
+        speedup_vs_gamma(summary, folder / "speedup_vs_gamma.png"),
+    ]
+
+
+# --- theory -----------------------------------------------------------------------------------------
+
+
+def expected_tokens_plot(path: Path, alphas: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    gammas = range(0, MAX_GAMMA + 1)
+    for alpha in alphas:
+        ax.plot(gammas, [expected_tokens(alpha, g) for g in gammas], marker=".", label=f"α = {alpha}")
+    ax.set_xlabel("γ (draft length)")
+    ax.set_ylabel("E[tokens per step] = (1−α^(γ+1))/(1−α)")
+    ax.set_title("Expected tokens per target forward")
+    ax.legend(fontsize="small")
+    return _save(fig, path)
+
+
+def optimal_gamma_heatmap(path: Path, verify_cost: Callable[[int], float] | None = None, steps: int = 60) -> Path:
+    plt = _pyplot()
+    alphas = [0.3 + 0.69 * i / (steps - 1) for i in range(steps)]
+    costs = [0.005 + 0.495 * j / (steps - 1) for j in range(steps)]
+    grid = [[optimal_gamma(a, c, MAX_GAMMA, verify_cost) for a in alphas] for c in costs]  # rows: c
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    image = ax.imshow(grid, origin="lower", aspect="auto", cmap="viridis",
+                      extent=(alphas[0], alphas[-1], costs[0], costs[-1]))
+    fig.colorbar(image, ax=ax, label="optimal γ")
+    ax.set_xlabel("α (acceptance rate)")
+    ax.set_ylabel("c (draft / target cost)")
+    ax.set_title("Optimal γ" + (" (measured verification cost)" if verify_cost else ""))
+    return _save(fig, path)
+
+
+def write_theory_plots(folder: Path, verify_cost: Callable[[int], float] | None = None) -> list[Path]:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    return [expected_tokens_plot(folder / "expected_tokens.png"), optimal_gamma_heatmap(folder / "optimal_gamma.png", verify_cost)]

@@ -1,0 +1,90 @@
+"""The theory formulas against hand-computed values, the optimum's limits, and `verispec analyze`."""
+
+import pytest
+import torch
+
+from verispec.analysis import (acceptance_rate, curve_verify_cost, expected_speedup, expected_tokens, optimal_gamma,
+                               speedup_table)
+from verispec.cli import main as cli_main
+from verispec.errors import InvalidParameterError
+
+
+def test_expected_tokens_by_hand():
+    assert expected_tokens(0.8, 4) == pytest.approx(3.3616)  # (1 − 0.8^5) / 0.2
+    assert expected_tokens(0.5, 1) == pytest.approx(1.5)
+    assert expected_tokens(0.0, 7) == pytest.approx(1.0)
+    assert expected_tokens(1.0, 3) == 4.0
+
+
+def test_expected_speedup_by_hand():
+    # (1 − 0.8^5) / ((1 − 0.8)(4·0.1 + 1)) = 3.3616 / 1.4
+    assert expected_speedup(0.8, 4, 0.1) == pytest.approx(3.3616 / 1.4)
+    # with a verification cost T(5)/T(1) = 2: 3.3616 / (0.4 + 2)
+    assert expected_speedup(0.8, 4, 0.1, lambda g: 2.0) == pytest.approx(3.3616 / 2.4)
+
+
+def test_optimal_gamma_limits():
+    for alpha in (0.1, 0.5, 0.9):
+        assert optimal_gamma(alpha, 0.0, max_gamma=10) == 10  # free drafts: draft as far as allowed
+        assert optimal_gamma(alpha, 5.0, max_gamma=10) == 1  # drafts dearer than the target: shortest
+    assert optimal_gamma(0.8, 0.1, max_gamma=16) == 6  # by the table: 2.470× at γ = 6 beats 2.460× and 2.448×
+
+
+def test_speedup_table_marks_one_optimum_and_checks_inputs():
+    rows = speedup_table(0.8, 0.1, max_gamma=8)
+    assert [r["gamma"] for r in rows] == list(range(1, 9))
+    assert [r["gamma"] for r in rows if r["optimal"]] == [6]
+    assert rows[3]["expected_tokens"] == pytest.approx(3.3616)
+    for bad in ({"alpha": 1.5, "c": 0.1}, {"alpha": 0.5, "c": -1.0}, {"alpha": 0.5, "c": 0.1, "max_gamma": 0}):
+        with pytest.raises(InvalidParameterError):
+            speedup_table(**bad)
+
+
+def test_curve_verify_cost():
+    cost = curve_verify_cost([0.2, 0.22, 0.4])  # seconds for n = 1, 2, 3
+    assert cost(1) == pytest.approx(1.1)
+    assert cost(2) == pytest.approx(2.0)
+    assert cost(9) == pytest.approx(2.0)  # beyond the curve: its last value
+    with pytest.raises(InvalidParameterError):
+        curve_verify_cost([])
+
+
+def test_acceptance_rate_is_overlap():
+    target_probs = torch.tensor([[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]])  # [rows, vocab]
+    draft_probs = torch.tensor([[0.2, 0.3, 0.5], [0.0, 1.0, 0.0]])
+    torch.testing.assert_close(acceptance_rate(target_probs, draft_probs), torch.tensor([0.5, 0.0]))
+
+
+def test_analyze_command_table_and_plots(tmp_path, capsys):
+    assert cli_main(["analyze", "--alpha", "0.8", "--c", "0.1", "--max-gamma", "8", "--plots", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| 4 | 3.3616 |" in out
+    assert "optimal γ = 6" in out
+    assert (tmp_path / "expected_tokens.png").stat().st_size > 0
+    assert (tmp_path / "optimal_gamma.png").stat().st_size > 0
+
+
+def test_analyze_command_needs_both_alpha_and_c(capsys):
+    assert cli_main(["analyze", "--alpha", "0.8"]) == 2
+    assert "--c" in capsys.readouterr().err
+
+
+def test_measure_pair_on_tiny_models(tiny_text_pair, tmp_path, capsys):
+    from verispec.measure import measure_pair
+    from verispec.models.loading import load_model
+
+    tiny_target, tiny_draft = tiny_text_pair
+    target, draft = load_model(tiny_target), load_model(tiny_draft)
+    prompts = [[3, 4, 5], [7, 8]]
+    same = measure_pair(target, target, prompts, max_new_tokens=6, max_gamma=3)
+    assert same.greedy_alpha == 1.0 and same.alpha == pytest.approx(1.0, abs=1e-5)  # a model drafts itself perfectly
+    assert len(same.target_curve) == 4 and same.c > 0
+    other = measure_pair(target, draft, prompts, max_new_tokens=6, max_gamma=3)
+    assert len(other.alphas) == len(same.alphas) > 0
+    assert 0.0 <= other.alpha < 1.0
+    questions = tmp_path / "q.jsonl"
+    questions.write_text('{"question_id": 1, "category": "writing", "turns": ["t3 t4 t5"]}\n')
+    args = ["analyze", "--measure", "--target", str(tiny_target), "--draft", str(tiny_draft), "--questions",
+            str(questions), "--max-new-tokens", "4", "--max-gamma", "3"]
+    assert cli_main(args) == 0
+    assert "greedy α" in capsys.readouterr().out

@@ -1,0 +1,50 @@
+"""One tiny end-to-end `verispec bench` run on random models: greedy fp32 outputs must equal hf-plain's."""
+
+import json
+
+import pytest
+
+from verispec.cli import main as cli_main
+
+
+@pytest.fixture
+def questions(tmp_path):
+    file = tmp_path / "questions.jsonl"
+    rows = [{"question_id": 1, "category": "writing", "turns": ["t3 t4 t5 t6"]},
+            {"question_id": 2, "category": "roleplay", "turns": ["t9 t8"]},
+            {"question_id": 3, "category": "rag", "turns": ["t10 t11 t12 t10 t11"]}]
+    file.write_text("\n".join(json.dumps(r) for r in rows))
+    return file
+
+
+def _bench(tiny_text_pair, questions, tmp_path, *extra):
+    target, draft = tiny_text_pair
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--target", str(target), "--draft", str(draft), "--methods", "hf-plain,vs:none,vs:model",
+            "--questions", str(questions), "--max-new-tokens", "12", "--json", str(out), *extra]
+    assert cli_main(argv) == 0
+    return json.loads(out.read_text())
+
+
+def test_greedy_bench_is_identical_to_hf_plain(tiny_text_pair, questions, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))  # the analytic policy caches measured costs
+    data = _bench(tiny_text_pair, questions, tmp_path, "--per-category", "1", "--plots", str(tmp_path / "plots"))
+    assert data["config"]["prompts"] == ["writing-1", "rag-3"]  # MT-bench categories: one group, one prompt
+    methods = data["methods"]
+    for name in ("hf-plain", "vs:none", "vs:model"):
+        assert methods[name]["identical_to_hf_plain"] == 1.0
+        assert set(methods[name]["per_category"]) == {"mt_bench", "rag"}
+        assert methods[name]["tokens_per_second"] > 0 and methods[name]["weights_mib"] > 0
+    assert methods["vs:model"]["mean_accepted_length"] >= 1.0
+    assert methods["vs:model"]["predicted_speedup"] is not None
+    assert all(len(r["token_ids"]) > 0 for r in data["runs"])
+    assert (tmp_path / "plots" / "speedup_vs_gamma.png").exists()
+    assert "| vs:model |" in capsys.readouterr().out
+
+
+def test_sampled_bench_reports_identity_as_na(tiny_text_pair, questions, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    data = _bench(tiny_text_pair, questions, tmp_path, "--temperature", "0.8", "--categories", "rag")
+    assert data["config"]["temperature"] == 0.8 and data["config"]["prompts"] == ["rag-3"]
+    assert all(m["identical_to_hf_plain"] is None for m in data["methods"].values())
+    assert "| n/a |" in capsys.readouterr().out

@@ -1,0 +1,74 @@
+"""Summary metrics, Markdown, JSON and figures on synthetic benchmark records (no models)."""
+
+import json
+
+import pytest
+
+from verispec.analysis import expected_speedup
+from verispec.bench.plots import write_bench_plots
+from verispec.bench.report import markdown_report, summarize, write_json
+
+
+def _stats(accepted: list[int], proposed: int, c: float) -> dict:
+    steps = len(accepted)
+    return {"steps": steps, "proposed_tokens": proposed * steps, "mean_accepted_length": (sum(accepted) + steps) / steps,
+            "acceptance_rate": 0.75, "per_position_acceptance": [0.9, 0.6, 0.3], "cost_ratio": c}
+
+
+def _records() -> list[dict]:
+    def rec(method, prompt, category, tps, ids, stats=None, extra=5.0):
+        r = {"method": method, "prompt": prompt, "category": category, "tokens_per_second": tps,
+             "token_ids": ids, "new_tokens": len(ids), "peak_extra_mib": extra}
+        return r | ({"stats": stats} if stats else {})
+
+    return [
+        rec("hf-plain", "a", "code", 10.0, [1, 2]), rec("hf-plain", "b", "mt_bench", 20.0, [3]),
+        rec("vs:model", "a", "code", 25.0, [1, 2], _stats([3, 1], 3, 0.2), extra=12.0),
+        rec("vs:model", "b", "mt_bench", 30.0, [4], _stats([2, 2], 3, 0.2)),
+    ]
+
+
+CONFIG = {"target": "t", "draft": "d", "dtype": "float32", "max_new_tokens": 8, "measured_prompts": 2,
+          "temperature": 0.0, "process_peak_rss_mib": 321.0}
+
+
+def test_summary_metrics():
+    summary = summarize(_records(), ["hf-plain", "vs:model", "vs:absent"], weights_mib={"hf-plain": 100.0, "vs:model": 150.0})
+    assert "vs:absent" not in summary
+    vs = summary["vs:model"]
+    assert vs["speedup_vs_hf_plain"] == pytest.approx(55 / 30)
+    assert vs["per_category"]["code"]["speedup_vs_hf_plain"] == pytest.approx(2.5)
+    assert vs["identical_to_hf_plain"] == 0.5
+    assert vs["mean_gamma"] == pytest.approx(3.0)
+    assert vs["predicted_speedup"] == pytest.approx(expected_speedup(0.75, 3, 0.2))
+    assert vs["memory_mib"] == pytest.approx(150.0 + 12.0)
+    assert "predicted_speedup" not in summary["hf-plain"]
+
+
+def test_sampled_runs_report_identical_as_na():
+    config = CONFIG | {"temperature": 0.7}
+    summary = summarize(_records(), ["hf-plain", "vs:model"], sampled=True)
+    assert summary["vs:model"]["identical_to_hf_plain"] is None
+    text = markdown_report(summary, config)
+    assert "sampled at temperature 0.7" in text and "| n/a |" in text
+
+
+def test_markdown_and_json(tmp_path):
+    summary = summarize(_records(), ["hf-plain", "vs:model"])
+    text = markdown_report(summary, CONFIG)
+    assert "## Per category" in text and "| vs:model | mt_bench |" in text and "predicted" in text
+    write_json(tmp_path / "out.json", CONFIG, summary, _records())
+    data = json.loads((tmp_path / "out.json").read_text())
+    assert set(data) == {"config", "methods", "runs"}
+    for key in ("speedup_vs_hf_plain", "identical_to_hf_plain", "mean_accepted_length", "tokens_per_second",
+                "predicted_speedup", "per_position_acceptance", "cost_ratio"):
+        assert key in data["methods"]["vs:model"]
+        assert key in data["methods"]["vs:model"]["per_category"]["code"]
+
+
+def test_plots_are_written(tmp_path):
+    summary = summarize(_records(), ["hf-plain", "vs:model"])
+    paths = write_bench_plots(summary, tmp_path / "plots")
+    assert [p.name for p in paths] == ["speedup_by_category.png", "acceptance_by_position.png", "speedup_vs_gamma.png"]
+    for path in paths:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
