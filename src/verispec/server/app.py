@@ -207,7 +207,10 @@ def create_app(
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
         scheduler: Scheduler = request.app.state.scheduler
+        engine = scheduler.engine
         body = {"status": "ok" if scheduler.running else "stopped", "model": request.app.state.model_name,
+                "drafter": engine.drafter.name if engine.drafter else "none", "gamma": engine.gamma,
+                "gamma_policy": engine.gamma_policy, "max_batch": scheduler.max_batch,
                 "active": scheduler.active_count, "queued": scheduler.queue_length}
         return JSONResponse(body, status_code=200 if scheduler.running else 503)
 
