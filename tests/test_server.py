@@ -161,6 +161,8 @@ BAD_REQUESTS = [
     ({"model": MODEL, "prompt": "t5", "top_p": 0}, 422, "top_p", "greater than 0"),
     ({"model": MODEL, "prompt": "t5", "top_p": 1.5}, 422, "top_p", "less than or equal to 1"),
     ({"model": MODEL, "prompt": "t5", "temperature": "hot"}, 422, "temperature", "valid number"),
+    ({"model": MODEL, "prompt": "t5", "temperature": 1e-300}, 422, "temperature", "at least 0.001"),  # found by schemathesis
+    ({"model": MODEL, "prompt": "t5", "repetition_penalty": 1e-172}, 422, "repetition_penalty", "greater than or equal to 0.01"),
     ({"model": MODEL, "prompt": "t5", "n": 2}, 400, "n", "one choice per request"),
     ({"model": MODEL, "prompt": " ".join(["t3"] * 200)}, 400, "prompt", "context of 128"),
     ({"model": MODEL, "prompt": ""}, 400, "prompt", "empty"),
@@ -276,3 +278,89 @@ def test_metrics_report_speculation(client, server):
                  "verispec_queue_length", "verispec_request_latency_seconds_bucket", "verispec_time_to_first_token_seconds_count"):
         assert name in text, name
     assert metric(server, "verispec_mean_accepted_length") > 1
+
+
+# ---- the CLI, the OpenAPI schema, the playground ---------------------------------------------------
+
+def test_cli_serve_loads_once_and_answers(tiny_target):
+    import subprocess
+    import sys
+
+    from server_helpers import _free_port
+
+    port = _free_port()
+    process = subprocess.Popen([sys.executable, "-m", "verispec.cli", "serve", "--target", str(tiny_target), "--draft", "ngram",
+                                "--gamma-policy", "constant", "--port", str(port), "--model-name", MODEL],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).json()
+                break
+            except httpx.TransportError:
+                assert process.poll() is None and time.monotonic() < deadline, "verispec serve did not come up"
+                time.sleep(0.2)
+        assert health["drafter"].startswith("ngram") and health["model"] == MODEL
+        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": MODEL, "prompt": [20, 21, 22], "max_tokens": 5})
+        assert response.status_code == 200 and response.json()["usage"]["prompt_tokens"] == 3
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def test_schemathesis_finds_no_server_errors(server):
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+
+    schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/models"}
+    failures = []
+    for operation in operations:
+        @given(case=operation.as_strategy())
+        @settings(max_examples=15, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+        def call(case):
+            if isinstance(case.body, dict) and "model" in case.body:
+                case.body["model"] = MODEL  # past the model check, so that generation itself is exercised
+            response = case.call(base_url=server.url, timeout=30)
+            if response.status_code >= 500:
+                failures.append(f"{case.method} {case.path} {case.body!r} -> {response.status_code} {response.text[:200]}")
+        call()
+    assert not failures, "\n".join(failures[:5])
+
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+def test_playground_streams_coloured_tokens(server, reference, tmp_path):
+    import os
+
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"no Chromium at {CHROMIUM} (install the Debian package 'chromium')")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    args = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run"]
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=args)
+        try:
+            page = browser.new_page()
+            page.goto(server.url + "/")
+            page.wait_for_function("document.getElementById('server').textContent.includes('drafter')")
+            page.fill("#prompt", PROMPTS[3])
+            page.fill("#max_tokens", "40")
+            page.click("#go")
+            page.wait_for_function("document.querySelectorAll('#output .tok').length >= 40", timeout=30000)
+            page.wait_for_function("!document.getElementById('go').disabled")
+            classes = page.eval_on_selector_all("#output .tok", "spans => spans.map(s => s.className)")
+            assert {"tok accepted"} <= set(classes) and set(classes) <= {"tok accepted", "tok recovered", "tok bonus", "tok target"}
+            colours = page.eval_on_selector_all(".tok.accepted", "spans => spans.map(s => getComputedStyle(s).backgroundColor)")
+            assert set(colours) == {"rgb(200, 240, 200)"}  # green
+            assert float(page.text_content("#tau")) > 1 and float(page.text_content("#tps")) > 0
+            assert page.locator("#chart .position-bar").count() >= 1
+            text = page.text_content("#output")
+            assert text == expected_text(reference, PROMPTS[3], 40)
+            page.screenshot(path=str(tmp_path / "playground.png"), full_page=True)
+            assert (tmp_path / "playground.png").stat().st_size > 1000
+        finally:
+            browser.close()

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
+
+MIN_TEMPERATURE = 1e-3  # smaller positive temperatures overflow float32 logits
 
 __all__ = [
     "CompletionRequest", "ChatCompletionRequest", "ChatMessage", "Usage", "CompletionResponse",
@@ -25,7 +27,7 @@ class StreamOptions(BaseModel):
 class _GenerationFields(BaseModel):
     model: str = Field(description="the served model's id (see /v1/models)")
     max_tokens: int | None = Field(None, ge=1, description="new tokens at most (default: the server's)")
-    temperature: float = Field(1.0, ge=0, le=100, description="0 = greedy")
+    temperature: float = Field(1.0, ge=0, le=100, description=f"0 = greedy, else ≥ {MIN_TEMPERATURE}")
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1, le=16, description="choices per request; this server generates one (n > 1 is refused)")
     stop: str | list[str] | None = Field(None, description="up to 4 stop strings")
@@ -36,7 +38,15 @@ class _GenerationFields(BaseModel):
     min_p: float = Field(0.0, ge=0, lt=1)
     eta: float = Field(0.0, ge=0, lt=1, description="η-sampling (0 = off; 0.0009 is usual)")
     epsilon: float = Field(0.0, ge=0, lt=1, description="ε-sampling (0 = off)")
-    repetition_penalty: float = Field(1.0, gt=0, le=100)
+    repetition_penalty: float = Field(1.0, ge=0.01, le=100, description="1 = off")
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_is_zero_or_usable(cls, value: float) -> float:
+        # logits / 1e-300 overflow to inf and the distribution becomes NaN: refuse such values up front
+        if 0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}")
+        return value
 
 
 class CompletionRequest(_GenerationFields):
