@@ -21,8 +21,8 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # word
 def tiny_engine(target_dir: Path, draft: Path | str = "ngram", gamma: int = 3) -> Engine:
     """A fresh engine (own model objects) over the tiny target, constant γ.
 
-    draft: a model folder (random: drafts are mostly rejected), "self" (the target drafts for itself:
-    every draft accepted, bonus tokens) or "ngram" (prompt lookup: ragged acceptance on looping output).
+    draft: a model folder (the target's own folder: every draft accepted, bonus tokens; a random draft:
+    mostly rejected) or "ngram" (prompt lookup: ragged acceptance on looping output).
     """
     target = load_model(target_dir)
     # AutoTokenizer turns the word-level tokenizer into a Qwen2 BPE one (model_type qwen2): load the file as is
@@ -31,7 +31,7 @@ def tiny_engine(target_dir: Path, draft: Path | str = "ngram", gamma: int = 3) -
     if draft == "ngram":
         drafter = NgramDrafter(max_n=3)
     else:
-        drafter = DraftModelDrafter(target if draft == "self" else load_model(draft), target.vocab_size)
+        drafter = DraftModelDrafter(load_model(draft), target.vocab_size)
     return Engine(target, drafter, gamma=gamma, gamma_policy="constant")
 
 

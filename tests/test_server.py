@@ -122,11 +122,15 @@ def test_concurrent_requests_are_batched_and_exact(server, reference):
     assert batched_steps - batched_steps_before > 0, "no target pass verified more than one request"
 
 
-def test_scheduler_batches_ragged_rows_identically_to_solo(tiny_target, reference):
-    """Scheduler-level: with a draft model (rejections) and several rows, tokens equal solo decoding."""
+@pytest.mark.parametrize("draft", ["self", "model"])
+def test_scheduler_batches_ragged_rows_identically_to_solo(tiny_target, tiny_draft, draft):
+    """Scheduler-level, with draft models (draft_probs path): the target drafting for itself (every
+    draft accepted, bonus tokens) and a random draft (mostly rejected). Greedy and seeded sampled rows
+    batched together give the tokens of solo decoding."""
     from verispec.server.scheduler import Scheduler
 
-    engine = tiny_engine(tiny_target, draft="self")
+    draft = tiny_target if draft == "self" else tiny_draft
+    engine = tiny_engine(tiny_target, draft=draft)
     scheduler = Scheduler(engine, max_batch=4)
     configs = [GenerationConfig(max_new_tokens=30), GenerationConfig(max_new_tokens=30, sampling=SamplingParams(temperature=1.0), seed=5)]
     prompts = [engine.prompt_ids(p, chat=False) for p in PROMPTS[:4]]
@@ -146,7 +150,7 @@ def test_scheduler_batches_ragged_rows_identically_to_solo(tiny_target, referenc
             scheduler.stop()
 
     got = asyncio.run(run_all())
-    solo = tiny_engine(tiny_target, draft="self")
+    solo = tiny_engine(tiny_target, draft=draft)
     for i, ids in enumerate(prompts):
         want = solo.generate(ids, configs[i % 2]).token_ids
         assert got[i] == [t for t in want if t not in engine.target.eos_ids]
@@ -364,3 +368,13 @@ def test_playground_streams_coloured_tokens(server, reference, tmp_path):
             assert (tmp_path / "playground.png").stat().st_size > 1000
         finally:
             browser.close()
+
+
+def test_loadtest_is_bounded_and_reports(server):
+    from verispec.server.loadtest import run_level
+
+    body = {"prompt": PROMPTS[3], "max_tokens": 8, "temperature": 0}
+    rows = [asyncio.run(run_level(server.url, MODEL, clients, 6, body)) for clients in (1, 3)]
+    for row in rows:
+        assert row["requests"] == 6 and row["failures"] == 0 and row["tokens_per_second"] > 0
+        assert row["p50_latency_s"] <= row["p99_latency_s"] and row["mean_accepted_length"] > 1
