@@ -156,6 +156,39 @@ def test_scheduler_batches_ragged_rows_identically_to_solo(tiny_target, tiny_dra
         assert got[i] == [t for t in want if t not in engine.target.eos_ids]
 
 
+def test_worker_survives_a_failure_outside_any_request(tiny_target):
+    """A bug in the step loop itself fails the requests of that step; the worker keeps serving."""
+    from verispec.server.scheduler import Scheduler
+
+    scheduler = Scheduler(tiny_engine(tiny_target))
+    record_step, calls = scheduler.metrics.record_step, []
+
+    def explode_once(rows, seconds):
+        calls.append(rows)
+        if len(calls) == 1:
+            raise RuntimeError("metrics exploded")
+        record_step(rows, seconds)
+    scheduler.metrics.record_step = explode_once
+
+    async def run():
+        scheduler.start()
+        try:
+            first = scheduler.submit(lambda e: [20, 21], GenerationConfig(max_new_tokens=5))
+            assert (await first.next()).kind == "admitted"
+            with pytest.raises(RuntimeError, match="metrics exploded"):
+                while True:
+                    await first.next()
+            second = scheduler.submit(lambda e: [20, 21], GenerationConfig(max_new_tokens=5))
+            while (update := await second.next()).kind != "finished":
+                pass
+            return update
+        finally:
+            scheduler.stop()
+
+    assert asyncio.run(asyncio.wait_for(run(), 60)).stats.new_tokens == 5  # a dead worker would time out here
+    assert scheduler.active_count == 0
+
+
 # ---- errors ------------------------------------------------------------------------------------
 
 BAD_REQUESTS = [

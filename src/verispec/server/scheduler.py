@@ -145,10 +145,14 @@ class Scheduler:
     def _run(self) -> None:
         torch.set_grad_enabled(False)
         while not self._stop.is_set():
-            self._admit()
-            self._drop_finished_early()
-            if self._active:
-                self._step()
+            try:
+                self._admit()
+                self._drop_finished_early()
+                if self._active:
+                    self._step()
+            except Exception as error:  # noqa: BLE001 — a bug outside any one request: fail the batch, keep serving
+                for job in list(self._active):
+                    self._fail(job, error, "error")
         for job in self._active:
             self._fail(job, RequestTimeoutError("the server is shutting down"), "cancelled")
         self._active.clear()
