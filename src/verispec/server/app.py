@@ -111,6 +111,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = engine_or_loader if isinstance(engine_or_loader, Engine) else engine_or_loader()
+        engine.costs  # noqa: B018 — measure draft/target costs (analytic γ) now, not inside the first request
         app.state.model_name = model_name or engine.target.name
         app.state.created = int(time.time())
         app.state.scheduler = Scheduler(engine, metrics, max_batch, max_queue, request_timeout)
@@ -146,6 +147,7 @@ def create_app(
         elif body.n != 1:
             response = error_response(400, f"n: this server generates one choice per request, got n={body.n}; send n separate requests", param="n")
         else:
+            job = None
             try:
                 job = scheduler.submit(encode, _config(body, default_max_tokens))
                 await _next(job, request)  # "admitted": the prompt fits and is prefilled
@@ -155,6 +157,8 @@ def create_app(
             except ClientDisconnected:
                 response = Response(status_code=499)
             except Exception as error:  # noqa: BLE001 — one request's failure is that request's answer
+                if job is not None:
+                    job.cancel()  # whatever went wrong here, free its slot
                 status, message, param = _error_status(error)
                 response = error_response(status, message, param)
         metrics.record_request(endpoint, response.status_code, time.perf_counter() - started)
