@@ -150,6 +150,8 @@ def test_scheduler_batches_ragged_rows_identically_to_solo(tiny_target, tiny_dra
             scheduler.stop()
 
     got = asyncio.run(run_all())
+    rows = scheduler.metrics.batch_rows
+    assert rows.n > rows.counts[0], "no step verified more than one row"
     solo = tiny_engine(tiny_target, draft=draft)
     for i, ids in enumerate(prompts):
         want = solo.generate(ids, configs[i % 2]).token_ids
