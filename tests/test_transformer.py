@@ -65,3 +65,24 @@ def test_packed_linear_equals_f_linear():
     for rows in (1, 3, 9):
         x = torch.randn(rows, 256, generator=g)
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
+
+
+def test_forward_ragged_equals_per_row_forward(tiny_target):
+    """Rows of different cache lengths and feed widths in one pass give each row's own logits."""
+    model = Transformer.from_folder(tiny_target)
+    g = torch.Generator().manual_seed(3)
+    prefixes = [torch.randint(0, 48, (n,), generator=g) for n in (3, 9, 1, 6)]
+    feeds = [torch.randint(0, 48, (n,), generator=g) for n in (5, 1, 3, 2)]
+    solo_caches, ragged_caches = [model.new_cache(4) for _ in prefixes], [model.new_cache(4) for _ in prefixes]
+    for prefix, solo, ragged in zip(prefixes, solo_caches, ragged_caches):
+        model.forward(solo, prefix, logits="none")
+        model.forward(ragged, prefix, logits="none")
+    expected = [model.forward(cache, feed) for cache, feed in zip(solo_caches, feeds)]
+    got = model.forward_ragged(ragged_caches, feeds)
+    for want, have, solo, ragged in zip(expected, got, solo_caches, ragged_caches):
+        assert have.shape == want.shape
+        torch.testing.assert_close(have, want, atol=1e-4, rtol=1e-4)
+        assert ragged.length == solo.length
+        torch.testing.assert_close(ragged.keys[:, :, : ragged.length], solo.keys[:, :, : solo.length], atol=1e-5, rtol=1e-5)
+    # the caches keep working afterwards, as after a plain forward
+    torch.testing.assert_close(model.forward(ragged_caches[1], feeds[0]), model.forward(solo_caches[1], feeds[0]), atol=1e-4, rtol=1e-4)

@@ -1,4 +1,4 @@
-"""The `verispec` command line: generate, bench, analyze, models.
+"""The `verispec` command line: generate, serve, bench, analyze, models.
 
 `verispec generate "prompt"` streams the answer with each token coloured by where it came from
 (green: draft token the target accepted; yellow: recovered after a rejection; blue: bonus token;
@@ -110,6 +110,21 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from verispec import load
+    from verispec.server import create_app
+
+    engine = load(args.target, args.draft, args.dtype, args.gamma, args.gamma_policy)  # once, before serving
+    app = create_app(engine, model_name=args.model_name, max_batch=args.max_batch, max_queue=args.max_queue,
+                     request_timeout=args.timeout)
+    Console(stderr=True).print(f"serving {args.model_name or engine.target.name} on http://{args.host}:{args.port} "
+                               "(playground at /, OpenAI API under /v1)")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def _bench(argv: list[str]) -> int:
     from verispec.bench.compare import main as bench_main
 
@@ -140,6 +155,15 @@ def build_parser() -> argparse.ArgumentParser:
     analyze = sub.add_parser("analyze", help="expected speedup over γ from α and c, given or measured; --plots")
     add_analyze_arguments(analyze)
     analyze.set_defaults(func=_analyze)
+    serve = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching and a web playground")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--model-name", default=None, help="model id clients send (default: the --target spec)")
+    serve.add_argument("--max-batch", type=int, default=8, help="requests verified together in one target pass")
+    serve.add_argument("--max-queue", type=int, default=32, help="requests allowed to wait; beyond that: HTTP 429")
+    serve.add_argument("--timeout", type=float, default=300.0, help="seconds per request before HTTP 504")
+    _add_model_options(serve)
+    serve.set_defaults(func=_serve)
     sub.add_parser("bench", help="benchmark against Hugging Face generate() (see `verispec bench --help`)", add_help=False)
     return parser
 

@@ -111,6 +111,17 @@ class KVCache:
         self.length = start + len(slots)
 
 
+@dataclass
+class _Row:
+    """One row of a forward pass: `n` new tokens written to `cache` from slot `start`."""
+
+    cache: KVCache
+    start: int
+    n: int
+    positions: torch.Tensor  # [n] absolute positions
+    mask: torch.Tensor | None  # [n, start + n] bool; None when a single token sees everything
+
+
 class _Layer:
     def __init__(self, weights: dict[str, torch.Tensor], prefix: str, config: ModelConfig, pack: bool):
         w = lambda name: weights[prefix + name]  # noqa: E731
@@ -197,45 +208,81 @@ class Transformer:
         tree_mask: [n, n] bool, True where new token i may attend to new token j (default causal);
         logits: "all" -> [n, vocab], "last" -> [1, vocab], "none" -> None. Logits are float32.
         """
-        cfg = self.config
-        n = tokens.shape[0]
-        start = cache.length
-        cache.ensure(start + n)
-        if positions is None:
-            positions = torch.arange(start, start + n, device=self.device)
-        cos, sin = self._rope(positions)
-        cos, sin = cos[None], sin[None]  # [1, n, head_dim]
-        total = start + n
-        if tree_mask is None and n == 1:
-            mask = None
-        else:
-            local = tree_mask if tree_mask is not None else torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-            mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=self.device), local], dim=1)  # [n, total]
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        scale = 1.0 / math.sqrt(cfg.head_dim)
-
-        x = F.embedding(tokens, self.embed)  # [n, hidden]
-        for i, layer in enumerate(self.layers):
-            h = self._rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            qkv = layer.qkv(h)  # [n, q_size + 2 kv_size]
-            q = qkv[:, :q_size].view(n, cfg.num_heads, cfg.head_dim).transpose(0, 1)  # [heads, n, head_dim]
-            k = qkv[:, q_size : q_size + kv_size].view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
-            v = qkv[:, q_size + kv_size :].view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
-            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-            cache.keys[i, :, start:total] = k
-            cache.values[i, :, start:total] = v
-            keys, values = cache.keys[i, :, :total], cache.values[i, :, :total]  # [kv_heads, total, head_dim]
-            attn = F.scaled_dot_product_attention(
-                q[None], keys[None], values[None], attn_mask=mask, scale=scale, enable_gqa=True
-            )[0]  # [heads, n, head_dim]
-            x = x + layer.o(attn.transpose(0, 1).reshape(n, q_size))
-            h = self._rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
-        cache.length = total
-
+        row = self._row(cache, tokens.shape[0], positions, tree_mask)
+        x = self._run(tokens, [row])  # [n, hidden]
         if logits == "none":
             return None
         if logits == "last":
             x = x[-1:]
-        return self.lm_head(self._rms_norm(x, self.final_norm, cfg.rms_norm_eps)).float()
+        return self._logits(x)
+
+    @torch.inference_mode()
+    def forward_ragged(self, caches: list[KVCache], feeds: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Several independent rows in ONE pass: feeds[i] [n_i] is appended to caches[i].
+
+        All rows' new tokens form one [Σn_i, hidden] activation, so every linear layer reads its
+        weights once for the whole batch (the point on a memory-bound CPU); attention runs per row
+        against that row's own cache with causal positions. Returns logits [n_i, vocab] per row.
+        """
+        if len(caches) != len(feeds) or not feeds:
+            raise ValueError(f"forward_ragged needs one feed per cache, got {len(caches)} caches and {len(feeds)} feeds")
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("forward_ragged got the same KV cache twice: each row needs its own cache")
+        rows = [self._row(cache, feed.shape[0], None, None) for cache, feed in zip(caches, feeds)]
+        x = self._run(torch.cat(feeds), rows)  # [Σn_i, hidden]
+        return list(self._logits(x).split([row.n for row in rows]))
+
+    def _row(self, cache: KVCache, n: int, positions: torch.Tensor | None, tree_mask: torch.Tensor | None) -> _Row:
+        start = cache.length
+        cache.ensure(start + n)
+        if positions is None:
+            positions = torch.arange(start, start + n, device=self.device)
+        if tree_mask is None and n == 1:
+            mask = None
+        else:
+            local = tree_mask if tree_mask is not None else torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+            mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=self.device), local], dim=1)  # [n, start+n]
+        return _Row(cache, start, n, positions, mask)
+
+    def _run(self, tokens: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
+        """The decoder stack over tokens [N] (the rows' new tokens, concatenated) -> hidden [N, hidden]."""
+        cfg = self.config
+        total = tokens.shape[0]
+        cos, sin = self._rope(torch.cat([row.positions for row in rows]))
+        cos, sin = cos[None], sin[None]  # [1, N, head_dim]
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+
+        x = F.embedding(tokens, self.embed)  # [N, hidden]
+        for i, layer in enumerate(self.layers):
+            h = self._rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            qkv = layer.qkv(h)  # [N, q_size + 2 kv_size]
+            q = qkv[:, :q_size].view(total, cfg.num_heads, cfg.head_dim).transpose(0, 1)  # [heads, N, head_dim]
+            k = qkv[:, q_size : q_size + kv_size].view(total, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+            v = qkv[:, q_size + kv_size :].view(total, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            attn = self._attend_rows(i, rows, q, k, v)  # [heads, N, head_dim]
+            x = x + layer.o(attn.transpose(0, 1).reshape(total, q_size))
+            h = self._rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        for row in rows:
+            row.cache.length = row.start + row.n
+        return x
+
+    def _attend_rows(self, layer: int, rows: list[_Row], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store each row's keys/values in its cache and attend over it: q [heads, N, hd] -> [heads, N, hd]."""
+        scale = 1.0 / math.sqrt(self.config.head_dim)
+        outputs, offset = [], 0
+        for row in rows:
+            end = row.start + row.n
+            row.cache.keys[layer, :, row.start : end] = k[:, offset : offset + row.n]
+            row.cache.values[layer, :, row.start : end] = v[:, offset : offset + row.n]
+            keys, values = row.cache.keys[layer, :, :end], row.cache.values[layer, :, :end]  # [kv_heads, end, hd]
+            outputs.append(F.scaled_dot_product_attention(
+                q[None, :, offset : offset + row.n], keys[None], values[None], attn_mask=row.mask, scale=scale, enable_gqa=True
+            )[0])  # [heads, n, head_dim]
+            offset += row.n
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self._rms_norm(x, self.final_norm, self.config.rms_norm_eps)).float()  # [rows, vocab]

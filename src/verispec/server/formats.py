@@ -1,0 +1,81 @@
+"""Turn a generation's tokens and statistics into OpenAI-shaped bodies and SSE chunks.
+
+`CompletionFormat` (text_completion) and `ChatFormat` (chat.completion[.chunk]) share one interface,
+so the request handler streams or collects without knowing which endpoint it serves. Streamed
+token chunks carry two extras the playground reads: the token's `origin` on the choice and the
+request's live `speculative` statistics at the top level.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from verispec.types import GenerationStats, TokenEvent
+
+__all__ = ["CompletionFormat", "ChatFormat", "usage", "sse"]
+
+
+def sse(body: dict | str) -> str:
+    """One server-sent event: `data: {...}` and a blank line."""
+    return f"data: {body if isinstance(body, str) else json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def usage(stats: GenerationStats) -> dict:
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.new_tokens,
+        "total_tokens": stats.prompt_tokens + stats.new_tokens,
+        "steps": stats.steps,
+        "mean_accepted_length": round(stats.mean_accepted_length, 4),
+        "acceptance_rate": round(stats.acceptance_rate, 4),
+        "per_position_acceptance": [round(x, 4) for x in stats.per_position_acceptance],
+    }
+
+
+class CompletionFormat:
+    object_name, chunk_name, id_prefix = "text_completion", "text_completion", "cmpl"
+
+    def __init__(self, model: str):
+        self.model = model
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+
+    def _envelope(self, name: str, choices: list[dict], **extra) -> dict:
+        return {"id": self.id, "object": name, "created": self.created, "model": self.model, "choices": choices, **extra}
+
+    def _content(self, text: str) -> dict:
+        return {"text": text}
+
+    def opening_chunks(self) -> list[dict]:
+        return []
+
+    def token_chunk(self, event: TokenEvent, live: dict | None) -> dict:
+        choice = {"index": 0, **self._content(event.text), "finish_reason": None,
+                  "origin": event.origin.value, "token_id": event.token_id}
+        return self._envelope(self.chunk_name, [choice], speculative=live)
+
+    def final_chunk(self, finish_reason: str, stats: GenerationStats) -> dict:
+        choice = {"index": 0, **self._content(""), "finish_reason": finish_reason}
+        return self._envelope(self.chunk_name, [choice], usage=usage(stats))
+
+    def response(self, text: str, origins: list[str], finish_reason: str, stats: GenerationStats) -> dict:
+        choice = {"index": 0, **self._final_content(text), "finish_reason": finish_reason, "logprobs": None, "origins": origins}
+        return self._envelope(self.object_name, [choice], usage=usage(stats))
+
+    def _final_content(self, text: str) -> dict:
+        return {"text": text}
+
+
+class ChatFormat(CompletionFormat):
+    object_name, chunk_name, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
+
+    def _content(self, text: str) -> dict:
+        return {"delta": {"content": text} if text else {}}
+
+    def opening_chunks(self) -> list[dict]:
+        return [self._envelope(self.chunk_name, [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])]
+
+    def _final_content(self, text: str) -> dict:
+        return {"message": {"role": "assistant", "content": text}}

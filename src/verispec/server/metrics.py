@@ -1,0 +1,153 @@
+"""Server metrics in the Prometheus text format (hand-written: counters, gauges, histograms).
+
+The scheduler's worker thread records steps and finished generations; request handlers record
+requests and latencies; `/metrics` renders everything. One lock guards all of it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+__all__ = ["Metrics", "LATENCY_BUCKETS"]
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+RATE_WINDOW_SECONDS = 10.0
+
+
+class _Histogram:
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last slot is +Inf
+        self.total = 0.0
+        self.n = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.n += 1
+
+    def render(self, name: str, labels: str = "") -> list[str]:
+        lines, cumulative = [], 0
+        sep = "," if labels else ""
+        for bound, count in zip([*map(str, self.buckets), "+Inf"], self.counts):
+            cumulative += count
+            lines.append(f'{name}_bucket{{{labels}{sep}le="{bound}"}} {cumulative}')
+        suffix = f"{{{labels}}}" if labels else ""
+        lines += [f"{name}_sum{suffix} {self.total:.6f}", f"{name}_count{suffix} {self.n}"]
+        return lines
+
+
+class Metrics:
+    """Everything `/metrics` reports. Gauges for the queue are read from callbacks at render time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests: dict[tuple[str, int], int] = {}  # (endpoint, status) -> count
+        self.prompt_tokens = self.generated_tokens = 0
+        self.steps = self.proposed = self.accepted = self.judged = 0
+        self.position_offered: list[int] = []
+        self.position_accepted: list[int] = []
+        self.finished: dict[str, int] = {}  # finish reason (stop / length / cancelled / timeout / error) -> count
+        self.request_latency: dict[str, _Histogram] = {}
+        self.time_to_first_token = _Histogram(LATENCY_BUCKETS)
+        self.step_seconds = _Histogram(LATENCY_BUCKETS)
+        self.batch_rows = _Histogram(BATCH_BUCKETS)
+        self._recent_tokens: deque[tuple[float, int]] = deque()
+        self.gauges: dict[str, tuple[str, Callable[[], float]]] = {}
+
+    def add_gauge(self, name: str, help_text: str, read: Callable[[], float]) -> None:
+        self.gauges[name] = (help_text, read)
+
+    def record_request(self, endpoint: str, status: int, seconds: float | None = None) -> None:
+        with self._lock:
+            self.requests[(endpoint, status)] = self.requests.get((endpoint, status), 0) + 1
+            if seconds is not None:
+                self.request_latency.setdefault(endpoint, _Histogram(LATENCY_BUCKETS)).observe(seconds)
+
+    def record_first_token(self, seconds: float) -> None:
+        with self._lock:
+            self.time_to_first_token.observe(seconds)
+
+    def record_step(self, rows: int, seconds: float) -> None:
+        with self._lock:
+            self.batch_rows.observe(rows)
+            self.step_seconds.observe(seconds)
+
+    def record_verification(self, proposed: int, accepted: int, emitted: int) -> None:
+        """One row of one step: `proposed` draft tokens, `accepted` kept, `emitted` tokens streamed."""
+        now = time.monotonic()
+        with self._lock:
+            self.steps += 1
+            self.proposed += proposed
+            self.accepted += accepted
+            self.judged += accepted + (accepted < proposed)
+            self.generated_tokens += emitted
+            while len(self.position_offered) < proposed:
+                self.position_offered.append(0)
+                self.position_accepted.append(0)
+            for i in range(proposed):
+                self.position_offered[i] += 1
+                self.position_accepted[i] += accepted > i
+            self._recent_tokens.append((now, emitted))
+            self._forget_before(now - RATE_WINDOW_SECONDS)
+
+    def record_admitted(self, prompt_tokens: int) -> None:
+        with self._lock:
+            self.prompt_tokens += prompt_tokens
+
+    def record_finished(self, reason: str) -> None:
+        with self._lock:
+            self.finished[reason] = self.finished.get(reason, 0) + 1
+
+    def _forget_before(self, cutoff: float) -> None:
+        while self._recent_tokens and self._recent_tokens[0][0] < cutoff:
+            self._recent_tokens.popleft()
+
+    def tokens_per_second(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            self._forget_before(now - RATE_WINDOW_SECONDS)
+            return sum(n for _, n in self._recent_tokens) / RATE_WINDOW_SECONDS
+
+    def render(self) -> str:
+        tokens_per_second = self.tokens_per_second()
+        out: list[str] = []
+
+        def metric(name: str, kind: str, help_text: str, lines: list[str]) -> None:
+            out.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *lines])
+
+        with self._lock:
+            metric("verispec_requests_total", "counter", "HTTP requests by endpoint and status code.",
+                   [f'verispec_requests_total{{endpoint="{e}",status="{s}"}} {n}' for (e, s), n in sorted(self.requests.items())])
+            metric("verispec_generations_finished_total", "counter", "Generations by how they ended.",
+                   [f'verispec_generations_finished_total{{reason="{r}"}} {n}' for r, n in sorted(self.finished.items())])
+            metric("verispec_prompt_tokens_total", "counter", "Prompt tokens admitted.", [f"verispec_prompt_tokens_total {self.prompt_tokens}"])
+            metric("verispec_generated_tokens_total", "counter", "Tokens generated.", [f"verispec_generated_tokens_total {self.generated_tokens}"])
+            metric("verispec_steps_total", "counter", "Verification steps (one per request per target pass).", [f"verispec_steps_total {self.steps}"])
+            metric("verispec_draft_tokens_proposed_total", "counter", "Draft tokens proposed.", [f"verispec_draft_tokens_proposed_total {self.proposed}"])
+            metric("verispec_draft_tokens_accepted_total", "counter", "Draft tokens accepted.", [f"verispec_draft_tokens_accepted_total {self.accepted}"])
+            metric("verispec_tokens_per_second", "gauge", f"Tokens generated per second over the last {RATE_WINDOW_SECONDS:.0f} s.",
+                   [f"verispec_tokens_per_second {tokens_per_second:.4f}"])
+            alpha = self.accepted / self.judged if self.judged else 0.0
+            tau = (self.accepted + self.steps) / self.steps if self.steps else 0.0
+            metric("verispec_acceptance_rate", "gauge", "α: accepted / judged draft tokens since start.", [f"verispec_acceptance_rate {alpha:.4f}"])
+            metric("verispec_mean_accepted_length", "gauge", "τ: tokens emitted per verification step since start.",
+                   [f"verispec_mean_accepted_length {tau:.4f}"])
+            metric("verispec_position_acceptance_rate", "gauge", "Share of steps whose draft reached and kept position i.",
+                   [f'verispec_position_acceptance_rate{{position="{i}"}} {a / o:.4f}'
+                    for i, (o, a) in enumerate(zip(self.position_offered, self.position_accepted)) if o])
+            for name, (help_text, read) in self.gauges.items():
+                metric(name, "gauge", help_text, [f"{name} {read()}"])
+            metric("verispec_request_latency_seconds", "histogram", "Request latency, end to end.",
+                   [line for e, h in sorted(self.request_latency.items()) for line in h.render("verispec_request_latency_seconds", f'endpoint="{e}"')])
+            metric("verispec_time_to_first_token_seconds", "histogram", "Time from request to its first streamed token.",
+                   self.time_to_first_token.render("verispec_time_to_first_token_seconds"))
+            metric("verispec_step_seconds", "histogram", "One batched step: drafts, one target pass, verification.",
+                   self.step_seconds.render("verispec_step_seconds"))
+            metric("verispec_batch_rows", "histogram", "Requests verified together in one target pass.", self.batch_rows.render("verispec_batch_rows"))
+        return "\n".join(out) + "\n"
