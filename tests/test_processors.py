@@ -88,3 +88,9 @@ def test_repetition_penalty_uses_each_positions_own_prefix():
 def test_invalid_sampling_parameters_raise_clear_errors(kwargs, words):
     with pytest.raises(InvalidParameterError, match=words):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("field, value", [("temperature", 1e-300), ("temperature", -0.5), ("repetition_penalty", 1e-172)])
+def test_values_that_would_overflow_to_nan_are_refused(field, value):
+    with pytest.raises(InvalidParameterError, match=field):
+        SamplingParams(**{field: value})

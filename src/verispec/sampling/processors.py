@@ -16,7 +16,10 @@ import torch
 
 from verispec.errors import InvalidParameterError
 
-__all__ = ["SamplingParams", "apply_repetition_penalty", "to_probs", "greedy_tokens", "seen_mask"]
+MIN_TEMPERATURE = 1e-3  # logits / smaller temperatures overflow float32: the distribution turns NaN
+MIN_REPETITION_PENALTY = 1e-2  # the same overflow, through the penalty's division
+
+__all__ = ["SamplingParams", "MIN_TEMPERATURE", "MIN_REPETITION_PENALTY", "apply_repetition_penalty", "to_probs", "greedy_tokens", "seen_mask"]
 
 
 @dataclass(frozen=True)
@@ -38,15 +41,15 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         checks = [
-            (math.isfinite(self.temperature) and self.temperature >= 0,
-             f"temperature must be ≥ 0 (0 = greedy), got {self.temperature}"),
+            (math.isfinite(self.temperature) and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE),
+             f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {self.temperature}"),
             (isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer ≥ 0 (0 = off), got {self.top_k}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (0 <= self.min_p < 1, f"min_p must be in [0, 1), got {self.min_p}"),
             (0 <= self.eta < 1, f"eta must be in [0, 1) (0 = off; 0.0009 is the usual value), got {self.eta}"),
             (0 <= self.epsilon < 1, f"epsilon must be in [0, 1) (0 = off), got {self.epsilon}"),
-            (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
-             f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}"),
+            (math.isfinite(self.repetition_penalty) and self.repetition_penalty >= MIN_REPETITION_PENALTY,
+             f"repetition_penalty must be at least {MIN_REPETITION_PENALTY} (1 = off), got {self.repetition_penalty}"),
         ]
         for ok, message in checks:
             if not ok:

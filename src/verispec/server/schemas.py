@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-MIN_TEMPERATURE = 1e-3  # smaller positive temperatures overflow float32 logits
+from verispec.sampling.processors import MIN_REPETITION_PENALTY, MIN_TEMPERATURE
 
 __all__ = [
     "CompletionRequest", "ChatCompletionRequest", "ChatMessage", "Usage", "CompletionResponse",
@@ -38,7 +38,7 @@ class _GenerationFields(BaseModel):
     min_p: float = Field(0.0, ge=0, lt=1)
     eta: float = Field(0.0, ge=0, lt=1, description="η-sampling (0 = off; 0.0009 is usual)")
     epsilon: float = Field(0.0, ge=0, lt=1, description="ε-sampling (0 = off)")
-    repetition_penalty: float = Field(1.0, ge=0.01, le=100, description="1 = off")
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=100, description="1 = off")
 
     @field_validator("temperature")
     @classmethod
