@@ -86,3 +86,24 @@ def test_forward_ragged_equals_per_row_forward(tiny_target):
         torch.testing.assert_close(ragged.keys[:, :, : ragged.length], solo.keys[:, :, : solo.length], atol=1e-5, rtol=1e-5)
     # the caches keep working afterwards, as after a plain forward
     torch.testing.assert_close(model.forward(ragged_caches[1], feeds[0]), model.forward(solo_caches[1], feeds[0]), atol=1e-4, rtol=1e-4)
+
+
+def test_forward_ragged_takes_tree_rows(tiny_target):
+    """A token-tree row (positions + tree mask) next to a chain row gives what `forward` gives each."""
+    model = Transformer.from_folder(tiny_target)
+    prefix = torch.tensor([4, 8, 15, 16])
+    tree = torch.tensor([23, 42, 7, 9])  # root 23 with children 42 and 7; 9 under 42
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    positions = torch.tensor([4, 5, 5, 6])
+    chain = torch.tensor([3, 5])
+    caches = {name: [model.new_cache(), model.new_cache()] for name in ("solo", "ragged")}
+    for solo, ragged in zip(caches["solo"], caches["ragged"]):
+        model.forward(solo, prefix, logits="none")
+        model.forward(ragged, prefix, logits="none")
+    want = [model.forward(caches["solo"][0], tree, positions=positions, tree_mask=mask),
+            model.forward(caches["solo"][1], chain)]
+    got = model.forward_ragged(caches["ragged"], [tree, chain], positions=[positions, None], tree_masks=[mask, None])
+    for have, expected in zip(got, want):
+        torch.testing.assert_close(have, expected, atol=1e-4, rtol=1e-4)
+    sibling_logits = model.forward(model.new_cache(), torch.cat([prefix, tree[[0, 2]]]))[-1]  # 7 sees 23 only
+    torch.testing.assert_close(got[0][2], sibling_logits, atol=1e-4, rtol=1e-4)

@@ -217,18 +217,31 @@ class Transformer:
         return self._logits(x)
 
     @torch.inference_mode()
-    def forward_ragged(self, caches: list[KVCache], feeds: list[torch.Tensor]) -> list[torch.Tensor]:
+    def forward_ragged(
+        self,
+        caches: list[KVCache],
+        feeds: list[torch.Tensor],
+        positions: list[torch.Tensor | None] | None = None,
+        tree_masks: list[torch.Tensor | None] | None = None,
+    ) -> list[torch.Tensor]:
         """Several independent rows in ONE pass: feeds[i] [n_i] is appended to caches[i].
 
         All rows' new tokens form one [Σn_i, hidden] activation, so every linear layer reads its
         weights once for the whole batch (the point on a memory-bound CPU); attention runs per row
-        against that row's own cache with causal positions. Returns logits [n_i, vocab] per row.
+        against that row's own cache. positions[i] [n_i] and tree_masks[i] [n_i, n_i] work as in
+        `forward` (None: consecutive positions, causal mask), so a row may be a token tree.
+        Returns logits [n_i, vocab] per row.
         """
         if len(caches) != len(feeds) or not feeds:
             raise ValueError(f"forward_ragged needs one feed per cache, got {len(caches)} caches and {len(feeds)} feeds")
         if len({id(c) for c in caches}) != len(caches):
             raise ValueError("forward_ragged got the same KV cache twice: each row needs its own cache")
-        rows = [self._row(cache, feed.shape[0], None, None) for cache, feed in zip(caches, feeds)]
+        positions = positions or [None] * len(feeds)
+        tree_masks = tree_masks or [None] * len(feeds)
+        rows = [
+            self._row(cache, feed.shape[0], pos, mask)
+            for cache, feed, pos, mask in zip(caches, feeds, positions, tree_masks)
+        ]
         x = self._run(torch.cat(feeds), rows)  # [Σn_i, hidden]
         return list(self._logits(x).split([row.n for row in rows]))
 
