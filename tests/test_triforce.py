@@ -129,3 +129,25 @@ def test_bad_options_raise_clear_errors(target, draft):
         TriForceDrafter(target, draft, gamma1=0)
     with pytest.raises(InvalidParameterError, match="use budget, chunk"):
         make_triforce(target, draft, {"bugdet": 4})
+
+
+def test_long_context_tasks_are_deterministic_and_hold_their_facts(target):
+    from verispec.bench.longctx import make_document, make_tasks
+
+    document, codes = make_document(300, target.tokenizer, seed=3)
+    assert make_document(300, target.tokenizer, seed=3) == (document, codes)
+    assert len(target.tokenizer(document)["input_ids"]) >= 300
+    assert all(f"vault {n} is {code}." in document for n, code in codes.items())
+    summary, question = make_tasks(300, target.tokenizer, seed=3)
+    assert summary.kind == "summary" and question.answer in codes.values() and question.prompt.startswith(document)
+
+
+def test_long_context_measurement_compares_methods_on_one_task(target, draft):
+    from verispec.bench.longctx import LongTask, _speedups, measure
+
+    task = LongTask("question", " ".join(f"t{t}" for t in LONG_PROMPT[:80]), None)
+    drafters = {"plain": None, "triforce": TriForceDrafter(target, draft, **SMALL)}
+    rows = measure(target, drafters, task, max_new_tokens=8, gamma=3)
+    _speedups(rows)
+    assert rows["plain"]["token_ids"] == rows["triforce"]["token_ids"]
+    assert rows["triforce"]["speedup_vs_plain"] > 0 and 1 <= rows["plain"]["new_tokens"] <= 8
