@@ -159,6 +159,8 @@ class Generation:
         if self.prompt_len > 1:
             self.target.runner.forward(self.cache, torch.tensor(self.ids[:-1]), logits="none")
         self.session = engine.drafter.start(self.ids) if engine.drafter is not None else None
+        if self.session is not None:
+            self.session.attach_target_cache(self.cache)
         self.stats.prefill_seconds = time.perf_counter() - start
 
     @property
@@ -198,6 +200,7 @@ class Generation:
         self.cache.truncate(len(self.ids) - 1)
         if self.session is not None:
             self.session.commit(self.ids)
+            self.session.observe(self.ids, logits[: verdict.accepted + 1])
         verify_seconds = time.perf_counter() - start
         self.stats.record(StepRecord(len(draft), verdict.accepted, plan.draft_seconds, target_seconds + verify_seconds))
         self.policy.update(len(draft), verdict.accepted)

@@ -3,7 +3,8 @@
 `Drafter.start(prompt_ids)` opens a `DraftSession` holding that request's state (a KV cache, an
 n-gram index, …). Each step the engine calls `session.propose(ids, gamma, ...)` and, after
 verification, `session.commit(ids)` with the new committed sequence, so the session can roll back
-whatever the target did not keep. A session that returns `Draft.probs = None` is deterministic:
+whatever the target did not keep. Two optional hooks, `attach_target_cache` and `observe`, show a
+session the target's prompt cache and the target's logits on the committed tokens. A session that returns `Draft.probs = None` is deterministic:
 the verifier treats each token as a point mass.
 """
 
@@ -13,6 +14,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from verispec.models.transformer import KVCache
 from verispec.sampling.processors import SamplingParams
 from verispec.types import Draft
 
@@ -28,6 +30,15 @@ class DraftSession(ABC):
 
     def commit(self, ids: list[int]) -> None:
         """`ids` is the committed sequence after verification; drop state past it."""
+
+    def attach_target_cache(self, cache: KVCache) -> None:
+        """Called once after the target's prefill with its KV cache of prompt[:-1]: read it, never write
+        it (the TriForce drafter builds its retrieval cache from it). Default: ignore it."""
+
+    def observe(self, ids: list[int], target_logits: torch.Tensor) -> None:
+        """Called after `commit` with the target's raw logits [k, vocab] for the last k committed
+        tokens of `ids` (row i predicts ids[len(ids) − k + i]): the accepted tokens and the target's
+        own one. Online drafters learn from them. Default: ignore them."""
 
 
 class Drafter(ABC):

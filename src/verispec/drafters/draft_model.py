@@ -7,6 +7,8 @@ seen its own last token yet; the next step feeds it together with the target's b
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -16,7 +18,42 @@ from verispec.sampling.processors import SamplingParams, greedy_tokens, seen_mas
 from verispec.sampling.samplers import multinomial
 from verispec.types import Draft
 
-__all__ = ["DraftModelDrafter"]
+__all__ = ["DraftModelDrafter", "sample_chain"]
+
+
+def sample_chain(
+    logits: torch.Tensor,
+    step: Callable[[int], torch.Tensor],
+    ids: list[int],
+    gamma: int,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    target_vocab_size: int,
+) -> Draft:
+    """Draw `gamma` tokens one by one: `logits` [1, vocab] predict the first, `step(token)` feeds a
+    token and returns the logits [1, vocab] after it. Draft probs are padded to the target's vocab."""
+    vocab = logits.shape[-1]
+    seen = seen_mask(vocab, ids) if params.repetition_penalty != 1.0 else None  # [1, vocab]
+    tokens: list[int] = []
+    probs: list[torch.Tensor] = []
+    for i in range(gamma):
+        if params.greedy:
+            token = int(greedy_tokens(logits, params, seen))
+        else:
+            row = to_probs(logits, params, seen)  # [1, vocab]
+            token = int(multinomial(row, generator))
+            probs.append(row[0])
+        tokens.append(token)
+        if seen is not None:
+            seen[0, token] = True
+        if i + 1 < gamma:
+            logits = step(token)
+    draft_probs = None
+    if probs:
+        draft_probs = torch.stack(probs)  # [γ, vocab]
+        if vocab < target_vocab_size:
+            draft_probs = F.pad(draft_probs, (0, target_vocab_size - vocab))
+    return Draft(torch.tensor(tokens, dtype=torch.long), draft_probs)
 
 
 class DraftModelDrafter(Drafter):
@@ -42,29 +79,10 @@ class _DraftModelSession(DraftSession):
     def propose(self, ids, gamma, params, generator):
         if gamma == 0:
             return Draft(torch.zeros(0, dtype=torch.long))
-        runner, vocab = self.runner, self.runner.config.vocab_size
+        runner = self.runner
         logits = runner.forward(self.cache, torch.tensor(ids[self.cache.length :]), logits="last")  # [1, vocab]
-        seen = seen_mask(vocab, ids) if params.repetition_penalty != 1.0 else None  # [1, vocab]
-        tokens: list[int] = []
-        probs: list[torch.Tensor] = []
-        for i in range(gamma):
-            if params.greedy:
-                token = int(greedy_tokens(logits, params, seen))
-            else:
-                row = to_probs(logits, params, seen)  # [1, vocab]
-                token = int(multinomial(row, generator))
-                probs.append(row[0])
-            tokens.append(token)
-            if seen is not None:
-                seen[0, token] = True
-            if i + 1 < gamma:
-                logits = runner.forward(self.cache, torch.tensor([token]), logits="last")
-        draft_probs = None
-        if probs:
-            draft_probs = torch.stack(probs)  # [γ, vocab]
-            if vocab < self.drafter.target_vocab_size:
-                draft_probs = F.pad(draft_probs, (0, self.drafter.target_vocab_size - vocab))
-        return Draft(torch.tensor(tokens, dtype=torch.long), draft_probs)
+        step = lambda token: runner.forward(self.cache, torch.tensor([token]), logits="last")  # noqa: E731
+        return sample_chain(logits, step, ids, gamma, params, generator, self.drafter.target_vocab_size)
 
     def commit(self, ids):
         self.cache.truncate(min(self.cache.length, len(ids) - 1))

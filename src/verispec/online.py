@@ -1,0 +1,183 @@
+"""Online speculative decoding: distil the draft model toward the target while serving.
+
+The draft model's LM head gets a low-rank adapter (logits += (h Aᵀ) Bᵀ, B starting at zero).
+While drafting, the head's inputs h (the draft's final hidden state at each drafted position) are
+tapped; when the target rejects a draft token, the pair (h at that position, the target's logits
+there) goes into a buffer. Between requests, once the buffer holds `buffer_size` misses, A and B
+are trained with plain torch autograd on the forward KL(target ‖ draft) — only the adapter, on
+fixed features, so an update takes milliseconds to a few seconds. Every update is saved as a
+version under `cache_dir()/online/<draft>/`; if the measured α of the next `eval_requests`
+requests falls below the α before the update (minus `tolerance`), the previous version comes back.
+The target still verifies every token, so the output stays exactly the target's.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from verispec.drafters.base import Drafter, DraftSession
+from verispec.drafters.draft_model import DraftModelDrafter
+from verispec.models.loading import LoadedModel
+from verispec.models.registry import cache_dir
+
+__all__ = ["LowRankHead", "OnlineDrafter", "distill"]
+
+
+class LowRankHead:
+    """An LM head plus a trainable low-rank correction; optionally records its inputs (`tap`)."""
+
+    def __init__(self, base, rank: int, seed: int = 0):
+        self.base = base
+        self.in_features, self.out_features = base.in_features, base.out_features
+        generator = torch.Generator().manual_seed(seed)
+        self.A = torch.randn(rank, self.in_features, generator=generator) / self.in_features**0.5  # [rank, hidden]
+        self.B = torch.zeros(self.out_features, rank)  # [vocab, rank]
+        self.bias = None
+        self.tap: list[torch.Tensor] | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [rows, hidden] -> [rows, vocab]
+        if self.tap is not None:
+            self.tap.append(x[-1].clone())
+        return self.base(x) + ((x.float() @ self.A.T) @ self.B.T).to(x.dtype)
+
+
+def distill(head: LowRankHead, features: torch.Tensor, target_logits: torch.Tensor, steps: int, lr: float) -> float:
+    """Fit head.A, head.B to KL(target ‖ draft) on features [n, hidden], target_logits [n, vocab]; returns the last loss."""
+    with torch.inference_mode(False), torch.enable_grad():
+        x = features.clone().float()  # [n, hidden]
+        with torch.no_grad():
+            base_logits = head.base(features).float().clone()  # [n, vocab], fixed
+        target_probs = torch.softmax(target_logits.clone().float(), dim=-1)  # [n, vocab]
+        target_log_probs = torch.log_softmax(target_logits.clone().float(), dim=-1)
+        A = head.A.clone().requires_grad_(True)
+        B = head.B.clone().requires_grad_(True)
+        optimizer = torch.optim.Adam([A, B], lr=lr)
+        loss = torch.tensor(0.0)
+        for _ in range(steps):
+            draft_log_probs = F.log_softmax(base_logits + (x @ A.T) @ B.T, dim=-1)  # [n, vocab]
+            loss = (target_probs * (target_log_probs - draft_log_probs)).sum(-1).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        head.A, head.B = A.detach(), B.detach()
+    return float(loss.detach())
+
+
+class OnlineDrafter(Drafter):
+    """A draft-model drafter that learns from its misses between requests (see the module docstring)."""
+
+    def __init__(
+        self, draft: LoadedModel, target_vocab_size: int, rank: int = 8, buffer_size: int = 64, steps: int = 40,
+        lr: float = 0.02, eval_requests: int = 2, tolerance: float = 0.02, store: Path | None = None,
+    ):
+        runner = copy.copy(draft.runner)  # shares the weights; only the head object differs
+        self.head = runner.lm_head = LowRankHead(draft.runner.lm_head, rank)
+        self.model = dataclasses.replace(draft, runner=runner, name=f"{draft.name}+online")
+        self.inner = DraftModelDrafter(self.model, target_vocab_size)
+        self.name = f"online:{draft.name}"
+        self.buffer_size, self.steps, self.lr = buffer_size, steps, lr
+        self.eval_requests, self.tolerance = eval_requests, tolerance
+        self.store = store or cache_dir() / "online" / re.sub(r"[^A-Za-z0-9._-]+", "_", draft.name)
+        self.buffer: list[tuple[torch.Tensor, torch.Tensor]] = []  # (hidden [hidden], target_logits [vocab])
+        self.alphas: list[float] = []  # measured α of each finished request
+        self.version = 0  # 0 = the untouched draft
+        self.events: list[str] = []
+        self._probation: tuple[int, float, int] | None = None  # (previous version, α before, requests at update)
+        self._session: _OnlineSession | None = None
+
+    def start(self, prompt_ids: list[int]) -> DraftSession:
+        self._finish_request()
+        self._judge_probation()
+        if len(self.buffer) >= self.buffer_size and self._probation is None:
+            self.update()
+        self._session = _OnlineSession(self, self.inner.start(prompt_ids))
+        return self._session
+
+    def _finish_request(self) -> None:
+        session, self._session = self._session, None
+        if session is not None and session.judged:
+            self.alphas.append(session.accepted / session.judged)
+
+    def _judge_probation(self) -> None:
+        if self._probation is None:
+            return
+        previous, alpha_before, at = self._probation
+        after = self.alphas[at:]
+        if len(after) < self.eval_requests:
+            return
+        alpha_after = sum(after) / len(after)
+        self._probation = None
+        if alpha_after < alpha_before - self.tolerance:
+            self.load_version(previous)
+            self.events.append(f"rolled back to v{previous}: α {alpha_before:.3f} → {alpha_after:.3f}")
+        else:
+            self.events.append(f"kept v{self.version}: α {alpha_before:.3f} → {alpha_after:.3f}")
+
+    def update(self) -> float:
+        """Distil on the buffered misses, save a new version, start its probation; returns the loss."""
+        if not self.buffer:
+            raise ValueError("nothing to learn from yet: the buffer of draft misses is empty")
+        features = torch.stack([h for h, _ in self.buffer])  # [n, hidden]
+        target_logits = torch.stack([t for _, t in self.buffer])  # [n, vocab]
+        recent = self.alphas[-self.eval_requests :]
+        alpha_before = sum(recent) / len(recent) if recent else 0.0
+        previous = self.version
+        loss = distill(self.head, features, target_logits, self.steps, self.lr)
+        self.buffer.clear()
+        self.version = self._save()
+        self._probation = (previous, alpha_before, len(self.alphas))
+        self.events.append(f"v{self.version}: distilled on {len(features)} misses, loss {loss:.4f}")
+        return loss
+
+    def _path(self, version: int) -> Path:
+        return self.store / f"v{version:04d}.pt"
+
+    def _save(self) -> int:
+        self.store.mkdir(parents=True, exist_ok=True)
+        version = max([int(p.stem[1:]) for p in self.store.glob("v*.pt")] + [self.version]) + 1
+        torch.save({"A": self.head.A, "B": self.head.B}, self._path(version))
+        return version
+
+    def load_version(self, version: int) -> None:
+        """Restore a saved adapter (0 = the untouched draft)."""
+        if version == 0:
+            self.head.B = torch.zeros_like(self.head.B)
+        else:
+            saved = torch.load(self._path(version))
+            self.head.A, self.head.B = saved["A"], saved["B"]
+        self.version = version
+
+
+class _OnlineSession(DraftSession):
+    def __init__(self, drafter: OnlineDrafter, inner: DraftSession):
+        self.drafter, self.inner = drafter, inner
+        self.hidden: list[torch.Tensor] = []  # the head's input at each drafted position, [hidden] each
+        self.accepted = self.judged = 0
+
+    def propose(self, ids, gamma, params, generator):
+        head = self.drafter.head
+        head.tap = []
+        try:
+            draft = self.inner.propose(ids, gamma, params, generator)
+        finally:
+            self.hidden, head.tap = head.tap, None
+        return draft
+
+    def commit(self, ids):
+        self.inner.commit(ids)
+
+    def observe(self, ids, target_logits):
+        accepted, proposed = target_logits.shape[0] - 1, len(self.hidden)
+        if not proposed:
+            return
+        self.accepted += accepted
+        self.judged += accepted + (accepted < proposed)
+        if accepted < proposed:  # a miss: the target's distribution where the draft went wrong
+            vocab = self.drafter.head.out_features
+            self.drafter.buffer.append((self.hidden[accepted], target_logits[-1, :vocab].clone()))
