@@ -31,6 +31,19 @@ def make_tiny_model(folder: Path, vocab_size: int = 48, seed: int = 0, layers: i
     return folder
 
 
+@pytest.fixture(autouse=True)
+def one_thread_for_tiny_models(request):
+    """Tiny models run on one thread: their matmuls are too small to split, and two threads only add
+    synchronisation (~50× slower on a loaded 2-core CPU). Tests marked `real` keep every core."""
+    if request.node.get_closest_marker("real"):
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("tiny")

@@ -12,14 +12,6 @@ from verispec.reference import reference_generate
 PROMPT = [11, 3, 3, 3, 8, 1, 30, 12, 5]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls on a loaded 2-core CPU
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def target(tiny_target):
     return load_model(tiny_target)

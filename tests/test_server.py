@@ -15,7 +15,6 @@ import time
 import httpx
 import openai
 import pytest
-import torch
 from server_helpers import MODEL, LocalServer, tiny_engine
 
 from verispec import GenerationConfig, SamplingParams

@@ -21,15 +21,6 @@ LONG_PROMPT = [(7 * i + 3) % 47 + 1 for i in range(100)]
 SMALL = dict(budget=16, chunk=4, recent=8, sinks=2, window=16, gamma1=2)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls on a shared, loaded CPU run ~50× faster on one thread than on two."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def target(tiny_target):
     return load_model(tiny_target)

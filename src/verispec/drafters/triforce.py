@@ -24,7 +24,7 @@ from verispec.errors import InvalidParameterError
 from verispec.models.loading import LoadedModel
 from verispec.models.retrieval_cache import SparseCache, build_retrieval_cache
 from verispec.models.transformer import KVCache
-from verispec.sampling.processors import SamplingParams, greedy_tokens, seen_mask, to_probs
+from verispec.sampling.processors import greedy_tokens, seen_mask, to_probs
 from verispec.types import Draft
 from verispec.verify import verify_greedy, verify_sampled
 
