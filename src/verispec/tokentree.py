@@ -14,7 +14,7 @@ from verispec.errors import InvalidParameterError
 
 __all__ = [
     "chain_parents", "is_chain", "check_parents", "depths", "ancestor_mask", "path_to", "children_of",
-    "keep_nodes",
+    "keep_nodes", "tree_attention_mask",
 ]
 
 
@@ -80,3 +80,13 @@ def keep_nodes(parents: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor,
     new_number = torch.full((parents.shape[0] + 1,), -1, dtype=torch.long)  # slot 0 stands for parent −1
     new_number[index + 1] = torch.arange(index.shape[0])
     return index, new_number[parents[index] + 1]
+
+
+def tree_attention_mask(parents: torch.Tensor) -> torch.Tensor:
+    """[n+1, n+1] bool over the fed tokens (the last committed token, then the n nodes): each sees
+    the last committed token, its ancestors and itself (the committed prefix before it is always seen)."""
+    n = parents.shape[0]
+    mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    mask[:, 0] = True
+    mask[1:, 1:] = ancestor_mask(parents)
+    return mask

@@ -4,7 +4,12 @@
 n-gram index, …). Each step the engine calls `session.propose(ids, gamma, ...)` and, after
 verification, `session.commit(ids)` with the new committed sequence, so the session can roll back
 whatever the target did not keep. A session that returns `Draft.probs = None` is deterministic:
-the verifier treats each token as a point mass.
+the verifier treats each token as a point mass. A session may return a token tree
+(`Draft.parents`); the engine verifies it in one forward with a tree attention mask.
+
+Sessions that learn from the target (STAND) set `observes_target = True`; the engine then calls
+`observe(ids, target_probs)` after each commit with the target's distributions at the newly
+committed positions.
 """
 
 from __future__ import annotations
@@ -26,8 +31,14 @@ class DraftSession(ABC):
     ) -> Draft:
         """Up to `gamma` tokens that may follow `ids` (fewer, even none, is allowed)."""
 
+    observes_target: bool = False
+
     def commit(self, ids: list[int]) -> None:
         """`ids` is the committed sequence after verification; drop state past it."""
+
+    def observe(self, ids: list[int], target_probs: torch.Tensor) -> None:
+        """target_probs [m, vocab]: row j is the target's distribution that produced ids[len(ids) − m + j]
+        (processed like the sampling distribution; plain softmax under greedy decoding)."""
 
 
 class Drafter(ABC):

@@ -9,11 +9,27 @@ is what tree verification needs to stay lossless.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from verispec.sampling.processors import SamplingParams, apply_repetition_penalty, to_probs
 from verispec.sampling.samplers import gumbel_topk, without_replacement_probs
 from verispec.types import Draft
 
-__all__ = ["choose_children", "TreeBuilder", "static_shape"]
+__all__ = ["choose_children", "node_distributions", "TreeBuilder", "static_shape"]
+
+
+def node_distributions(
+    logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None, vocab_size: int
+) -> torch.Tensor:
+    """logits [n, draft_vocab] -> [n, vocab_size] distributions to choose children from: the sampling
+    distribution (same processing as the target) or, under greedy decoding, the softmax after the
+    repetition penalty (only its order matters there). Padded with zeros to the target's vocabulary."""
+    if params.greedy:
+        penalized = apply_repetition_penalty(logits.float(), seen, params.repetition_penalty) if seen is not None else logits
+        probs = torch.softmax(penalized.float(), dim=-1)
+    else:
+        probs = to_probs(logits, params, seen)
+    return F.pad(probs, (0, vocab_size - probs.shape[-1])) if probs.shape[-1] < vocab_size else probs
 
 
 def static_shape(k: int, depth: int, wide: int) -> tuple[int, ...]:
