@@ -209,7 +209,7 @@ class Generation:
         return StepPlan(draft, feed, seconds, positions, tree_attention_mask(draft.parents))
 
     def commit(self, plan: StepPlan, logits: torch.Tensor, target_seconds: float) -> list[TokenEvent]:
-        """Verify `plan` against the target's logits [γ+1, vocab]; keep the accepted path; emit tokens."""
+        """Verify `plan` against the target's logits [n+1, vocab]; keep the accepted path; emit tokens."""
         start = time.perf_counter()
         draft, tree = plan.draft, plan.draft.parents
         seen = None
