@@ -2,8 +2,9 @@
 
 Greedy: token-identical to the target alone for every tree drafter. Cache: after every tree step the
 target's (and the draft's) KV cache equals a fresh recompute of the committed ids. Sampling: one
-end-to-end chi-square test per sampled tree drafter (N = 1500 sequences of 3 tokens over a 12-token
-vocabulary, significance 1e-3) against the exact distribution the reference enumerates.
+end-to-end chi-square test per sampled tree drafter (N = 500 sequences of 2 tokens over a 12-token
+vocabulary with top-k 6, significance 1e-3; the harness's power against wrong rules is shown in
+test_tree_verify.py and test_engine.py) against the exact distribution the reference enumerates.
 """
 
 import pytest
@@ -88,11 +89,14 @@ def test_caches_hold_exactly_the_accepted_path_after_tree_steps(target, draft, k
         logits = target.runner.forward(generation.cache, plan.feed, plan.positions, plan.tree_mask)
         generation.commit(plan, logits, 0.0)
         assert generation.cache.length == len(generation.ids) - 1
-        fresh = target.runner.new_cache()
-        target.runner.forward(fresh, torch.tensor(generation.ids[:-1]), logits="none")
-        length = generation.cache.length
-        torch.testing.assert_close(generation.cache.keys[:, :, :length], fresh.keys[:, :, :length])
-        torch.testing.assert_close(generation.cache.values[:, :, :length], fresh.values[:, :, :length])
+        session = generation.session
+        draft_cache = session.cache if kind == "expansion" else session.sessions[0].cache
+        assert draft_cache.length <= len(generation.ids) - 1
+        for model, cache in ((target, generation.cache), (draft, draft_cache)):
+            fresh = model.runner.new_cache()
+            model.runner.forward(fresh, torch.tensor(generation.ids[: cache.length]), logits="none")
+            torch.testing.assert_close(cache.keys[:, :, : cache.length], fresh.keys[:, :, : cache.length])
+            torch.testing.assert_close(cache.values[:, :, : cache.length], fresh.values[:, :, : cache.length])
     assert tree_steps > 0
 
 
@@ -117,10 +121,10 @@ def _sample_sequences(engine, params, n, length):
     ]
 
 
-@pytest.mark.parametrize("kind", ["expansion", "merge", "stand"])
+@pytest.mark.parametrize("kind", ["expansion", "stand"])  # mixed (merge) rows: test_tree_verify.py
 def test_sampled_tree_drafts_are_lossless(small_pair, kind):
     target, draft, hf = small_pair
     params = SamplingParams(temperature=1.0, top_k=6)
     engine = Engine(target, tree_drafters(target, draft, kind), gamma=3, gamma_policy="constant")
-    exact = sequence_distribution(hf, [3, 7, 3], 3, params)
-    assert chi_square_pvalue(_sample_sequences(engine, params, 1500, 3), exact) > SIGNIFICANCE
+    exact = sequence_distribution(hf, [3, 7, 3], 2, params)
+    assert chi_square_pvalue(_sample_sequences(engine, params, 500, 2), exact) > SIGNIFICANCE

@@ -38,6 +38,7 @@ class _DraftModelSession(DraftSession):
         self.drafter = drafter
         self.runner = drafter.model.runner
         self.cache = self.runner.new_cache()
+        self.base, self.drafted = 0, []  # last proposal: committed length then, and the tokens drafted
 
     def propose(self, ids, gamma, params, generator):
         if gamma == 0:
@@ -59,6 +60,7 @@ class _DraftModelSession(DraftSession):
                 seen[0, token] = True
             if i + 1 < gamma:
                 logits = runner.forward(self.cache, torch.tensor([token]), logits="last")
+        self.base, self.drafted = len(ids), tokens
         draft_probs = None
         if probs:
             draft_probs = torch.stack(probs)  # [γ, vocab]
@@ -67,4 +69,9 @@ class _DraftModelSession(DraftSession):
         return Draft(torch.tensor(tokens, dtype=torch.long), draft_probs)
 
     def commit(self, ids):
-        self.cache.truncate(min(self.cache.length, len(ids) - 1))
+        # Keep the drafted tokens the committed sequence agrees with: in a merged tree another branch
+        # (not this draft) may have been accepted.
+        committed = ids[self.base : self.base + len(self.drafted)]
+        agree = next((i for i, (a, b) in enumerate(zip(self.drafted, committed)) if a != b), len(committed))
+        self.cache.truncate(min(self.cache.length, self.base + agree, len(ids) - 1))
+        self.base, self.drafted = len(ids), []
