@@ -14,7 +14,6 @@ from stats import SIGNIFICANCE, chi_square_pvalue
 from transformers import AutoModelForCausalLM
 
 from verispec import Engine, GenerationConfig, SamplingParams
-from verispec.drafters import NgramDrafter
 from verispec.drafters.tree import ExpansionDrafter, MergeDrafter
 from verispec.models.loading import load_model
 from verispec.reference import reference_generate, sequence_distribution

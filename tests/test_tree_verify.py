@@ -4,8 +4,8 @@ Each test decodes sequences of 2 tokens over a 6-token vocabulary with position-
 (context-free) target and draft distributions. Every step drafts a tree of shape (3, 2): three
 children of the last committed token, two children under each. Children are drawn i.i.d. from the
 draft (SpecInfer), without replacement (Gumbel-top-k), are deterministic top-k candidates, or mix a
-deterministic first child with sampled ones. N = 5 000 sequences (36 cells, ≥ 25 expected in most), chi-square goodness-of-fit
-against the exact product distribution at significance 1e-3; the same harness must reject two
+deterministic first child with sampled ones. N = 5 000 sequences (36 cells), chi-square
+goodness-of-fit against the exact product distribution at significance 1e-3; the same harness must reject two
 deliberately wrong rules (a drafter stating the wrong rows for without-replacement draws; a verifier
 that forgets to update the residual after a rejected child).
 """

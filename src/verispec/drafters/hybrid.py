@@ -19,9 +19,13 @@ __all__ = ["HybridDrafter"]
 
 
 class HybridDrafter(Drafter):
-    def __init__(self, model: LoadedModel, target_vocab_size: int, min_match: int = 2, min_rate: int = 30, max_n: int = 4):
+    def __init__(
+        self, model: LoadedModel, target_vocab_size: int, min_match: int = 2, min_rate: int = 30, max_n: int = 4
+    ):
         if min_match < 1 or not 0 <= min_rate <= 100:
-            raise InvalidParameterError(f"hybrid drafter needs min_match ≥ 1 and 0 ≤ min_rate ≤ 100 (percent); got {min_match}, {min_rate}")
+            raise InvalidParameterError(
+                f"hybrid drafter needs min_match ≥ 1 and 0 ≤ min_rate ≤ 100 (percent); got {min_match}, {min_rate}"
+            )
         self.model = model
         self.model_drafter = DraftModelDrafter(model, target_vocab_size)
         self.ngram_drafter = NgramDrafter(max_n=max(max_n, min_match))
