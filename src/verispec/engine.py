@@ -9,6 +9,11 @@ loop is plain autoregressive decoding of the target — the honest baseline.
 `Engine` holds what is shared across requests (models, drafter, measured costs); `Generation` holds
 one request's state (token ids, caches, RNG, γ policy, statistics) and advances one step at a time,
 so requests stay independent.
+
+Token trees: a drafter may return a tree (`Draft.parents`). The step then feeds the last committed
+token plus every node in one forward, with positions prefix + depth and a tree attention mask (a
+node sees the committed prefix, its ancestors and itself); after verification `KVCache.keep` packs
+the accepted path's keys/values right after the prefix, so nothing is recomputed. γ caps the depth.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from verispec.drafters.base import Drafter
 from verispec.errors import InvalidParameterError, PromptError
 from verispec.models.loading import LoadedModel
 from verispec.sampling.processors import SamplingParams, greedy_tokens, seen_mask, to_probs
-from verispec.types import Draft, GenerationResult, GenerationStats, Origin, StepRecord, TokenEvent
-from verispec.verify import verify_greedy, verify_sampled
+from verispec.tokentree import ancestor_mask, check_parents, depths, is_chain, keep_nodes, tree_attention_mask
+from verispec.types import Draft, GenerationResult, GenerationStats, Origin, StepRecord, TokenEvent, Verdict
+from verispec.verify import verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_sampled
 
 __all__ = ["Engine", "Generation", "GenerationConfig", "StepPlan"]
 
@@ -107,11 +113,24 @@ class Engine:
 
 @dataclass
 class StepPlan:
-    """What one step asks of the target: score `feed` [γ+1] (the last committed token + the draft)."""
+    """What one step asks of the target: score `feed` [n+1] (the last committed token + the draft).
+
+    For a token tree, `positions` [n+1] and `tree_mask` [n+1, n+1] go to the same forward call;
+    both are None for a chain. `draft.parents` is None for a chain (trees that are chains included).
+    """
 
     draft: Draft
     feed: torch.Tensor
     draft_seconds: float
+    positions: torch.Tensor | None = None
+    tree_mask: torch.Tensor | None = None
+
+    @property
+    def depth(self) -> int:
+        """The longest path the draft offers (γ for a chain)."""
+        if self.draft.parents is None:
+            return len(self.draft)
+        return int(depths(self.draft.parents).max()) if len(self.draft) else 0
 
 
 class _Detokenizer:
@@ -171,7 +190,11 @@ class Generation:
         if self.session is None or gamma <= 0:
             return Draft(torch.zeros(0, dtype=torch.long))
         draft = self.session.propose(self.ids, gamma, self.params, self.generator)
-        return Draft(draft.tokens[:gamma], None if draft.probs is None else draft.probs[:gamma])
+        if draft.parents is None or is_chain(draft.parents):
+            return Draft(draft.tokens[:gamma], None if draft.probs is None else draft.probs[:gamma])
+        check_parents(draft.parents)
+        index, parents = keep_nodes(draft.parents, depths(draft.parents) <= gamma)  # γ caps the depth
+        return Draft(draft.tokens[index], None if draft.probs is None else draft.probs[index], parents)
 
     def plan(self) -> StepPlan:
         """Draft this step's tokens and say what the target must score."""
@@ -179,32 +202,57 @@ class Generation:
         gamma = min(self.policy.next_gamma(), remaining - 1) if self.session is not None else 0
         start = time.perf_counter()
         draft = self._draft(gamma)
-        feed = torch.cat([torch.tensor(self.ids[-1:]), draft.tokens])  # [γ+1]
-        return StepPlan(draft, feed, time.perf_counter() - start)
+        feed = torch.cat([torch.tensor(self.ids[-1:]), draft.tokens])  # [n+1]
+        seconds = time.perf_counter() - start
+        if draft.parents is None:
+            return StepPlan(draft, feed, seconds)
+        last = len(self.ids) - 1  # position of the last committed token
+        positions = last + torch.cat([torch.zeros(1, dtype=torch.long), depths(draft.parents)])  # [n+1]
+        return StepPlan(draft, feed, seconds, positions, tree_attention_mask(draft.parents))
 
     def commit(self, plan: StepPlan, logits: torch.Tensor, target_seconds: float) -> list[TokenEvent]:
-        """Verify `plan` against the target's logits [γ+1, vocab]; keep the accepted path; emit tokens."""
+        """Verify `plan` against the target's logits [n+1, vocab]; keep the accepted path; emit tokens."""
         start = time.perf_counter()
-        draft = plan.draft
-        seen = seen_mask(logits.shape[-1], self.ids, draft.tokens) if self.params.repetition_penalty != 1.0 else None
-        if self.params.greedy:
-            verdict = verify_greedy(draft.tokens, greedy_tokens(logits, self.params, seen))
-        else:
-            target_probs = to_probs(logits, self.params, seen)  # [γ+1, vocab]
-            verdict = verify_sampled(draft.tokens, draft.probs, target_probs, self.generator)
+        draft, tree = plan.draft, plan.draft.parents
+        seen = None
+        if self.params.repetition_penalty != 1.0:
+            ancestors = ancestor_mask(tree) if tree is not None else None
+            seen = seen_mask(logits.shape[-1], self.ids, draft.tokens, ancestors)  # [n+1, vocab]
+        target_probs = None if self.params.greedy else to_probs(logits, self.params, seen)  # [n+1, vocab]
+        verdict = self._verify(draft, logits, target_probs, seen)
 
-        new_tokens = draft.tokens[: verdict.accepted].tolist() + [verdict.next_token]
+        # rows of the logits on the committed path: the last committed token, then each accepted node
+        path = list(verdict.path) if verdict.path is not None else list(range(verdict.accepted))
+        rows = torch.tensor([0] + [node + 1 for node in path])  # [accepted+1]
+        new_tokens = draft.tokens[path].tolist() + [verdict.next_token]
         last_origin = Origin.TARGET if len(draft) == 0 else verdict.next_origin
         origins = [Origin.ACCEPTED] * verdict.accepted + [last_origin]
+        start_slot = len(self.ids) - 1
         self.ids.extend(new_tokens)
-        self.cache.truncate(len(self.ids) - 1)
+        if tree is None:
+            self.cache.truncate(len(self.ids) - 1)
+        else:
+            self.cache.keep(start_slot, rows)  # the accepted path's keys/values, packed; no recompute
         if self.session is not None:
             self.session.commit(self.ids)
-            self.session.observe(self.ids, logits[: verdict.accepted + 1])
+            if self.session.observes_target:
+                observed = target_probs[rows] if target_probs is not None else torch.softmax(logits[rows], dim=-1)
+                self.session.observe(self.ids, observed)  # [accepted+1, vocab]
         verify_seconds = time.perf_counter() - start
-        self.stats.record(StepRecord(len(draft), verdict.accepted, plan.draft_seconds, target_seconds + verify_seconds))
-        self.policy.update(len(draft), verdict.accepted)
+        self.stats.record(StepRecord(plan.depth, verdict.accepted, plan.draft_seconds, target_seconds + verify_seconds))
+        self.policy.update(plan.depth, verdict.accepted)
         return self._emit(new_tokens, origins)
+
+    def _verify(self, draft: Draft, logits: torch.Tensor, target_probs: torch.Tensor | None, seen) -> Verdict:
+        """Chain or tree, greedy or sampled: the verifier that fits this draft."""
+        if self.params.greedy:
+            target_tokens = greedy_tokens(logits, self.params, seen)  # [n+1]
+            if draft.parents is None:
+                return verify_greedy(draft.tokens, target_tokens)
+            return verify_tree_greedy(draft.tokens, draft.parents, target_tokens)
+        if draft.parents is None:
+            return verify_sampled(draft.tokens, draft.probs, target_probs, self.generator)
+        return verify_tree_sampled(draft.tokens, draft.parents, draft.probs, target_probs, self.generator)
 
     def step(self) -> list[TokenEvent]:
         """One draft + verify step; returns the tokens it emitted."""
@@ -212,7 +260,9 @@ class Generation:
             return []
         plan = self.plan()
         start = time.perf_counter()
-        logits = self.target.runner.forward(self.cache, plan.feed, logits="all")  # [γ+1, vocab]
+        logits = self.target.runner.forward(
+            self.cache, plan.feed, positions=plan.positions, tree_mask=plan.tree_mask, logits="all"
+        )  # [n+1, vocab]
         return self.commit(plan, logits, time.perf_counter() - start)
 
     def _emit(self, tokens: list[int], origins: list[Origin]) -> list[TokenEvent]:

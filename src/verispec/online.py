@@ -47,14 +47,14 @@ class LowRankHead:
         return self.base(x) + ((x.float() @ self.A.T) @ self.B.T).to(x.dtype)
 
 
-def distill(head: LowRankHead, features: torch.Tensor, target_logits: torch.Tensor, steps: int, lr: float) -> float:
-    """Fit head.A, head.B to KL(target ‖ draft) on features [n, hidden], target_logits [n, vocab]; returns the last loss."""
+def distill(head: LowRankHead, features: torch.Tensor, target_probs: torch.Tensor, steps: int, lr: float) -> float:
+    """Fit head.A, head.B to KL(target ‖ draft) on features [n, hidden], target_probs [n, vocab]; returns the last loss."""
     with torch.inference_mode(False), torch.enable_grad():
         x = features.clone().float()  # [n, hidden]
         with torch.no_grad():
             base_logits = head.base(features).float().clone()  # [n, vocab], fixed
-        target_probs = torch.softmax(target_logits.clone().float(), dim=-1)  # [n, vocab]
-        target_log_probs = torch.log_softmax(target_logits.clone().float(), dim=-1)
+        target_probs = target_probs.clone().float()  # [n, vocab]; zeros (truncated tokens) add nothing to the KL
+        target_log_probs = target_probs.clamp_min(1e-30).log()
         A = head.A.clone().requires_grad_(True)
         B = head.B.clone().requires_grad_(True)
         optimizer = torch.optim.Adam([A, B], lr=lr)
@@ -84,7 +84,7 @@ class OnlineDrafter(Drafter):
         self.buffer_size, self.steps, self.lr = buffer_size, steps, lr
         self.eval_requests, self.tolerance = eval_requests, tolerance
         self.store = store or cache_dir() / "online" / re.sub(r"[^A-Za-z0-9._-]+", "_", draft.name)
-        self.buffer: list[tuple[torch.Tensor, torch.Tensor]] = []  # (hidden [hidden], target_logits [vocab])
+        self.buffer: list[tuple[torch.Tensor, torch.Tensor]] = []  # (hidden [hidden], target_probs [vocab])
         self.alphas: list[float] = []  # measured α of each finished request
         self.version = 0  # 0 = the untouched draft
         self.events: list[str] = []
@@ -124,11 +124,11 @@ class OnlineDrafter(Drafter):
         if not self.buffer:
             raise ValueError("nothing to learn from yet: the buffer of draft misses is empty")
         features = torch.stack([h for h, _ in self.buffer])  # [n, hidden]
-        target_logits = torch.stack([t for _, t in self.buffer])  # [n, vocab]
+        target_probs = torch.stack([t for _, t in self.buffer])  # [n, vocab]
         recent = self.alphas[-self.eval_requests :]
         alpha_before = sum(recent) / len(recent) if recent else 0.0
         previous = self.version
-        loss = distill(self.head, features, target_logits, self.steps, self.lr)
+        loss = distill(self.head, features, target_probs, self.steps, self.lr)
         self.buffer.clear()
         self.version = self._save()
         self._probation = (previous, alpha_before, len(self.alphas))
@@ -172,12 +172,14 @@ class _OnlineSession(DraftSession):
     def commit(self, ids):
         self.inner.commit(ids)
 
-    def observe(self, ids, target_logits):
-        accepted, proposed = target_logits.shape[0] - 1, len(self.hidden)
+    observes_target = True
+
+    def observe(self, ids, target_probs):
+        accepted, proposed = target_probs.shape[0] - 1, len(self.hidden)
         if not proposed:
             return
         self.accepted += accepted
         self.judged += accepted + (accepted < proposed)
         if accepted < proposed:  # a miss: the target's distribution where the draft went wrong
             vocab = self.drafter.head.out_features
-            self.drafter.buffer.append((self.hidden[accepted], target_logits[-1, :vocab].clone()))
+            self.drafter.buffer.append((self.hidden[accepted], target_probs[-1, :vocab].clone()))

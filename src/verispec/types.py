@@ -19,15 +19,22 @@ class Origin(str, Enum):
 
 @dataclass
 class Draft:
-    """A drafter's proposal for one step.
+    """A drafter's proposal for one step: a chain, or a token tree.
 
-    tokens: [γ] proposed ids (a chain: token i follows token i−1).
-    probs: [γ, vocab] the distribution each token was sampled from, after the same processing as the
-      target's; None marks a deterministic drafter (a point mass at each token).
+    tokens: [n] proposed ids.
+    probs: [n, vocab] the distribution each token was drawn from, after the same processing as the
+      target's; None marks a deterministic drafter (a point mass at each token). In a tree, row i is
+      the exact distribution node i was drawn from given everything drafted before it: the parent's
+      distribution for children drawn independently, that distribution with the earlier siblings
+      removed and renormalised for children drawn without replacement (Gumbel-top-k), a one-hot row
+      for a deterministic node in a mixed tree. That one convention makes tree verification exact.
+    parents: [n] index of each node's parent within the draft, −1 = child of the last committed token,
+      nodes in topological order; None means a chain (node i follows node i−1).
     """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
+    parents: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -35,11 +42,16 @@ class Draft:
 
 @dataclass(frozen=True)
 class Verdict:
-    """The rejection rule's decision: keep `accepted` draft tokens, then append `next_token`."""
+    """The rejection rule's decision: keep `accepted` draft tokens, then append `next_token`.
+
+    path: for a tree, the indices of the accepted nodes, root side first (len(path) == accepted);
+    None for a chain, where the accepted tokens are the first `accepted` of the draft.
+    """
 
     accepted: int
     next_token: int
     next_origin: Origin
+    path: tuple[int, ...] | None = None
 
 
 @dataclass

@@ -1,23 +1,38 @@
 """Drafters and the one factory that turns a spec string into one.
 
-Specs: `none`; `model` (the default draft model) or `model:NAME_OR_PATH`, or a model name/path alone;
-`ngram` or `ngram:max_n=4,min_n=1` (prompt lookup); `triforce` or `triforce:budget=512,chunk=32,…`
-(long prompts: the default draft model with a StreamingLLM cache → the target over retrieved KV
-chunks → the target; see `drafters/triforce.py` for every option).
+Specs (`KIND` alone uses the defaults; options are `name=integer`, comma-separated):
+  none                          plain decoding of the target
+  model | model:NAME_OR_PATH    the default (or named) draft model; a model name/path alone also works
+  ngram[:max_n=3,min_n=1]       prompt lookup
+  tree[:k=2,depth=4,wide=1]     SpecInfer top-k expansion by the draft model (k children at `wide` depths)
+  merge[:max_n=3]               the draft model's chain and the n-gram continuation merged into one tree
+  stand[:max_n=4,min_n=2,k=2,depth=5,wide=1]   STAND: n-gram table of the target's own distributions
+  hybrid[:min_match=2,min_rate=30,max_n=4]     n-gram when its match is long enough, else the draft model
+  triforce[:budget=512,chunk=32,…]  long prompts: draft model with a StreamingLLM cache → the target
+                                over retrieved KV chunks → the target (every option: drafters/triforce.py)
 """
 
 from __future__ import annotations
 
+import inspect
+
 from verispec.drafters.base import Drafter, DraftSession
 from verispec.drafters.draft_model import DraftModelDrafter
+from verispec.drafters.hybrid import HybridDrafter
 from verispec.drafters.ngram import NgramDrafter
+from verispec.drafters.stand import StandDrafter
+from verispec.drafters.tree import ExpansionDrafter, MergeDrafter
 from verispec.errors import InvalidParameterError
 from verispec.models.loading import LoadedModel, check_compatible, load_model
 from verispec.models.registry import DEFAULT_DRAFT
 
-__all__ = ["Drafter", "DraftSession", "DraftModelDrafter", "NgramDrafter", "make_drafter", "DRAFTER_KINDS"]
+__all__ = [
+    "Drafter", "DraftSession", "DraftModelDrafter", "NgramDrafter", "ExpansionDrafter", "MergeDrafter",
+    "StandDrafter", "HybridDrafter", "make_drafter", "DRAFTER_KINDS",
+]
 
-DRAFTER_KINDS = ("none", "model", "ngram", "triforce")
+DRAFTER_KINDS = ("none", "model", "ngram", "tree", "merge", "stand", "hybrid", "triforce")
+_NOT_OPTIONS = {"self", "model", "target_vocab_size", "vocab_size", "table"}
 
 
 def _options(text: str) -> dict[str, int]:
@@ -30,25 +45,46 @@ def _options(text: str) -> dict[str, int]:
     return options
 
 
+def _build(factory, kind: str, text: str, args=lambda: ()) -> Drafter:
+    """`factory(*args(), **options)`, every option name checked against its signature first (so a typo
+    fails before a draft model is loaded)."""
+    options = _options(text)
+    allowed = [name for name in inspect.signature(factory).parameters if name not in _NOT_OPTIONS]
+    for name in options:
+        if name not in allowed:
+            raise InvalidParameterError(f"unknown {kind} drafter option {name!r}: use {', '.join(allowed)}")
+    return factory(*args(), **options)
+
+
+def _draft_model(target: LoadedModel, dtype: str | None) -> LoadedModel:
+    draft = load_model(DEFAULT_DRAFT, dtype or target.dtype)
+    check_compatible(target, draft)
+    return draft
+
+
 def make_drafter(spec: str | None, target: LoadedModel, dtype: str | None = None) -> Drafter | None:
     """A drafter for `target` from a spec string; None for plain decoding."""
     spec = (spec or "none").strip()
     kind, _, rest = spec.partition(":")
+    vocab = target.vocab_size
     if kind == "none":
         return None
     if kind == "ngram":
-        try:
-            return NgramDrafter(**_options(rest))
-        except TypeError as e:
-            raise InvalidParameterError(f"bad ngram drafter options {rest!r}: use max_n=…, min_n=…") from e
+        return _build(NgramDrafter, kind, rest)
+    if kind == "stand":
+        return _build(StandDrafter, kind, rest, lambda: (vocab,))
+    with_model = lambda: (_draft_model(target, dtype), vocab)  # noqa: E731
+    if kind == "tree":
+        return _build(ExpansionDrafter, kind, rest, with_model)
+    if kind == "merge":
+        return _build(MergeDrafter.model_and_ngram, kind, rest, with_model)
+    if kind == "hybrid":
+        return _build(HybridDrafter, kind, rest, with_model)
     if kind == "triforce":
         from verispec.drafters.triforce import make_triforce
 
-        options = _options(rest)
-        draft = load_model(DEFAULT_DRAFT, dtype or target.dtype)
-        check_compatible(target, draft)
-        return make_triforce(target, draft, options)
+        return make_triforce(target, _draft_model(target, dtype), _options(rest))
     model_spec = (rest or DEFAULT_DRAFT) if kind == "model" else spec
     draft = load_model(model_spec, dtype or target.dtype)
     check_compatible(target, draft)
-    return DraftModelDrafter(draft, target.vocab_size)
+    return DraftModelDrafter(draft, vocab)

@@ -3,9 +3,14 @@
 `Drafter.start(prompt_ids)` opens a `DraftSession` holding that request's state (a KV cache, an
 n-gram index, …). Each step the engine calls `session.propose(ids, gamma, ...)` and, after
 verification, `session.commit(ids)` with the new committed sequence, so the session can roll back
-whatever the target did not keep. Two optional hooks, `attach_target_cache` and `observe`, show a
-session the target's prompt cache and the target's logits on the committed tokens. A session that returns `Draft.probs = None` is deterministic:
-the verifier treats each token as a point mass.
+whatever the target did not keep. A session that returns `Draft.probs = None` is deterministic:
+the verifier treats each token as a point mass. A session may return a token tree
+(`Draft.parents`); the engine verifies it in one forward with a tree attention mask.
+
+Two optional hooks show a session the target's side. `attach_target_cache` gets the target's prompt
+cache once (TriForce builds its retrieval cache from it). Sessions that learn from the target (STAND,
+the online drafter) set `observes_target = True`; the engine then calls `observe(ids, target_probs)`
+after each commit with the target's distributions at the newly committed positions.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ class DraftSession(ABC):
     ) -> Draft:
         """Up to `gamma` tokens that may follow `ids` (fewer, even none, is allowed)."""
 
+    observes_target: bool = False
+
     def commit(self, ids: list[int]) -> None:
         """`ids` is the committed sequence after verification; drop state past it."""
 
@@ -35,10 +42,9 @@ class DraftSession(ABC):
         """Called once after the target's prefill with its KV cache of prompt[:-1]: read it, never write
         it (the TriForce drafter builds its retrieval cache from it). Default: ignore it."""
 
-    def observe(self, ids: list[int], target_logits: torch.Tensor) -> None:
-        """Called after `commit` with the target's raw logits [k, vocab] for the last k committed
-        tokens of `ids` (row i predicts ids[len(ids) − k + i]): the accepted tokens and the target's
-        own one. Online drafters learn from them. Default: ignore them."""
+    def observe(self, ids: list[int], target_probs: torch.Tensor) -> None:
+        """target_probs [m, vocab]: row j is the target's distribution that produced ids[len(ids) − m + j]
+        (processed like the sampling distribution; plain softmax under greedy decoding)."""
 
 
 class Drafter(ABC):

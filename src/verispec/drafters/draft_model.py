@@ -75,6 +75,7 @@ class _DraftModelSession(DraftSession):
         self.drafter = drafter
         self.runner = drafter.model.runner
         self.cache = self.runner.new_cache()
+        self.base, self.drafted = 0, []  # last proposal: committed length then, and the tokens drafted
 
     def propose(self, ids, gamma, params, generator):
         if gamma == 0:
@@ -82,7 +83,14 @@ class _DraftModelSession(DraftSession):
         runner = self.runner
         logits = runner.forward(self.cache, torch.tensor(ids[self.cache.length :]), logits="last")  # [1, vocab]
         step = lambda token: runner.forward(self.cache, torch.tensor([token]), logits="last")  # noqa: E731
-        return sample_chain(logits, step, ids, gamma, params, generator, self.drafter.target_vocab_size)
+        draft = sample_chain(logits, step, ids, gamma, params, generator, self.drafter.target_vocab_size)
+        self.base, self.drafted = len(ids), draft.tokens.tolist()
+        return draft
 
     def commit(self, ids):
-        self.cache.truncate(min(self.cache.length, len(ids) - 1))
+        # Keep the drafted tokens the committed sequence agrees with: in a merged tree another branch
+        # (not this draft) may have been accepted.
+        committed = ids[self.base : self.base + len(self.drafted)]
+        agree = next((i for i, (a, b) in enumerate(zip(self.drafted, committed)) if a != b), len(committed))
+        self.cache.truncate(min(self.cache.length, self.base + agree, len(ids) - 1))
+        self.base, self.drafted = len(ids), []

@@ -44,13 +44,15 @@ class _NgramSession(DraftSession):
                     self.index[tuple(ids[end - n + 1 : end + 1])] = end + 1
         self.indexed_until = max(self.indexed_until, len(ids) - 1)
 
-    def propose(self, ids, gamma, params, generator):
+    def lookup(self, ids: list[int], gamma: int) -> tuple[list[int], int]:
+        """(up to γ continuation tokens, length n of the matched suffix); ([], 0) without a match."""
         self._index(ids)
-        tokens: list[int] = []
         if gamma > 0:
             for n in range(min(self.max_n, len(ids)), self.min_n - 1, -1):
                 start = self.index.get(tuple(ids[-n:]))
                 if start is not None:
-                    tokens = ids[start : start + gamma]
-                    break
-        return Draft(torch.tensor(tokens, dtype=torch.long))
+                    return ids[start : start + gamma], n
+        return [], 0
+
+    def propose(self, ids, gamma, params, generator):
+        return Draft(torch.tensor(self.lookup(ids, gamma)[0], dtype=torch.long))

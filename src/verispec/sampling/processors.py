@@ -60,16 +60,26 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def seen_mask(vocab_size: int, prefix: list[int] | torch.Tensor, block: torch.Tensor | None = None) -> torch.Tensor:
+def seen_mask(
+    vocab_size: int,
+    prefix: list[int] | torch.Tensor,
+    block: torch.Tensor | None = None,
+    ancestors: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Which tokens each position's own prefix contains, for the repetition penalty.
 
-    Row 0 sees `prefix`; row i (i ≥ 1) sees `prefix` plus block[:i]. Returns [len(block)+1, vocab] bool
-    (one row when block is None).
+    Row 0 sees `prefix`; row i (i ≥ 1) sees `prefix` plus block[:i] for a chain, or plus the tokens of
+    block node i−1 and its ancestors for a token tree (`ancestors` [n, n] bool, see
+    `tokentree.ancestor_mask`). Returns [len(block)+1, vocab] bool (one row when block is None).
     """
     base = torch.zeros(vocab_size, dtype=torch.bool)
     base[torch.as_tensor(prefix, dtype=torch.long)] = True
     if block is None or len(block) == 0:
         return base[None]
+    if ancestors is not None:
+        onehot = torch.nn.functional.one_hot(block, vocab_size).float()  # [n, vocab]
+        on_path = (ancestors.float() @ onehot) > 0  # [n, vocab]
+        return base[None] | torch.cat([torch.zeros(1, vocab_size, dtype=torch.bool), on_path])
     added = torch.zeros(len(block) + 1, vocab_size, dtype=torch.int32)
     added[torch.arange(1, len(block) + 1), block] = 1
     return base[None] | (added.cumsum(0) > 0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["argmax", "multinomial", "gumbel_noise", "gumbel_max", "gumbel_topk"]
+__all__ = ["argmax", "multinomial", "gumbel_noise", "gumbel_max", "gumbel_topk", "without_replacement_probs"]
 
 
 def argmax(scores: torch.Tensor) -> torch.Tensor:
@@ -39,3 +39,15 @@ def gumbel_topk(logits: torch.Tensor, k: int, generator: torch.Generator | None)
     """
     perturbed = logits.float() + gumbel_noise(logits.shape, generator)
     return torch.topk(perturbed, k, dim=-1).indices
+
+
+def without_replacement_probs(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The distribution each of k draws without replacement came from, given the draws before it.
+
+    probs [vocab]; tokens [k] distinct, in draw order -> [k, vocab]: row i is `probs` with tokens[:i]
+    removed and renormalised (row 0 is `probs` itself). The verifier needs exactly these rows.
+    """
+    onehot = torch.nn.functional.one_hot(tokens, probs.shape[-1]).to(torch.int32)  # [k, vocab]
+    earlier = (onehot.cumsum(0) - onehot) > 0  # [k, vocab]: drawn before row i
+    rows = probs[None].expand(tokens.shape[0], -1).masked_fill(earlier, 0.0)
+    return rows / rows.sum(dim=-1, keepdim=True)

@@ -1,0 +1,71 @@
+"""Hybrid drafting: the near-free n-gram continuation when it looks good, the draft model otherwise.
+
+Per step the n-gram index is asked first (microseconds). Its chain is used when the matched suffix
+has at least `min_match` tokens and the n-gram source's measured acceptance (accepted / proposed over
+this request, with an optimistic prior of 1 of 2) is at least `min_rate` percent; otherwise the draft
+model proposes. Acceptance is measured by comparing each proposal with what was committed. The draft
+model's cache simply lags during n-gram steps and catches up on its next proposal.
+"""
+
+from __future__ import annotations
+
+from verispec.drafters.base import Drafter, DraftSession
+from verispec.drafters.draft_model import DraftModelDrafter
+from verispec.drafters.ngram import NgramDrafter
+from verispec.errors import InvalidParameterError
+from verispec.models.loading import LoadedModel
+
+__all__ = ["HybridDrafter"]
+
+
+class HybridDrafter(Drafter):
+    def __init__(
+        self, model: LoadedModel, target_vocab_size: int, min_match: int = 2, min_rate: int = 30, max_n: int = 4
+    ):
+        if min_match < 1 or not 0 <= min_rate <= 100:
+            raise InvalidParameterError(
+                f"hybrid drafter needs min_match ≥ 1 and 0 ≤ min_rate ≤ 100 (percent); got {min_match}, {min_rate}"
+            )
+        self.model = model
+        self.model_drafter = DraftModelDrafter(model, target_vocab_size)
+        self.ngram_drafter = NgramDrafter(max_n=max(max_n, min_match))
+        self.min_match, self.min_rate = min_match, min_rate / 100
+        self.name = f"hybrid:min_match={min_match},min_rate={min_rate}"
+
+    def start(self, prompt_ids: list[int]) -> DraftSession:
+        return _HybridSession(self, prompt_ids)
+
+
+class _HybridSession(DraftSession):
+    def __init__(self, drafter: HybridDrafter, prompt_ids: list[int]):
+        self.drafter = drafter
+        self.model = drafter.model_drafter.start(prompt_ids)
+        self.ngram = drafter.ngram_drafter.start(prompt_ids)
+        self.counts = {"ngram": [1, 2], "model": [1, 2]}  # source -> [accepted, proposed], prior 1/2
+        self.last: tuple[str, list[int], int] | None = None  # (source, proposal, committed length then)
+
+    def rate(self, source: str) -> float:
+        accepted, proposed = self.counts[source]
+        return accepted / proposed
+
+    def propose(self, ids, gamma, params, generator):
+        tokens, matched = self.ngram.lookup(ids, gamma)
+        if tokens and matched >= self.drafter.min_match and self.rate("ngram") >= self.drafter.min_rate:
+            draft = self.ngram.propose(ids, gamma, params, generator)
+            source = "ngram"
+        else:
+            draft = self.model.propose(ids, gamma, params, generator)
+            source = "model"
+        self.last = (source, draft.tokens.tolist(), len(ids))
+        return draft
+
+    def commit(self, ids):
+        if self.last is not None:
+            source, proposal, start = self.last
+            committed = ids[start : start + len(proposal)]
+            accepted = next((i for i, (a, b) in enumerate(zip(proposal, committed)) if a != b), len(committed))
+            self.counts[source][0] += accepted
+            self.counts[source][1] += len(proposal)
+            self.last = None
+        self.model.commit(ids)
+        self.ngram.commit(ids)

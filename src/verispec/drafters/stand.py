@@ -1,0 +1,152 @@
+"""STAND (seed 002): model-free tree drafting from an n-gram table of the TARGET's own distributions.
+
+The table maps an n-gram (n = min_n..max_n, default 2..4) to the top-10 next tokens with
+probabilities. It is filled after each step from the target's processed distributions at the newly
+committed positions (`DraftSession.observe`); the prompt's own continuations enter as point masses.
+On a repeat sighting of an n-gram the stored distribution is blended: old × k/(k+1) + new × 1/(k+1)
+(k = sightings so far), then pruned to the top 10. Lookup backs off from the longest n-gram to the
+shortest. Drafting walks the table from the context, choosing children of every node from the stored
+distribution (Gumbel-top-k without replacement under sampling, recorded with their exact draft
+rows so verification stays lossless; the top-k under greedy decoding), extending each child's
+context by its token. The table lives on the `StandDrafter` and is shared by its sessions, so it
+grows across requests; `save`/`load` keep it on disk.
+
+Default shape k=2, depth=5, wide=1: two candidates for the next token, then a chain under each
+(10 nodes). Not searched (the seed's 625 → 80-node search is not done here); chosen from the cost
+curve in DESIGN.md §7: an fp32 target forward costs ≈2× one token up to 6 positions and ≈3× up to
+21, so wide trees only pay with bf16; the first token is where n-gram tables disagree most.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from verispec.drafters.base import Drafter, DraftSession
+from verispec.drafters.branching import TreeBuilder, choose_children, static_shape
+from verispec.errors import InvalidParameterError
+from verispec.types import Draft
+
+__all__ = ["StandTable", "StandDrafter"]
+
+TOP = 10
+
+
+class StandTable:
+    """n-gram → (sightings, top tokens [≤10], probabilities [≤10])."""
+
+    def __init__(self, max_n: int = 4, min_n: int = 2):
+        if not 1 <= min_n <= max_n:
+            raise InvalidParameterError(f"STAND n-gram sizes need 1 ≤ min_n ≤ max_n, got min_n={min_n}, max_n={max_n}")
+        self.max_n, self.min_n = max_n, min_n
+        self.entries: dict[tuple[int, ...], tuple[int, torch.Tensor, torch.Tensor]] = {}
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def update(self, ngram: tuple[int, ...], tokens: torch.Tensor, probs: torch.Tensor) -> None:
+        """Blend one sighting (tokens [m], probs [m]) into the entry for `ngram`; keep the top 10."""
+        seen, old_tokens, old_probs = self.entries.get(ngram, (0, tokens[:0], probs[:0]))
+        merged_tokens = torch.cat([old_tokens, tokens])
+        weights = torch.cat([old_probs * seen / (seen + 1), probs / (seen + 1)])
+        unique, inverse = torch.unique(merged_tokens, return_inverse=True)
+        summed = torch.zeros(unique.shape[0]).index_add_(0, inverse, weights.float())  # [unique]
+        top = torch.topk(summed, min(TOP, unique.shape[0]))
+        self.entries[ngram] = (seen + 1, unique[top.indices], top.values)
+
+    def observe(self, ids: list[int], target_probs: torch.Tensor) -> None:
+        """target_probs [m, vocab]: the target's distribution that produced each of ids[−m:]."""
+        top = torch.topk(target_probs, min(TOP, target_probs.shape[-1]), dim=-1)  # [m, 10]
+        first = len(ids) - target_probs.shape[0]
+        for j in range(target_probs.shape[0]):
+            self._update_contexts(ids, first + j, top.indices[j], top.values[j])
+
+    def add_sequence(self, ids: list[int]) -> None:
+        """Index a sequence's own continuations as point masses (used for prompts)."""
+        one = torch.ones(1)
+        for position in range(1, len(ids)):
+            self._update_contexts(ids, position, torch.tensor([ids[position]]), one)
+
+    def _update_contexts(self, ids: list[int], position: int, tokens: torch.Tensor, probs: torch.Tensor) -> None:
+        for n in range(self.min_n, min(self.max_n, position) + 1):
+            self.update(tuple(ids[position - n : position]), tokens, probs)
+
+    def lookup(self, context: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(tokens, probs) stored for the longest known suffix n-gram of `context`, backing off max_n → min_n."""
+        for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
+            entry = self.entries.get(tuple(context[-n:]))
+            if entry is not None:
+                return entry[1], entry[2]
+        return None
+
+    def save(self, path: str | Path) -> None:
+        rows = [[list(k), seen, t.tolist(), p.tolist()] for k, (seen, t, p) in self.entries.items()]
+        Path(path).write_text(json.dumps({"max_n": self.max_n, "min_n": self.min_n, "entries": rows}))
+
+    @classmethod
+    def load(cls, path: str | Path) -> StandTable:
+        data = json.loads(Path(path).read_text())
+        table = cls(data["max_n"], data["min_n"])
+        for key, seen, tokens, probs in data["entries"]:
+            table.entries[tuple(key)] = (seen, torch.tensor(tokens, dtype=torch.long), torch.tensor(probs))
+        return table
+
+
+class StandDrafter(Drafter):
+    def __init__(self, vocab_size: int, max_n: int = 4, min_n: int = 2, k: int = 2, depth: int = 5, wide: int = 1,
+                 table: StandTable | None = None):
+        if k < 1 or depth < 1 or not 0 <= wide <= depth:
+            raise InvalidParameterError(f"STAND needs k ≥ 1, depth ≥ 1, 0 ≤ wide ≤ depth; got k={k}, depth={depth}, wide={wide}")
+        self.vocab_size = vocab_size
+        self.table = table if table is not None else StandTable(max_n, min_n)
+        self.shape = static_shape(k, depth, wide)
+        self.name = f"stand:max_n={self.table.max_n},k={k},depth={depth}"
+
+    def save(self, path: str | Path) -> None:
+        self.table.save(path)
+
+    def load(self, path: str | Path) -> None:
+        self.table = StandTable.load(path)
+
+    def start(self, prompt_ids: list[int]) -> DraftSession:
+        self.table.add_sequence(prompt_ids)
+        return _StandSession(self)
+
+
+class _StandSession(DraftSession):
+    observes_target = True
+
+    def __init__(self, drafter: StandDrafter):
+        self.drafter = drafter
+
+    def _row(self, context: list[int]) -> torch.Tensor | None:
+        """The stored distribution after `context` as a dense row [vocab], or None if unknown."""
+        found = self.drafter.table.lookup(context)
+        if found is None:
+            return None
+        row = torch.zeros(self.drafter.vocab_size).index_put_((found[0],), found[1])
+        return row / row.sum()
+
+    def propose(self, ids, gamma, params, generator):
+        tail = self.drafter.table.max_n
+        builder = TreeBuilder()
+        frontier = {-1: ids[-tail:]}  # node -> its context (the last max_n tokens suffice)
+        for k in self.drafter.shape[:gamma]:
+            grown = {}
+            for parent, context in frontier.items():
+                row = self._row(context)
+                if row is None:
+                    continue
+                tokens, rows = choose_children(row, k, params.greedy, generator)
+                for i, token in enumerate(tokens):
+                    node = builder.add(token, parent, rows[i] if rows is not None else None)
+                    grown[node] = (context + [token])[-tail:]
+            frontier = grown
+        if not len(builder):
+            return Draft(torch.zeros(0, dtype=torch.long))
+        return builder.build(self.drafter.vocab_size)
+
+    def observe(self, ids, target_probs):
+        self.drafter.table.observe(ids, target_probs)

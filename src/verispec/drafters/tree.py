@@ -1,0 +1,134 @@
+"""Tree drafters (SpecInfer): top-k expansion by a draft model, and merging several drafters' chains.
+
+Expansion: the draft model scores the committed sequence once, then grows the tree one depth at a
+time, choosing k children per node (top-k under greedy decoding, Gumbel-top-k without replacement
+under sampling). Each depth is one draft forward over all nodes so far with their tree attention
+mask; the draft cache is cut back to the committed sequence afterwards, so it only ever holds
+committed tokens (the runner's forward sees its whole cache, which is why the partial tree is fed
+again each depth rather than kept). Shape: k children at each of the first `wide` depths, one below.
+
+Merge: the draft model's chain and the n-gram continuation in one tree. Deterministic chains share
+prefixes; a sampled chain never merges into a deterministic node (that would change the distribution
+the node was drawn from), so in sampling mode the two chains are separate branches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.drafters.base import Drafter, DraftSession
+from verispec.drafters.branching import TreeBuilder, choose_children, node_distributions, static_shape
+from verispec.drafters.draft_model import DraftModelDrafter
+from verispec.drafters.ngram import NgramDrafter
+from verispec.errors import InvalidParameterError
+from verispec.models.loading import LoadedModel
+from verispec.sampling.processors import seen_mask
+from verispec.tokentree import ancestor_mask, depths
+from verispec.types import Draft
+
+__all__ = ["ExpansionDrafter", "MergeDrafter"]
+
+
+class ExpansionDrafter(Drafter):
+    def __init__(self, model: LoadedModel, target_vocab_size: int, k: int = 2, depth: int = 4, wide: int = 1):
+        if k < 1 or depth < 1 or not 0 <= wide <= depth:
+            raise InvalidParameterError(f"tree drafter needs k ≥ 1, depth ≥ 1, 0 ≤ wide ≤ depth; got k={k}, depth={depth}, wide={wide}")
+        self.model, self.target_vocab_size = model, target_vocab_size
+        self.shape = static_shape(k, depth, wide)
+        self.name = f"tree:k={k},depth={depth},wide={wide}"
+
+    def start(self, prompt_ids: list[int]) -> DraftSession:
+        return _ExpansionSession(self, prompt_ids)
+
+
+class _ExpansionSession(DraftSession):
+    def __init__(self, drafter: ExpansionDrafter, prompt_ids: list[int]):
+        self.drafter = drafter
+        self.runner = drafter.model.runner
+        self.cache = self.runner.new_cache(len(prompt_ids) + 64)
+        if len(prompt_ids) > 1:
+            self.runner.forward(self.cache, torch.tensor(prompt_ids[:-1]), logits="none")
+
+    def _distributions(self, ids, builder: TreeBuilder, logits: torch.Tensor, params) -> torch.Tensor:
+        """Distributions [rows, vocab] after the root (row 0) and after each node (rows 1..)."""
+        seen = None
+        if params.repetition_penalty != 1.0:
+            tokens = torch.tensor(builder.tokens, dtype=torch.long)
+            parents = torch.tensor(builder.parents, dtype=torch.long)
+            seen = seen_mask(self.runner.config.vocab_size, ids, tokens, ancestor_mask(parents))[: logits.shape[0]]
+        return node_distributions(logits, params, seen, self.drafter.target_vocab_size)
+
+    def propose(self, ids, gamma, params, generator):
+        shape = self.drafter.shape[:gamma]
+        if not shape:
+            return Draft(torch.zeros(0, dtype=torch.long))
+        committed = len(ids)
+        root_logits = self.runner.forward(self.cache, torch.tensor(ids[self.cache.length :]), logits="last")  # [1, vocab]
+        builder = TreeBuilder()
+        dists = self._distributions(ids, builder, root_logits, params)  # [1, vocab]
+        frontier = {-1: dists[0]}
+        for level, k in enumerate(shape):
+            added = []
+            for parent, row in frontier.items():
+                tokens, rows = choose_children(row, k, params.greedy, generator)
+                added += [builder.add(t, parent, rows[i] if rows is not None else None) for i, t in enumerate(tokens)]
+            if level + 1 == len(shape) or not added:
+                break
+            tokens = torch.tensor(builder.tokens, dtype=torch.long)
+            parents = torch.tensor(builder.parents, dtype=torch.long)
+            logits = self.runner.forward(
+                self.cache, tokens, positions=committed + depths(parents) - 1, tree_mask=ancestor_mask(parents)
+            )  # [nodes, vocab]
+            self.cache.truncate(committed)
+            dists = self._distributions(ids, builder, torch.cat([root_logits, logits]), params)  # [nodes+1, vocab]
+            frontier = {node: dists[node + 1] for node in added}
+        return builder.build(self.drafter.target_vocab_size)
+
+    def commit(self, ids):
+        self.cache.truncate(min(self.cache.length, len(ids) - 1))
+
+
+class MergeDrafter(Drafter):
+    """Several drafters' chains merged into one token tree (by default: draft model + n-gram)."""
+
+    def __init__(self, drafters: list[Drafter], target_vocab_size: int):
+        if not drafters:
+            raise InvalidParameterError("a merge drafter needs at least one drafter to merge")
+        self.drafters, self.target_vocab_size = drafters, target_vocab_size
+        self.name = "merge:" + "+".join(d.name for d in drafters)
+
+    @classmethod
+    def model_and_ngram(cls, model: LoadedModel, target_vocab_size: int, max_n: int = 3) -> MergeDrafter:
+        return cls([DraftModelDrafter(model, target_vocab_size), NgramDrafter(max_n=max_n)], target_vocab_size)
+
+    @property
+    def model(self) -> LoadedModel | None:
+        """The draft model, if one of the merged drafters has one (the engine calibrates its cost)."""
+        return next((d.model for d in self.drafters if hasattr(d, "model")), None)
+
+    def start(self, prompt_ids: list[int]) -> DraftSession:
+        return _MergeSession([d.start(prompt_ids) for d in self.drafters], self.target_vocab_size)
+
+
+class _MergeSession(DraftSession):
+    def __init__(self, sessions: list[DraftSession], vocab_size: int):
+        self.sessions, self.vocab_size = sessions, vocab_size
+        self.observes_target = any(s.observes_target for s in sessions)
+
+    def propose(self, ids, gamma, params, generator):
+        builder = TreeBuilder()
+        for session in self.sessions:
+            draft = session.propose(ids, gamma, params, generator)
+            if draft.parents is not None:
+                raise InvalidParameterError("a merge drafter merges chains: give it chain drafters, not tree drafters")
+            builder.add_chain(draft.tokens[:gamma].tolist(), None if draft.probs is None else draft.probs[:gamma])
+        return builder.build(self.vocab_size)
+
+    def commit(self, ids):
+        for session in self.sessions:
+            session.commit(ids)
+
+    def observe(self, ids, target_probs):
+        for session in self.sessions:
+            if session.observes_target:
+                session.observe(ids, target_probs)

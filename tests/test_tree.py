@@ -1,0 +1,129 @@
+"""Token trees in the engine, on tiny random models, against the reference decoder.
+
+Greedy: token-identical to the target alone for every tree drafter. Cache: after every tree step the
+target's (and the draft's) KV cache equals a fresh recompute of the committed ids. Sampling: one
+end-to-end chi-square test per sampled tree drafter (N = 500 sequences of 2 tokens over a 12-token
+vocabulary with top-k 6, significance 1e-3; the harness's power against wrong rules is shown in
+test_tree_verify.py and test_engine.py) against the exact distribution the reference enumerates.
+"""
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from stats import SIGNIFICANCE, chi_square_pvalue
+from transformers import AutoModelForCausalLM
+
+from verispec import Engine, GenerationConfig, SamplingParams
+from verispec.drafters.tree import ExpansionDrafter, MergeDrafter
+from verispec.models.loading import load_model
+from verispec.reference import reference_generate, sequence_distribution
+from verispec.tokentree import ancestor_mask, path_to, tree_attention_mask
+
+PROMPTS = [[5, 9, 2, 7], [11, 3, 3, 3, 8, 1, 30, 12, 5, 11, 3, 3], [40]]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target):
+    return load_model(tiny_target)
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_draft):
+    return load_model(tiny_draft)
+
+
+def tree_drafters(target, draft, kind):
+    vocab = target.vocab_size
+    if kind == "expansion":
+        return ExpansionDrafter(draft, vocab, k=2, depth=3, wide=2)
+    if kind == "expansion-self":  # the target as its own draft: deep accepted paths and bonus tokens
+        return ExpansionDrafter(target, vocab, k=3, depth=4, wide=1)
+    if kind == "merge":
+        return MergeDrafter.model_and_ngram(draft, vocab)
+    if kind == "stand":
+        from verispec.drafters.stand import StandDrafter
+
+        return StandDrafter(vocab, k=2, depth=4)
+    from verispec.drafters.hybrid import HybridDrafter
+
+    return HybridDrafter(draft, vocab)
+
+
+KINDS = ["expansion", "expansion-self", "merge", "stand", "hybrid"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_tree_decoding_is_token_identical_to_the_reference(target, draft, hf_target, kind):
+    engine = Engine(target, tree_drafters(target, draft, kind), gamma=4, gamma_policy="constant")
+    for prompt in PROMPTS:
+        expected = reference_generate(hf_target, prompt, 20, eos_ids=target.eos_ids)
+        assert engine.generate(prompt, GenerationConfig(max_new_tokens=20)).token_ids == expected
+
+
+def test_greedy_trees_with_repetition_penalty_match_the_reference(target, draft, hf_target):
+    params = SamplingParams(repetition_penalty=1.8)
+    engine = Engine(target, tree_drafters(target, draft, "expansion"), gamma=3, gamma_policy="constant")
+    expected = reference_generate(hf_target, PROMPTS[1], 16, params, eos_ids=target.eos_ids)
+    assert engine.generate(PROMPTS[1], GenerationConfig(max_new_tokens=16, sampling=params)).token_ids == expected
+
+
+def test_tree_mask_is_the_ancestor_relation():
+    parents = torch.tensor([-1, -1, 0, 0, 2, 1])
+    mask = tree_attention_mask(parents)
+    for i in range(len(parents)):
+        for j in range(len(parents)):
+            assert bool(mask[i + 1, j + 1]) == (j in path_to(parents, i))
+    assert mask[:, 0].all() and not mask[0, 1:].any()
+    assert torch.equal(mask[1:, 1:], ancestor_mask(parents))
+
+
+@pytest.mark.parametrize("kind", ["expansion", "merge"])
+def test_caches_hold_exactly_the_accepted_path_after_tree_steps(target, draft, kind):
+    engine = Engine(target, tree_drafters(target, draft, kind), gamma=3, gamma_policy="constant")
+    generation = engine.start(PROMPTS[1], GenerationConfig(max_new_tokens=15))
+    tree_steps = 0
+    while not generation.done:
+        plan = generation.plan()
+        tree_steps += plan.tree_mask is not None
+        logits = target.runner.forward(generation.cache, plan.feed, plan.positions, plan.tree_mask)
+        generation.commit(plan, logits, 0.0)
+        assert generation.cache.length == len(generation.ids) - 1
+        session = generation.session
+        draft_cache = session.cache if kind == "expansion" else session.sessions[0].cache
+        assert draft_cache.length <= len(generation.ids) - 1
+        for model, cache in ((target, generation.cache), (draft, draft_cache)):
+            fresh = model.runner.new_cache()
+            model.runner.forward(fresh, torch.tensor(generation.ids[: cache.length]), logits="none")
+            torch.testing.assert_close(cache.keys[:, :, : cache.length], fresh.keys[:, :, : cache.length])
+            torch.testing.assert_close(cache.values[:, :, : cache.length], fresh.values[:, :, : cache.length])
+    assert tree_steps > 0
+
+
+# --- sampling: equal in distribution -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_pair(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("small_tree")
+    target_dir = make_tiny_model(folder / "t", vocab_size=12, seed=21, layers=2)
+    draft_dir = make_tiny_model(folder / "d", vocab_size=12, seed=22, layers=1)
+    target, draft = load_model(target_dir), load_model(draft_dir)
+    target.eos_ids = frozenset()  # fixed-length sequences
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    return target, draft, hf
+
+
+def _sample_sequences(engine, params, n, length):
+    return [
+        tuple(engine.generate([3, 7, 3], GenerationConfig(max_new_tokens=length, sampling=params, seed=seed)).token_ids)
+        for seed in range(n)
+    ]
+
+
+@pytest.mark.parametrize("kind", ["expansion", "stand"])  # mixed (merge) rows: test_tree_verify.py
+def test_sampled_tree_drafts_are_lossless(small_pair, kind):
+    target, draft, hf = small_pair
+    params = SamplingParams(temperature=1.0, top_k=6)
+    engine = Engine(target, tree_drafters(target, draft, kind), gamma=3, gamma_policy="constant")
+    exact = sequence_distribution(hf, [3, 7, 3], 2, params)
+    assert chi_square_pvalue(_sample_sequences(engine, params, 500, 2), exact) > SIGNIFICANCE
