@@ -11,7 +11,7 @@ import uvicorn
 from transformers import PreTrainedTokenizerFast
 
 from verispec import Engine
-from verispec.drafters import DraftModelDrafter, NgramDrafter
+from verispec.drafters import DraftModelDrafter, ExpansionDrafter, NgramDrafter
 from verispec.models.loading import load_model
 
 MODEL = "tiny"
@@ -22,7 +22,8 @@ def tiny_engine(target_dir: Path, draft: Path | str = "ngram", gamma: int = 3) -
     """A fresh engine (own model objects) over the tiny target, constant γ.
 
     draft: a model folder (the target's own folder: every draft accepted, bonus tokens; a random draft:
-    mostly rejected) or "ngram" (prompt lookup: ragged acceptance on looping output).
+    mostly rejected), "ngram" (prompt lookup: ragged acceptance on looping output), or ("tree", folder)
+    for a SpecInfer token tree from that draft model.
     """
     target = load_model(target_dir)
     # AutoTokenizer turns the word-level tokenizer into a Qwen2 BPE one (model_type qwen2): load the file as is
@@ -30,6 +31,8 @@ def tiny_engine(target_dir: Path, draft: Path | str = "ngram", gamma: int = 3) -
     target.tokenizer.chat_template = CHAT_TEMPLATE
     if draft == "ngram":
         drafter = NgramDrafter(max_n=3)
+    elif isinstance(draft, tuple):
+        drafter = ExpansionDrafter(load_model(draft[1]), target.vocab_size, k=2, depth=3)
     else:
         drafter = DraftModelDrafter(load_model(draft), target.vocab_size)
     return Engine(target, drafter, gamma=gamma, gamma_policy="constant")

@@ -121,14 +121,15 @@ def test_concurrent_requests_are_batched_and_exact(server, reference):
     assert batched_steps - batched_steps_before > 0, "no target pass verified more than one request"
 
 
-@pytest.mark.parametrize("draft", ["self", "model"])
+@pytest.mark.parametrize("draft", ["self", "model", "tree"])
 def test_scheduler_batches_ragged_rows_identically_to_solo(tiny_target, tiny_draft, draft):
     """Scheduler-level, with draft models (draft_probs path): the target drafting for itself (every
-    draft accepted, bonus tokens) and a random draft (mostly rejected). Greedy and seeded sampled rows
-    batched together give the tokens of solo decoding."""
+    draft accepted, bonus tokens), a random draft (mostly rejected), and token trees from the target
+    itself (tree masks and positions per row). Greedy and seeded sampled rows batched together give
+    the tokens of solo decoding."""
     from verispec.server.scheduler import Scheduler
 
-    draft = tiny_target if draft == "self" else tiny_draft
+    draft = {"self": tiny_target, "model": tiny_draft, "tree": ("tree", tiny_target)}[draft]
     engine = tiny_engine(tiny_target, draft=draft)
     scheduler = Scheduler(engine, max_batch=4)
     configs = [GenerationConfig(max_new_tokens=30), GenerationConfig(max_new_tokens=30, sampling=SamplingParams(temperature=1.0), seed=5)]

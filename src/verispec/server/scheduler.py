@@ -222,12 +222,14 @@ class Scheduler:
         runner = self.engine.target.runner
         caches = [job.generation.cache for job in jobs]
         try:
-            return runner.forward_ragged(caches, [plan.feed for plan in plans])
+            return runner.forward_ragged(
+                caches, [plan.feed for plan in plans], [plan.positions for plan in plans], [plan.tree_mask for plan in plans]
+            )
         except Exception:  # noqa: BLE001
             rows: list[torch.Tensor | BaseException] = []
             for cache, plan in zip(caches, plans):
                 try:
-                    rows.append(runner.forward(cache, plan.feed, logits="all"))
+                    rows.append(runner.forward(cache, plan.feed, plan.positions, plan.tree_mask, logits="all"))
                 except Exception as error:  # noqa: BLE001
                     rows.append(error)
             return rows
