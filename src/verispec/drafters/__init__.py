@@ -1,7 +1,9 @@
 """Drafters and the one factory that turns a spec string into one.
 
 Specs: `none`; `model` (the default draft model) or `model:NAME_OR_PATH`, or a model name/path alone;
-`ngram` or `ngram:max_n=4,min_n=1` (prompt lookup).
+`ngram` or `ngram:max_n=4,min_n=1` (prompt lookup); derived drafts `model:NAME,layers=L,vocab=N,int8=1`
+and `self:layers=L` (the target's first L layers), and cascades `cascade` (vertical) or
+`cascade:kind=horizontal,strong=2` — see `verispec.drafters.specs`.
 """
 
 from __future__ import annotations
@@ -9,13 +11,14 @@ from __future__ import annotations
 from verispec.drafters.base import Drafter, DraftSession
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.ngram import NgramDrafter
+from verispec.drafters.specs import SPEC_KINDS, is_derived_spec, make_derived_drafter
 from verispec.errors import InvalidParameterError
 from verispec.models.loading import LoadedModel, check_compatible, load_model
 from verispec.models.registry import DEFAULT_DRAFT
 
 __all__ = ["Drafter", "DraftSession", "DraftModelDrafter", "NgramDrafter", "make_drafter", "DRAFTER_KINDS"]
 
-DRAFTER_KINDS = ("none", "model", "ngram")
+DRAFTER_KINDS = ("none", "model", "ngram", *SPEC_KINDS)
 
 
 def _options(text: str) -> dict[str, int]:
@@ -34,6 +37,8 @@ def make_drafter(spec: str | None, target: LoadedModel, dtype: str | None = None
     kind, _, rest = spec.partition(":")
     if kind == "none":
         return None
+    if is_derived_spec(kind, rest):
+        return make_derived_drafter(kind, rest, target, dtype)
     if kind == "ngram":
         try:
             return NgramDrafter(**_options(rest))
