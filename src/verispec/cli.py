@@ -1,4 +1,4 @@
-"""The `verispec` command line: generate, bench, analyze, models.
+"""The `verispec` command line: generate, bench, analyze, design, models.
 
 `verispec generate "prompt"` streams the answer with each token coloured by where it came from
 (green: draft token the target accepted; yellow: recovered after a rejection; blue: bonus token;
@@ -140,6 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     analyze = sub.add_parser("analyze", help="expected speedup over γ from α and c, given or measured; --plots")
     add_analyze_arguments(analyze)
     analyze.set_defaults(func=_analyze)
+    from verispec import draft_design
+
+    design = sub.add_parser("design", help="measure candidate drafts (α, latency) and rank them by predicted speedup")
+    draft_design.add_arguments(design)
+    design.set_defaults(func=draft_design.run)
     sub.add_parser("bench", help="benchmark against Hugging Face generate() (see `verispec bench --help`)", add_help=False)
     return parser
 
