@@ -2,8 +2,7 @@
 
     PYTHONPATH=src python scripts/measure_cascade.py "none;model;cascade;cascade:kind=horizontal,strong=2;model:vocab=32768;self:layers=8"
 """
-import sys, time, json
-import torch
+import sys
 from verispec import Engine, GenerationConfig
 from verispec.bench.prompts import PROMPTS
 from verispec.drafters import DraftModelDrafter, NgramDrafter
