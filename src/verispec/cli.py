@@ -1,4 +1,4 @@
-"""The `verispec` command line: generate, serve, bench, analyze, models.
+"""The `verispec` command line: generate, serve, bench, analyze, design, models.
 
 `verispec generate "prompt"` streams the answer with each token coloured by where it came from
 (green: draft token the target accepted; yellow: recovered after a rejection; blue: bonus token;
@@ -164,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--timeout", type=float, default=300.0, help="seconds per request before HTTP 504")
     _add_model_options(serve)
     serve.set_defaults(func=_serve)
+    from verispec import draft_design
+
+    design = sub.add_parser("design", help="measure candidate drafts (α, latency) and rank them by predicted speedup")
+    draft_design.add_arguments(design)
+    design.set_defaults(func=draft_design.run)
     sub.add_parser("bench", help="benchmark against Hugging Face generate() (see `verispec bench --help`)", add_help=False)
     return parser
 

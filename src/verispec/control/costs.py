@@ -39,7 +39,8 @@ def measure_verify_curve(runner: Transformer, max_positions: int, context: int =
 
 
 def _cached_curve(runner: Transformer, folder: str, max_positions: int) -> list[float]:
-    key = f"{folder}|{runner.dtype}|threads={torch.get_num_threads()}"
+    variant = getattr(runner, "variant", "")  # a derived draft (fewer layers, int8, …) is timed on its own
+    key = f"{folder}{variant}|{runner.dtype}|threads={torch.get_num_threads()}"
     file = cache_dir() / "verify_costs.json"
     table = json.loads(file.read_text()) if file.exists() else {}
     times = table.get(key)

@@ -10,6 +10,11 @@ Specs (`KIND` alone uses the defaults; options are `name=integer`, comma-separat
   hybrid[:min_match=2,min_rate=30,max_n=4]     n-gram when its match is long enough, else the draft model
   triforce[:budget=512,chunk=32,…]  long prompts: draft model with a StreamingLLM cache → the target
                                 over retrieved KV chunks → the target (every option: drafters/triforce.py)
+  self[:layers=L,vocab=N,int8=1]   the target's first L layers as its own draft
+  model:NAME,layers=L,vocab=N,int8=1   derived drafts: truncated, reduced output vocabulary, int8
+  cascade[:kind=vertical,max_n=3]  the draft model's own drafts come from prompt lookup (vertical), or
+  cascade:kind=horizontal,strong=2  the draft model for the first positions, n-gram after
+                                (derived and cascade syntax: `verispec.drafters.specs`)
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from verispec.drafters.base import Drafter, DraftSession
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.hybrid import HybridDrafter
 from verispec.drafters.ngram import NgramDrafter
+from verispec.drafters.specs import SPEC_KINDS, is_derived_spec, make_derived_drafter
 from verispec.drafters.stand import StandDrafter
 from verispec.drafters.tree import ExpansionDrafter, MergeDrafter
 from verispec.errors import InvalidParameterError
@@ -31,7 +37,7 @@ __all__ = [
     "StandDrafter", "HybridDrafter", "make_drafter", "DRAFTER_KINDS",
 ]
 
-DRAFTER_KINDS = ("none", "model", "ngram", "tree", "merge", "stand", "hybrid", "triforce")
+DRAFTER_KINDS = ("none", "model", "ngram", "tree", "merge", "stand", "hybrid", "triforce", *SPEC_KINDS)
 _NOT_OPTIONS = {"self", "model", "target_vocab_size", "vocab_size", "table"}
 
 
@@ -69,6 +75,8 @@ def make_drafter(spec: str | None, target: LoadedModel, dtype: str | None = None
     vocab = target.vocab_size
     if kind == "none":
         return None
+    if is_derived_spec(kind, rest):
+        return make_derived_drafter(kind, rest, target, dtype)
     if kind == "ngram":
         return _build(NgramDrafter, kind, rest)
     if kind == "stand":

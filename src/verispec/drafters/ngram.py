@@ -5,6 +5,8 @@ every earlier n-gram; the most recent earlier occurrence of the longest matching
 the tokens that followed it are the draft. Hugging Face's prompt lookup scans left to right and
 takes the first (oldest) match. The index is a dict updated incrementally with the committed tokens,
 so a lookup costs microseconds whatever the context length. Deterministic: no draft probabilities.
+The sequence may also shrink or change at its end between calls (a cascade drafts after speculative
+tokens that are later rolled back): the entries of n-grams that no longer occur are undone.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from verispec.drafters.base import Drafter, DraftSession
+from verispec.drafters.prefix import common_prefix_length
 from verispec.errors import InvalidParameterError
 from verispec.types import Draft
 
@@ -34,15 +37,34 @@ class _NgramSession(DraftSession):
         self.max_n, self.min_n = max_n, min_n
         self.index: dict[tuple[int, ...], int] = {}  # n-gram -> position right after its latest occurrence
         self.indexed_until = 0  # n-grams ending before this position are indexed
+        self.indexed_ids: list[int] = []  # the sequence they were read from
+        self.undo: list[list[tuple[tuple[int, ...], int | None]]] = []  # per end position: (n-gram, previous entry)
+
+    def _rollback(self, ids: list[int]) -> None:
+        """Undo the entries of n-grams ending where `ids` no longer equals the indexed sequence."""
+        valid = min(common_prefix_length(self.indexed_ids, ids), len(ids) - 1)  # n-grams ending before: still valid
+        while self.indexed_until > valid:
+            self.indexed_until -= 1
+            for key, previous in reversed(self.undo.pop()):
+                if previous is None:
+                    del self.index[key]
+                else:
+                    self.index[key] = previous
 
     def _index(self, ids: list[int]) -> None:
+        self._rollback(ids)
         # Index n-grams ending at positions < len(ids) - 1, so each has a continuation
         # and the current suffix never matches itself.
         for end in range(self.indexed_until, len(ids) - 1):
+            changes = []
             for n in range(self.min_n, self.max_n + 1):
                 if end - n + 1 >= 0:
-                    self.index[tuple(ids[end - n + 1 : end + 1])] = end + 1
+                    key = tuple(ids[end - n + 1 : end + 1])
+                    changes.append((key, self.index.get(key)))
+                    self.index[key] = end + 1
+            self.undo.append(changes)
         self.indexed_until = max(self.indexed_until, len(ids) - 1)
+        self.indexed_ids = list(ids)
 
     def lookup(self, ids: list[int], gamma: int) -> tuple[list[int], int]:
         """(up to γ continuation tokens, length n of the matched suffix); ([], 0) without a match."""
