@@ -72,3 +72,10 @@ def test_plots_are_written(tmp_path):
     assert [p.name for p in paths] == ["speedup_by_category.png", "acceptance_by_position.png", "speedup_vs_gamma.png"]
     for path in paths:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_methods_split_keeps_drafter_options():
+    from verispec.bench.compare import split_methods
+
+    assert split_methods("hf-plain, vs:stand:k=2,depth=5@constant,vs:none,hf-pld") == [
+        "hf-plain", "vs:stand:k=2,depth=5@constant", "vs:none", "hf-pld"]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -300,6 +301,12 @@ def _split(text: str | None) -> list[str] | None:
     return [item.strip() for item in text.split(",") if item.strip()] if text else None
 
 
+def split_methods(text: str | None) -> list[str]:
+    """--methods entries: split at commas that start a new method (`hf-…` or `vs:…`), so a drafter
+    spec keeps its own options: `hf-plain,vs:stand:k=2,depth=5@constant` is two methods."""
+    return [item.strip() for item in re.split(r",(?=\s*(?:hf-|vs:))", text or "") if item.strip()]
+
+
 def run_config(args: argparse.Namespace, prompts: list[Prompt], specs: list[MethodSpec]) -> dict:
     import transformers
 
@@ -319,7 +326,7 @@ def run_config(args: argparse.Namespace, prompts: list[Prompt], specs: list[Meth
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        specs = [parse_method(m) for m in _split(args.methods) or []]
+        specs = [parse_method(m) for m in split_methods(args.methods)]
         if not specs:
             raise InvalidParameterError("--methods is empty")
         if args.max_new_tokens < 1:
