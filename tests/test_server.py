@@ -411,5 +411,5 @@ def test_loadtest_is_bounded_and_reports(server):
     body = {"prompt": PROMPTS[3], "max_tokens": 8, "temperature": 0}
     rows = [asyncio.run(run_level(server.url, MODEL, clients, 6, body)) for clients in (1, 3)]
     for row in rows:
-        assert row["requests"] == 6 and row["failures"] == 0 and row["tokens_per_second"] > 0
+        assert row["requests"] == 6 and row["failures"] == 0 and row["garbled"] == 0 and row["tokens_per_second"] > 0
         assert row["p50_latency_s"] <= row["p99_latency_s"] and row["mean_accepted_length"] > 1

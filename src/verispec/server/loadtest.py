@@ -3,7 +3,9 @@
     python -m verispec.server.loadtest --url http://127.0.0.1:8000 --clients 1,4,16 --requests 32
 
 For each client count, exactly `--requests` completions are sent (by that many concurrent clients)
-and the run stops by itself. Reports requests/s, generated tokens/s, p50/p99 latency, and τ.
+and the run stops by itself. Reports requests/s, generated tokens/s, p50/p99 latency, and τ. Under
+greedy decoding (the default) every response to the one prompt must be the same text, batched or not:
+`garbled` counts the responses that differ from the most common one.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ async def run_level(url: str, model: str, clients: int, requests: int, body: dic
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(requests):
         queue.put_nowait(i)
-    latencies, tokens, steps, failures = [], 0, 0, 0
+    latencies, tokens, steps, failures, texts = [], 0, 0, 0, []
 
     async def worker(http: httpx.AsyncClient) -> None:
         nonlocal tokens, steps, failures
@@ -41,7 +43,9 @@ async def run_level(url: str, model: str, clients: int, requests: int, body: dic
             if response.status_code != 200:
                 failures += 1
                 continue
-            usage = response.json()["usage"]
+            answer = response.json()
+            texts.append(answer["choices"][0]["text"])
+            usage = answer["usage"]
             tokens += usage["completion_tokens"]
             steps += usage["steps"]
 
@@ -49,8 +53,9 @@ async def run_level(url: str, model: str, clients: int, requests: int, body: dic
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
         await asyncio.gather(*(worker(http) for _ in range(clients)))
     seconds = time.perf_counter() - started
+    garbled = len(texts) - max(texts.count(t) for t in set(texts)) if texts and body.get("temperature", 0) == 0 else 0
     return {
-        "clients": clients, "requests": requests, "failures": failures, "seconds": round(seconds, 3),
+        "clients": clients, "requests": requests, "failures": failures, "garbled": garbled, "seconds": round(seconds, 3),
         "requests_per_second": round(requests / seconds, 3), "tokens_per_second": round(tokens / seconds, 2),
         "p50_latency_s": round(percentile(latencies, 0.5), 3), "p99_latency_s": round(percentile(latencies, 0.99), 3),
         "mean_latency_s": round(statistics.mean(latencies), 3),
@@ -71,14 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     model = httpx.get(args.url + "/v1/models", timeout=30).json()["data"][0]["id"]
     body = {"prompt": args.prompt, "max_tokens": args.max_tokens, "temperature": args.temperature}
     if not args.json:
-        print(f"{'clients':>7} {'req/s':>8} {'tok/s':>8} {'p50 s':>8} {'p99 s':>8} {'τ':>6} {'failed':>6}")
+        print(f"{'clients':>7} {'req/s':>8} {'tok/s':>8} {'p50 s':>8} {'p99 s':>8} {'τ':>6} {'failed':>6} {'garbled':>7}")
     for clients in (int(c) for c in args.clients.split(",")):
         row = asyncio.run(run_level(args.url, model, clients, args.requests, body))
         if args.json:
             print(json.dumps(row))
         else:
             print(f"{row['clients']:>7} {row['requests_per_second']:>8.2f} {row['tokens_per_second']:>8.1f} "
-                  f"{row['p50_latency_s']:>8.3f} {row['p99_latency_s']:>8.3f} {row['mean_accepted_length']:>6.2f} {row['failures']:>6}")
+                  f"{row['p50_latency_s']:>8.3f} {row['p99_latency_s']:>8.3f} {row['mean_accepted_length']:>6.2f} {row['failures']:>6} {row['garbled']:>7}")
     return 0
 
 
