@@ -240,9 +240,9 @@ def _slow(engine, seconds: float):
     runner = engine.target.runner
     ragged = runner.forward_ragged
 
-    def slow_ragged(caches, feeds):
+    def slow_ragged(caches, feeds, *rest):
         time.sleep(seconds)
-        return ragged(caches, feeds)
+        return ragged(caches, feeds, *rest)
     runner.forward_ragged = slow_ragged
     return engine
 
@@ -296,8 +296,8 @@ def test_a_crashing_generation_fails_alone(tiny_target, reference):
         if 47 in feed.tolist():
             raise RuntimeError("poisoned row")
 
-    runner.forward = lambda cache, feed, **kw: (poisoned(feed), forward(cache, feed, **kw))[1]
-    runner.forward_ragged = lambda caches, feeds: ([poisoned(f) for f in feeds], ragged(caches, feeds))[1]
+    runner.forward = lambda cache, feed, *rest, **kw: (poisoned(feed), forward(cache, feed, *rest, **kw))[1]
+    runner.forward_ragged = lambda caches, feeds, *rest: ([poisoned(f) for f in feeds], ragged(caches, feeds, *rest))[1]
     with LocalServer(create_app(engine, model_name=MODEL)) as server:
         async def run_all():
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
