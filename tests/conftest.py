@@ -59,6 +59,21 @@ def tiny_draft(tiny_dir) -> Path:
     return make_tiny_model(tiny_dir / "draft", seed=2, layers=1)
 
 
+@pytest.fixture(scope="module")
+def target(tiny_target):
+    """The tiny target loaded by verispec, one per test module (some tests adjust its eos ids)."""
+    from verispec.models.loading import load_model
+
+    return load_model(tiny_target)
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_draft):
+    from verispec.models.loading import load_model
+
+    return load_model(tiny_draft)
+
+
 @pytest.fixture(scope="session")
 def tiny_other_vocab(tiny_dir) -> Path:
     return make_tiny_model(tiny_dir / "other", vocab_size=40, seed=3, layers=1)

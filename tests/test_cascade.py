@@ -27,16 +27,6 @@ PROMPTS = [[5, 9, 2, 7], [11, 3, 3, 3, 8, 1, 30, 12, 5, 3, 3, 8], [40]]
 
 
 @pytest.fixture(scope="module")
-def target(tiny_target):
-    return load_model(tiny_target)
-
-
-@pytest.fixture(scope="module")
-def draft(tiny_draft):
-    return load_model(tiny_draft)
-
-
-@pytest.fixture(scope="module")
 def expected(target, hf_target):
     """The reference decoder's 16 greedy tokens after each prompt."""
     return {tuple(p): reference_generate(hf_target, p, 16, eos_ids=target.eos_ids) for p in PROMPTS}

@@ -20,16 +20,6 @@ from verispec.reference import reference_generate, sequence_distribution
 PROMPTS = [[5, 9, 2, 7], [11, 3, 3, 3, 8, 1, 30, 12, 5], [40]]
 
 
-@pytest.fixture(scope="module")
-def target(tiny_target):
-    return load_model(tiny_target)
-
-
-@pytest.fixture(scope="module")
-def draft(tiny_draft):
-    return load_model(tiny_draft)
-
-
 def _drafters(target, draft):
     return {
         "model": DraftModelDrafter(draft, target.vocab_size),

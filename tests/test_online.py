@@ -5,21 +5,10 @@ import pytest
 import torch
 
 from verispec import Engine, GenerationConfig
-from verispec.models.loading import load_model
 from verispec.online import OnlineDrafter
 from verispec.reference import reference_generate
 
 PROMPT = [11, 3, 3, 3, 8, 1, 30, 12, 5]
-
-
-@pytest.fixture(scope="module")
-def target(tiny_target):
-    return load_model(tiny_target)
-
-
-@pytest.fixture(scope="module")
-def draft(tiny_draft):
-    return load_model(tiny_draft)
 
 
 def _alphas(engine: Engine, requests: int) -> list[float]:

@@ -22,16 +22,6 @@ from verispec.tokentree import ancestor_mask, path_to, tree_attention_mask
 PROMPTS = [[5, 9, 2, 7], [11, 3, 3, 3, 8, 1, 30, 12, 5, 11, 3, 3], [40]]
 
 
-@pytest.fixture(scope="module")
-def target(tiny_target):
-    return load_model(tiny_target)
-
-
-@pytest.fixture(scope="module")
-def draft(tiny_draft):
-    return load_model(tiny_draft)
-
-
 def tree_drafters(target, draft, kind):
     vocab = target.vocab_size
     if kind == "expansion":

@@ -21,16 +21,6 @@ LONG_PROMPT = [(7 * i + 3) % 47 + 1 for i in range(100)]
 SMALL = dict(budget=16, chunk=4, recent=8, sinks=2, window=16, gamma1=2)
 
 
-@pytest.fixture(scope="module")
-def target(tiny_target):
-    return load_model(tiny_target)
-
-
-@pytest.fixture(scope="module")
-def draft(tiny_draft):
-    return load_model(tiny_draft)
-
-
 def test_select_chunks_keeps_the_highest_scoring_chunk_per_layer():
     keys = torch.zeros(2, 1, 8, 2)  # [layers, kv_heads, 4 chunks × 2 slots, head_dim]
     keys[:, 0, 4:6] = torch.tensor([1.0, 0.0])  # chunk 2 points along x
