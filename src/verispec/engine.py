@@ -174,9 +174,7 @@ class Generation:
         # engine.costs may measure the models once (then cached on disk): not part of this request's time
         self.policy = make_gamma_policy(engine.gamma_policy, engine.gamma, engine.costs, engine.max_gamma)
         start = self._started = time.perf_counter()
-        self.cache = self.target.runner.new_cache(self.prompt_len + self.max_new + engine.max_gamma + 2)
-        if self.prompt_len > 1:
-            self.target.runner.forward(self.cache, torch.tensor(self.ids[:-1]), logits="none")
+        self.cache = self.target.runner.prefilled_cache(self.ids, spare=self.max_new + engine.max_gamma + 2)
         self.session = engine.drafter.start(self.ids) if engine.drafter is not None else None
         if self.session is not None:
             self.session.attach_target_cache(self.cache)

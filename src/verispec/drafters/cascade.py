@@ -69,10 +69,8 @@ class _VerticalSession(DraftSession):
     def __init__(self, drafter: VerticalCascadeDrafter, prompt_ids: list[int]):
         self.drafter = drafter
         self.runner = drafter.model.runner
-        self.cache = self.runner.new_cache(len(prompt_ids) + 64)
+        self.cache = self.runner.prefilled_cache(prompt_ids)
         self.cached: list[int] = list(prompt_ids[:-1])  # the ids whose keys/values the cache holds
-        if self.cached:
-            self.runner.forward(self.cache, torch.tensor(self.cached), logits="none")
         self.inner = drafter.inner.start(prompt_ids)
 
     def propose(self, ids, gamma, params, generator):

@@ -63,18 +63,14 @@ class DraftModelDrafter(Drafter):
         self.target_vocab_size = target_vocab_size
 
     def start(self, prompt_ids: list[int]) -> DraftSession:
-        session = _DraftModelSession(self)
-        session.cache.ensure(len(prompt_ids) + 64)
-        if len(prompt_ids) > 1:
-            session.runner.forward(session.cache, torch.tensor(prompt_ids[:-1]), logits="none")
-        return session
+        return _DraftModelSession(self, prompt_ids)
 
 
 class _DraftModelSession(DraftSession):
-    def __init__(self, drafter: DraftModelDrafter):
+    def __init__(self, drafter: DraftModelDrafter, prompt_ids: list[int]):
         self.drafter = drafter
         self.runner = drafter.model.runner
-        self.cache = self.runner.new_cache()
+        self.cache = self.runner.prefilled_cache(prompt_ids)
         self.base, self.drafted = 0, []  # last proposal: committed length then, and the tokens drafted
 
     def propose(self, ids, gamma, params, generator):

@@ -45,9 +45,7 @@ class _ExpansionSession(DraftSession):
     def __init__(self, drafter: ExpansionDrafter, prompt_ids: list[int]):
         self.drafter = drafter
         self.runner = drafter.model.runner
-        self.cache = self.runner.new_cache(len(prompt_ids) + 64)
-        if len(prompt_ids) > 1:
-            self.runner.forward(self.cache, torch.tensor(prompt_ids[:-1]), logits="none")
+        self.cache = self.runner.prefilled_cache(prompt_ids)
 
     def _distributions(self, ids, builder: TreeBuilder, logits: torch.Tensor, params) -> torch.Tensor:
         """Distributions [rows, vocab] after the root (row 0) and after each node (rows 1..)."""

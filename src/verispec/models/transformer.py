@@ -172,6 +172,14 @@ class Transformer:
     def new_cache(self, capacity: int = 1024) -> KVCache:
         return KVCache(self.config, capacity, self.dtype, self.device)
 
+    def prefilled_cache(self, prompt_ids: list[int], spare: int = 64) -> KVCache:
+        """A cache holding prompt_ids[:-1] (the last prompt token is fed with the first step), with room
+        for `spare` more slots."""
+        cache = self.new_cache(len(prompt_ids) + spare)
+        if len(prompt_ids) > 1:
+            self.forward(cache, torch.tensor(prompt_ids[:-1]), logits="none")
+        return cache
+
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         needed = int(positions.max()) + 1
         if self._rope_cache.shape[1] < needed:
