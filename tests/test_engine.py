@@ -11,7 +11,7 @@ from conftest import make_tiny_model
 from stats import SIGNIFICANCE, chi_square_pvalue
 from transformers import AutoModelForCausalLM
 
-from verispec import Engine, GenerationConfig, SamplingParams
+from verispec import Engine, GenerationConfig, SamplingParams, load
 from verispec.drafters import DraftModelDrafter, NgramDrafter, make_drafter
 from verispec.errors import IncompatibleModelsError, InvalidParameterError, ModelNotFoundError, PromptError
 from verispec.models.loading import load_model
@@ -177,3 +177,33 @@ def test_bad_inputs_raise_clear_errors(target, tiny_other_vocab):
         make_drafter(str(tiny_other_vocab), target)
     with pytest.raises(InvalidParameterError, match="name=integer"):
         make_drafter("ngram:max_n=three", target)
+
+
+def test_a_request_drafts_with_models_already_loaded_never_new_ones(tiny_target, tiny_draft):
+    """`load` freezes its ModelCache: per-request drafters reuse the loaded models or fail clearly."""
+    engine = load(str(tiny_target), str(tiny_draft), gamma_policy="constant")
+    prompt = [5, 9, 2, 7, 5, 9]
+    want = Engine(engine.target, None).generate(prompt, GenerationConfig(max_new_tokens=12)).token_ids
+    for spec in (None, "none", "ngram", "tree:k=2,depth=3", f"model:{tiny_draft}", "hybrid:min_match=2"):
+        assert engine.generate(prompt, GenerationConfig(max_new_tokens=12, drafter=spec)).token_ids == want, spec
+    assert engine.drafter_for(None) is engine.drafter and engine.drafter_for("ngram") is engine.drafter_for(" ngram ")
+    assert engine.drafter_for("tree:k=2,depth=3").model is engine.drafter.model  # the loaded draft, shared
+    with pytest.raises(InvalidParameterError, match="is not loaded here") as error:
+        engine.generate(prompt, GenerationConfig(max_new_tokens=4, drafter="model:some-other-draft"))
+    assert error.value.param == "drafter"
+    for width in range(1, Engine.MAX_EXTRA_DRAFTERS + 3):  # the per-request drafters kept stay bounded
+        engine.drafter_for(f"ngram:max_n={width}")
+    assert len(engine._drafters) == Engine.MAX_EXTRA_DRAFTERS
+
+
+def test_a_request_sets_gamma_and_policy(target):
+    engine = Engine(target, NgramDrafter(max_n=2), gamma=4, gamma_policy="analytic")
+    generation = engine.start([5, 9, 2, 7, 5, 9, 2, 7], GenerationConfig(max_new_tokens=20, gamma=2, gamma_policy="constant"))
+    assert type(generation.policy).__name__ == "ConstantGamma" and generation.policy.next_gamma() == 2
+    while not generation.done:
+        generation.step()
+    assert all(record.proposed <= 2 for record in generation.stats.records)
+    with pytest.raises(InvalidParameterError, match="gamma"):
+        GenerationConfig(gamma=0)
+    with pytest.raises(InvalidParameterError, match="gamma policy"):
+        GenerationConfig(gamma_policy="fastest")

@@ -100,6 +100,31 @@ def test_stop_strings_and_seeded_sampling(client, reference):
     assert sampled[0] == sampled[1] == expected_text(reference, PROMPTS[1], 20, temperature=0.9, seed=1)
 
 
+@pytest.mark.parametrize("drafter", ["none", "ngram:max_n=2", "stand", "self:layers=1"])
+def test_a_request_picks_its_own_drafter(client, reference, drafter):
+    """Any drafter built from the models in memory: the greedy text stays the target's own."""
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=24, temperature=0,
+                                         extra_body={"drafter": drafter, "gamma_policy": "heuristic"})
+    assert response.choices[0].text == expected_text(reference, PROMPTS[3], 24)
+    usage = response.usage.model_dump()
+    if drafter == "none":
+        assert usage["steps"] == usage["completion_tokens"] and usage["mean_accepted_length"] == 1
+    else:
+        assert usage["steps"] < usage["completion_tokens"]  # its drafts were accepted on this looping prompt
+
+
+def test_a_request_sets_its_own_gamma(client, reference):
+    def usage(gamma: int) -> dict:
+        response = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=30, temperature=0,
+                                             extra_body={"gamma": gamma, "gamma_policy": "constant"})
+        assert response.choices[0].text == expected_text(reference, PROMPTS[3], 30)
+        return response.usage.model_dump()
+
+    one, six = usage(1), usage(6)
+    assert len(one["per_position_acceptance"]) == 1 and one["mean_accepted_length"] <= 2
+    assert len(six["per_position_acceptance"]) > 1 and six["steps"] < one["steps"]
+
+
 # ---- batching ------------------------------------------------------------------------------------
 
 def test_concurrent_requests_are_batched_and_exact(server, reference):
@@ -208,6 +233,10 @@ BAD_REQUESTS = [
     ({"model": MODEL, "prompt": [3, 999]}, 400, "prompt", "token ids must lie in"),
     ({"model": MODEL, "prompt": "t5", "stop": ["a", "b", "c", "d", "e"]}, 400, None, "at most 4 stop strings"),
     ({"prompt": "t5"}, 422, "model", "Field required"),
+    ({"model": MODEL, "prompt": "t5", "drafter": "model"}, 400, "drafter", "is not loaded here"),
+    ({"model": MODEL, "prompt": "t5", "drafter": "ngram:max_n=x"}, 400, "drafter", "must look like name=integer"),
+    ({"model": MODEL, "prompt": "t5", "gamma": 0}, 422, "gamma", "greater than or equal to 1"),
+    ({"model": MODEL, "prompt": "t5", "gamma_policy": "fast"}, 422, "gamma_policy", "'constant', 'heuristic' or 'analytic'"),
 ]
 
 
@@ -388,6 +417,8 @@ def test_playground_streams_coloured_tokens(server, reference, tmp_path):
             page.wait_for_function("document.getElementById('server').textContent.includes('drafter')")
             page.fill("#prompt", PROMPTS[3])
             page.fill("#max_tokens", "40")
+            page.fill("#drafter", "ngram:max_n=2")  # the request's own drafter and γ policy (still exact)
+            page.select_option("#gamma_policy", "heuristic")
             page.click("#go")
             page.wait_for_function("document.querySelectorAll('#output .tok').length >= 40", timeout=30000)
             page.wait_for_function("!document.getElementById('go').disabled")

@@ -32,7 +32,13 @@ def load(
 ) -> Engine:
     """Load a target and a drafter (spec as in `verispec.drafters.make_drafter`) into an Engine."""
     from verispec.drafters import make_drafter
-    from verispec.models.loading import load_model
+    from verispec.models.loading import ModelCache
 
-    target_model = load_model(target, dtype)
-    return Engine(target_model, make_drafter(draft, target_model), gamma=gamma, gamma_policy=gamma_policy)
+    models = ModelCache()
+    target_model = models(target, dtype)
+    drafter = make_drafter(draft, target_model, load=models)
+    drafts = [name for name in models.names if name != target_model.name]
+    if len(drafts) == 1:
+        models.default_draft = drafts[0]  # what a request's `tree`, `hybrid`, … will draft with
+    models.frozen = True  # a request may pick another drafter over these models, never load new ones
+    return Engine(target_model, drafter, gamma, gamma_policy, drafter_spec=draft, models=models)

@@ -26,8 +26,8 @@ import torch
 
 from verispec.control import CostModel, make_gamma_policy
 from verispec.drafters.base import Drafter
-from verispec.errors import InvalidParameterError, PromptError
-from verispec.models.loading import LoadedModel
+from verispec.errors import InvalidParameterError, PromptError, VerispecError
+from verispec.models.loading import LoadedModel, ModelCache
 from verispec.sampling.processors import SamplingParams, greedy_tokens, seen_mask, to_probs
 from verispec.tokentree import ancestor_mask, check_parents, depths, is_chain, keep_nodes, tree_attention_mask
 from verispec.types import Draft, GenerationResult, GenerationStats, Origin, StepRecord, TokenEvent, Verdict
@@ -43,16 +43,26 @@ class GenerationConfig:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     chat: bool = True  # wrap a text prompt in the model's chat template
+    drafter: str | None = None  # a drafter spec for this request; None: the engine's own
+    gamma: int | None = None  # (starting) draft length; None: the engine's
+    gamma_policy: str | None = None  # constant | heuristic | analytic; None: the engine's
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise InvalidParameterError(f"max_new_tokens must be an integer ≥ 1, got {self.max_new_tokens!r}")
         if any(not s for s in self.stop):
             raise InvalidParameterError("stop strings must be non-empty")
+        make_gamma_policy(self.gamma_policy or "constant", 1 if self.gamma is None else self.gamma, CostModel())
 
 
 class Engine:
-    """Target + optional drafter + γ policy. Load once, generate many times."""
+    """Target + optional drafter + γ policy. Load once, generate many times.
+
+    A request may ask for another drafter by spec (`GenerationConfig.drafter`): it is built from the
+    models in `models` (a frozen `ModelCache` never reads new weights) and kept for later requests.
+    """
+
+    MAX_EXTRA_DRAFTERS = 8  # per-request drafters kept built, oldest dropped first
 
     def __init__(
         self,
@@ -61,21 +71,44 @@ class Engine:
         gamma: int = 4,
         gamma_policy: str = "analytic",
         max_gamma: int = 12,
+        drafter_spec: str | None = None,
+        models: ModelCache | None = None,
     ):
-        self.target, self.drafter = target, drafter
+        self.target, self.drafter, self.drafter_spec = target, drafter, drafter_spec
         self.gamma, self.gamma_policy, self.max_gamma = gamma, gamma_policy, max_gamma
         make_gamma_policy(gamma_policy, gamma, CostModel(), max_gamma)  # validate now, not mid-request
-        self._costs: CostModel | None = None
+        self.models = models if models is not None else ModelCache(target, frozen=True)
+        self._drafters: dict[str, Drafter | None] = {}
+        self._costs: dict[str | None, CostModel] = {}
 
     @property
     def costs(self) -> CostModel:
-        if self._costs is None:
-            if self.drafter is not None and self.gamma_policy == "analytic":
-                draft_model = getattr(self.drafter, "model", None)  # None for model-free drafters
-                self._costs = CostModel.calibrated(self.target, self.max_gamma + 1, draft_model)
-            else:
-                self._costs = CostModel()
-        return self._costs
+        """The cost model of the engine's own drafter and policy (measured once, then cached on disk)."""
+        return self.costs_for(self.drafter, self.gamma_policy)
+
+    def costs_for(self, drafter: Drafter | None, gamma_policy: str) -> CostModel:
+        """T(n) of the target and the draft model's cost, which only the analytic γ policy reads."""
+        if drafter is None or gamma_policy != "analytic":
+            return CostModel()
+        draft_model = getattr(drafter, "model", None)  # None for model-free drafters
+        key = None if draft_model is None else draft_model.name
+        if key not in self._costs:
+            self._costs[key] = CostModel.calibrated(self.target, self.max_gamma + 1, draft_model)
+        return self._costs[key]
+
+    def drafter_for(self, spec: str | None) -> Drafter | None:
+        """The engine's drafter (spec None or its own), or the one `spec` names, built once."""
+        if spec is None or spec.strip() == self.drafter_spec:
+            return self.drafter
+        spec = spec.strip()
+        if spec not in self._drafters:
+            from verispec.drafters import make_drafter
+
+            drafter = make_drafter(spec, self.target, load=self.models)
+            if len(self._drafters) >= self.MAX_EXTRA_DRAFTERS:
+                self._drafters.pop(next(iter(self._drafters)))
+            self._drafters[spec] = drafter
+        return self._drafters[spec]
 
     def prompt_ids(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
         if isinstance(prompt, str):
@@ -171,11 +204,18 @@ class Generation:
         self.finish_reason: str | None = None
         self._detok = _Detokenizer(self.target.tokenizer)
 
-        # engine.costs may measure the models once (then cached on disk): not part of this request's time
-        self.policy = make_gamma_policy(engine.gamma_policy, engine.gamma, engine.costs, engine.max_gamma)
+        # building a drafter and measuring costs happen once per engine: not part of this request's time
+        try:
+            self.drafter = engine.drafter_for(config.drafter)
+        except VerispecError as error:
+            error.param = "drafter"  # the field a server names in its 400
+            raise
+        policy = config.gamma_policy or engine.gamma_policy
+        gamma = config.gamma if config.gamma is not None else engine.gamma
+        self.policy = make_gamma_policy(policy, gamma, engine.costs_for(self.drafter, policy), engine.max_gamma)
         start = self._started = time.perf_counter()
-        self.cache = self.target.runner.prefilled_cache(self.ids, spare=self.max_new + engine.max_gamma + 2)
-        self.session = engine.drafter.start(self.ids) if engine.drafter is not None else None
+        self.cache = self.target.runner.prefilled_cache(self.ids, spare=self.max_new + max(engine.max_gamma, gamma) + 2)
+        self.session = self.drafter.start(self.ids) if self.drafter is not None else None
         if self.session is not None:
             self.session.attach_target_cache(self.cache)
         self.stats.prefill_seconds = time.perf_counter() - start

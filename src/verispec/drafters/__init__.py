@@ -25,12 +25,11 @@ from verispec.drafters.base import Drafter, DraftSession
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.hybrid import HybridDrafter
 from verispec.drafters.ngram import NgramDrafter
-from verispec.drafters.specs import SPEC_KINDS, is_derived_spec, make_derived_drafter
+from verispec.drafters.specs import SPEC_KINDS, draft_model, is_derived_spec, make_derived_drafter
 from verispec.drafters.stand import StandDrafter
 from verispec.drafters.tree import ExpansionDrafter, MergeDrafter
 from verispec.errors import InvalidParameterError
-from verispec.models.loading import LoadedModel, check_compatible, load_model
-from verispec.models.registry import DEFAULT_DRAFT
+from verispec.models.loading import LoadedModel, ModelLoader, load_model
 
 __all__ = [
     "Drafter", "DraftSession", "DraftModelDrafter", "NgramDrafter", "ExpansionDrafter", "MergeDrafter",
@@ -62,26 +61,23 @@ def _build(factory, kind: str, text: str, args=lambda: ()) -> Drafter:
     return factory(*args(), **options)
 
 
-def _draft_model(target: LoadedModel, dtype: str | None) -> LoadedModel:
-    draft = load_model(DEFAULT_DRAFT, dtype or target.dtype)
-    check_compatible(target, draft)
-    return draft
-
-
-def make_drafter(spec: str | None, target: LoadedModel, dtype: str | None = None) -> Drafter | None:
-    """A drafter for `target` from a spec string; None for plain decoding."""
+def make_drafter(
+    spec: str | None, target: LoadedModel, dtype: str | None = None, load: ModelLoader = load_model
+) -> Drafter | None:
+    """A drafter for `target` from a spec string; None for plain decoding. Draft models come from
+    `load(spec, dtype)` (a `ModelCache` shares them between drafters)."""
     spec = (spec or "none").strip()
     kind, _, rest = spec.partition(":")
     vocab = target.vocab_size
     if kind == "none":
         return None
     if is_derived_spec(kind, rest):
-        return make_derived_drafter(kind, rest, target, dtype)
+        return make_derived_drafter(kind, rest, target, dtype, load)
     if kind == "ngram":
         return _build(NgramDrafter, kind, rest)
     if kind == "stand":
         return _build(StandDrafter, kind, rest, lambda: (vocab,))
-    with_model = lambda: (_draft_model(target, dtype), vocab)  # noqa: E731
+    with_model = lambda: (draft_model(None, target, dtype, load), vocab)  # noqa: E731
     if kind == "tree":
         return _build(ExpansionDrafter, kind, rest, with_model)
     if kind == "merge":
@@ -91,8 +87,5 @@ def make_drafter(spec: str | None, target: LoadedModel, dtype: str | None = None
     if kind == "triforce":
         from verispec.drafters.triforce import make_triforce
 
-        return make_triforce(target, _draft_model(target, dtype), _options(rest))
-    model_spec = (rest or DEFAULT_DRAFT) if kind == "model" else spec
-    draft = load_model(model_spec, dtype or target.dtype)
-    check_compatible(target, draft)
-    return DraftModelDrafter(draft, vocab)
+        return make_triforce(target, draft_model(None, target, dtype, load), _options(rest))
+    return DraftModelDrafter(draft_model((rest or None) if kind == "model" else spec, target, dtype, load), vocab)

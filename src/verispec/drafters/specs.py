@@ -23,11 +23,11 @@ from verispec.drafters.cascade import HorizontalCascadeDrafter, VerticalCascadeD
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.ngram import NgramDrafter
 from verispec.errors import InvalidParameterError
-from verispec.models.loading import LoadedModel, check_compatible, load_model
+from verispec.models.loading import LoadedModel, ModelLoader, check_compatible, load_model
 from verispec.models.registry import DEFAULT_DRAFT
 from verispec.models.variants import derive_model
 
-__all__ = ["SPEC_KINDS", "is_derived_spec", "make_derived_drafter"]
+__all__ = ["SPEC_KINDS", "draft_model", "is_derived_spec", "make_derived_drafter"]
 
 SPEC_KINDS = ("self", "cascade")
 VARIANT_OPTIONS = ("layers", "vocab", "int8")
@@ -75,13 +75,14 @@ def _derived(spec: str, model: LoadedModel, options: dict[str, str], default_lay
     return derive_model(model, layers, vocab, bool(int8))
 
 
-def _draft_model(name: str | None, target: LoadedModel, dtype: str | None) -> LoadedModel:
-    draft = load_model(name or DEFAULT_DRAFT, dtype or target.dtype)
+def draft_model(name: str | None, target: LoadedModel, dtype: str | None, load: ModelLoader) -> LoadedModel:
+    """The named draft model (default: the loader's, else the shipped one), checked against the target's tokenizer."""
+    draft = load(name or getattr(load, "default_draft", DEFAULT_DRAFT), dtype or target.dtype)
     check_compatible(target, draft)
     return draft
 
 
-def _cascade(spec: str, rest: str, target: LoadedModel, dtype: str | None) -> Drafter:
+def _cascade(spec: str, rest: str, target: LoadedModel, dtype: str | None, load: ModelLoader) -> Drafter:
     kind = "vertical"
     for item in rest.split(","):
         key, _, value = item.partition("=")
@@ -91,24 +92,26 @@ def _cascade(spec: str, rest: str, target: LoadedModel, dtype: str | None) -> Dr
         raise InvalidParameterError(f"drafter option kind={kind!r} in {spec!r}: use kind=vertical or kind=horizontal")
     _, options = _parse(spec, rest, CASCADE_OPTIONS[kind])
     ngram = NgramDrafter(max_n=_integer(spec, options, "max_n", 3))
-    draft = _draft_model(options.get("draft"), target, dtype)
+    draft = draft_model(options.get("draft"), target, dtype, load)
     if kind == "horizontal":
         strong = DraftModelDrafter(draft, target.vocab_size)
         return HorizontalCascadeDrafter(strong, ngram, _integer(spec, options, "strong", 2), target.vocab_size)
     return VerticalCascadeDrafter(draft, ngram, target.vocab_size, _integer(spec, options, "inner_gamma"))
 
 
-def make_derived_drafter(kind: str, rest: str, target: LoadedModel, dtype: str | None = None) -> Drafter:
+def make_derived_drafter(
+    kind: str, rest: str, target: LoadedModel, dtype: str | None = None, load: ModelLoader = load_model
+) -> Drafter:
     """The drafter for a `self`, `cascade` or `model:…,option=…` spec (see the module docstring)."""
     spec = f"{kind}:{rest}" if rest else kind
     if kind == "cascade":
-        return _cascade(spec, rest, target, dtype)
+        return _cascade(spec, rest, target, dtype, load)
     if kind == "self":
         _, options = _parse(spec, rest, VARIANT_OPTIONS)
         draft = _derived(spec, target, options, default_layers=max(1, target.runner.config.num_layers // 4))
         return DraftModelDrafter(draft, target.vocab_size)
     if kind == "model":
         name, options = _parse(spec, rest, VARIANT_OPTIONS, positional=True)
-        draft = _derived(spec, _draft_model(name, target, dtype), options)
+        draft = _derived(spec, draft_model(name, target, dtype, load), options)
         return DraftModelDrafter(draft, target.vocab_size)
     raise InvalidParameterError(f"unknown drafter kind {kind!r} in {spec!r}")

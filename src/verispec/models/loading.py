@@ -1,24 +1,27 @@
 """Turn a model spec (shipped name, Hugging Face folder, or .gguf path) into a ready model.
 
 A `LoadedModel` bundles the runner (`Transformer`), the tokenizer, the stop ids and the context
-length. `check_compatible` refuses a draft whose tokenizer differs from the target's.
+length. `check_compatible` refuses a draft whose tokenizer differs from the target's. A
+`ModelCache` loads each (spec, dtype) once; a server freezes it so a request can pick another
+drafter built from the models already in memory, never make it read new weights.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from verispec.errors import IncompatibleModelsError, InvalidParameterError, ModelNotFoundError
-from verispec.models.registry import SHIPPED_MODELS, cache_dir, convert_gguf, prepare_shipped_model
+from verispec.models.registry import DEFAULT_DRAFT, SHIPPED_MODELS, cache_dir, convert_gguf, prepare_shipped_model
 from verispec.models.transformer import Transformer
 from verispec.progress import status
 
-__all__ = ["LoadedModel", "load_model", "load_tokenizer", "resolve_folder", "check_compatible", "parse_dtype"]
+__all__ = ["LoadedModel", "ModelCache", "ModelLoader", "load_model", "load_tokenizer", "resolve_folder", "check_compatible", "parse_dtype"]
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -115,6 +118,38 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32") -> Loaded
         runner = Transformer.from_folder(folder, torch_dtype)
         tokenizer = load_tokenizer(folder)
     return LoadedModel(str(spec), folder, runner, tokenizer, _eos_ids(folder, tokenizer))
+
+
+ModelLoader = Callable[..., "LoadedModel"]  # (spec, dtype) -> LoadedModel, like load_model
+
+
+class ModelCache:
+    """`load_model` that loads each (spec, dtype) once; once `frozen`, asking for a new one is an error.
+
+    `default_draft` is the draft model a drafter spec means when it names none (`tree`, `hybrid`, …):
+    the shipped default, or the draft a server loaded at start.
+    """
+
+    def __init__(self, *models: LoadedModel, frozen: bool = False):
+        self._models = {(model.name, model.dtype): model for model in models}
+        self.frozen = frozen
+        self.default_draft = DEFAULT_DRAFT
+
+    @property
+    def names(self) -> list[str]:
+        return list(dict.fromkeys(name for name, _ in self._models))
+
+    def __call__(self, spec: str | Path, dtype: str | torch.dtype = "float32") -> LoadedModel:
+        key = (str(spec), parse_dtype(dtype))
+        if key not in self._models:
+            if self.frozen:
+                loaded = ", ".join(self.names) or "none"
+                raise InvalidParameterError(
+                    f"model {str(spec)!r} is not loaded here (loaded: {loaded}): pick a drafter that uses a loaded "
+                    "model or none (ngram, stand), or restart with --draft naming it"
+                )
+            self._models[key] = load_model(spec, dtype)
+        return self._models[key]
 
 
 def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:

@@ -56,7 +56,7 @@ def _error_status(error: BaseException) -> tuple[int, str, str | None]:
     if isinstance(error, PromptError):
         return 400, str(error), "prompt"
     if isinstance(error, (InvalidParameterError, VerispecError)):
-        return 400, str(error), None
+        return 400, str(error), getattr(error, "param", None)
     return 500, f"internal error in this generation ({type(error).__name__}: {error}); other requests are unaffected", None
 
 
@@ -82,7 +82,8 @@ def _config(body: CompletionRequest | ChatCompletionRequest, default_max_tokens:
         raise InvalidParameterError(f"stop: at most 4 stop strings, got {len(stop)}")
     if any(not s for s in stop):
         raise InvalidParameterError("stop: stop strings must be non-empty")
-    return GenerationConfig(max_new_tokens=body.max_tokens or default_max_tokens, sampling=sampling, seed=body.seed, stop=stop)
+    return GenerationConfig(max_new_tokens=body.max_tokens or default_max_tokens, sampling=sampling, seed=body.seed,
+                            stop=stop, drafter=body.drafter, gamma=body.gamma, gamma_policy=body.gamma_policy)
 
 
 async def _next(job: Job, request: Request) -> JobUpdate:
@@ -213,7 +214,8 @@ def create_app(
         scheduler: Scheduler = request.app.state.scheduler
         engine = scheduler.engine
         body = {"status": "ok" if scheduler.running else "stopped", "model": request.app.state.model_name,
-                "drafter": engine.drafter.name if engine.drafter else "none", "gamma": engine.gamma,
+                "drafter": engine.drafter.name if engine.drafter else "none", "drafter_spec": engine.drafter_spec,
+                "gamma": engine.gamma,
                 "gamma_policy": engine.gamma_policy, "max_batch": scheduler.max_batch,
                 "active": scheduler.active_count, "queued": scheduler.queue_length}
         return JSONResponse(body, status_code=200 if scheduler.running else 503)

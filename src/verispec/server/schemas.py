@@ -1,7 +1,8 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic), plus verispec's extras.
 
 Requests accept OpenAI's fields (model, max_tokens, temperature, top_p, n, stop, seed, stream,
-stream_options) and verispec's sampling extras (top_k, min_p, eta, epsilon, repetition_penalty).
+stream_options) and verispec's extras: sampling (top_k, min_p, eta, epsilon, repetition_penalty)
+and speculation (drafter, gamma, gamma_policy) for this one request.
 Ranges are checked here so that a bad value is a 422 naming the field; fields OpenAI defines that
 verispec does not use (presence_penalty, user, …) are accepted and ignored.
 """
@@ -39,6 +40,11 @@ class _GenerationFields(BaseModel):
     eta: float = Field(0.0, ge=0, lt=1, description="η-sampling (0 = off; 0.0009 is usual)")
     epsilon: float = Field(0.0, ge=0, lt=1, description="ε-sampling (0 = off)")
     repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=100, description="1 = off")
+    drafter: str | None = Field(None, min_length=1, max_length=200, description=(
+        "drafter spec for this request (none, ngram[:max_n=3], stand, model, tree, hybrid, …; see `verispec "
+        "generate --help`); those needing a draft model use the one the server loaded. Default: the server's"))
+    gamma: int | None = Field(None, ge=1, le=64, description="(starting) draft length γ; default: the server's")
+    gamma_policy: Literal["constant", "heuristic", "analytic"] | None = Field(None, description="default: the server's")
 
     @field_validator("temperature")
     @classmethod
