@@ -51,3 +51,38 @@ def test_an_update_that_lowers_alpha_is_rolled_back(target, tmp_path, monkeypatc
 def test_update_without_misses_is_a_clear_error(target, draft, tmp_path):
     with pytest.raises(ValueError, match="buffer"):
         OnlineDrafter(draft, target.vocab_size, store=tmp_path).update()
+
+
+def test_online_is_a_drafter_spec_that_learns_across_concurrent_requests(target, draft, tmp_path, monkeypatch):
+    """`online:…` from the factory (as the CLI, server and bench build it); α is recorded per request
+    when it finishes, also when requests overlap as in the server's batches."""
+    from verispec.drafters import make_drafter
+    from verispec.models.loading import ModelCache
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    models = ModelCache(draft, frozen=True)
+    models.default_draft = draft.name
+    drafter = make_drafter("online:rank=4,buffer_size=8,eval_requests=1", target, load=models)
+    assert isinstance(drafter, OnlineDrafter) and drafter.buffer_size == 8 and drafter.head.A.shape[0] == 4
+    engine = Engine(target, drafter, gamma=3, gamma_policy="constant")
+    first, second = (engine.start(PROMPT, GenerationConfig(max_new_tokens=30)) for _ in range(2))
+    while not (first.done and second.done):  # interleaved, like two rows of one batch
+        first.step()
+        second.step()
+    assert len(drafter.alphas) == 2 and drafter.alphas[0] == pytest.approx(first.stats.acceptance_rate)
+    _alphas(engine, 3)
+    assert drafter.version >= 1 and list((tmp_path / "online").glob("*/v*.pt"))
+    with pytest.raises(Exception, match="unknown online drafter option 'rnak'"):
+        make_drafter("online:rnak=4", target, load=models)
+
+
+def test_the_stream_benchmark_compares_frozen_and_online_side_by_side(target, draft, tmp_path):
+    from verispec.bench.online import plot_stream, run_stream
+    from verispec.drafters import DraftModelDrafter
+
+    frozen = Engine(target, DraftModelDrafter(draft, target.vocab_size), gamma=3, gamma_policy="constant")
+    online = Engine(target, OnlineDrafter(draft, target.vocab_size, buffer_size=8, store=tmp_path), gamma=3, gamma_policy="constant")
+    rows = run_stream(frozen, online, [PROMPT] * 5, max_new_tokens=20)
+    assert [r["request"] for r in rows] == list(range(5)) and all(r["same_text"] for r in rows)
+    assert rows[-1]["online_version"] >= 1 and rows[-1]["online_alpha"] > rows[0]["frozen_alpha"]
+    assert plot_stream(rows, tmp_path / "alpha.png").stat().st_size > 1000

@@ -340,6 +340,13 @@ class Generation:
         self.finish_reason = reason
         self.stats.new_tokens = len(self.output_ids)
         self.stats.wall_seconds = time.perf_counter() - self._started
+        self.close()
+
+    def close(self) -> None:
+        """Tell the drafter's session the request is over (done or abandoned); safe to call twice."""
+        session, self.session = self.session, None
+        if session is not None:
+            session.finish()
 
     def result(self) -> GenerationResult:
         return GenerationResult(self.text, list(self.output_ids), self.finish_reason or "length", self.stats, list(self.origins))

@@ -3,7 +3,8 @@
 The draft model's LM head gets a low-rank adapter (logits += (h Aᵀ) Bᵀ, B starting at zero).
 While drafting, the head's inputs h (the draft's final hidden state at each drafted position) are
 tapped; when the target rejects a draft token, the pair (h at that position, the target's logits
-there) goes into a buffer. Between requests, once the buffer holds `buffer_size` misses, A and B
+there) goes into a buffer; a request's α is recorded when it finishes (several may run at once, as
+in the server's batches). When a request starts, once the buffer holds `buffer_size` misses, A and B
 are trained with plain torch autograd on the forward KL(target ‖ draft) — only the adapter, on
 fixed features, so an update takes milliseconds to a few seconds. Every update is saved as a
 version under `cache_dir()/online/<draft>/`; if the measured α of the next `eval_requests`
@@ -89,19 +90,16 @@ class OnlineDrafter(Drafter):
         self.version = 0  # 0 = the untouched draft
         self.events: list[str] = []
         self._probation: tuple[int, float, int] | None = None  # (previous version, α before, requests at update)
-        self._session: _OnlineSession | None = None
 
     def start(self, prompt_ids: list[int]) -> DraftSession:
-        self._finish_request()
+        """Between requests: judge a version on probation, distil when the buffer is full, then draft."""
         self._judge_probation()
         if len(self.buffer) >= self.buffer_size and self._probation is None:
             self.update()
-        self._session = _OnlineSession(self, self.inner.start(prompt_ids))
-        return self._session
+        return _OnlineSession(self, self.inner.start(prompt_ids))
 
-    def _finish_request(self) -> None:
-        session, self._session = self._session, None
-        if session is not None and session.judged:
+    def _finished(self, session: _OnlineSession) -> None:
+        if session.judged:
             self.alphas.append(session.accepted / session.judged)
 
     def _judge_probation(self) -> None:
@@ -171,6 +169,10 @@ class _OnlineSession(DraftSession):
 
     def commit(self, ids):
         self.inner.commit(ids)
+
+    def finish(self):
+        self.inner.finish()
+        self.drafter._finished(self)
 
     observes_target = True
 

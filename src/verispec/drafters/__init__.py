@@ -8,6 +8,8 @@ Specs (`KIND` alone uses the defaults; options are `name=integer`, comma-separat
   merge[:max_n=3]               the draft model's chain and the n-gram continuation merged into one tree
   stand[:max_n=4,min_n=2,k=2,depth=5,wide=1]   STAND: n-gram table of the target's own distributions
   hybrid[:min_match=2,min_rate=30,max_n=4]     n-gram when its match is long enough, else the draft model
+  online[:rank=8,buffer_size=64,steps=40,eval_requests=2]   the draft model, distilled toward the
+                                target between requests from its misses (`verispec.online`)
   triforce[:budget=512,chunk=32,…]  long prompts: draft model with a StreamingLLM cache → the target
                                 over retrieved KV chunks → the target (every option: drafters/triforce.py)
   self[:layers=L,vocab=N,int8=1]   the target's first L layers as its own draft
@@ -36,8 +38,8 @@ __all__ = [
     "StandDrafter", "HybridDrafter", "make_drafter", "DRAFTER_KINDS",
 ]
 
-DRAFTER_KINDS = ("none", "model", "ngram", "tree", "merge", "stand", "hybrid", "triforce", *SPEC_KINDS)
-_NOT_OPTIONS = {"self", "model", "target_vocab_size", "vocab_size", "table"}
+DRAFTER_KINDS = ("none", "model", "ngram", "tree", "merge", "stand", "hybrid", "online", "triforce", *SPEC_KINDS)
+_NOT_OPTIONS = {"self", "model", "draft", "target_vocab_size", "vocab_size", "table", "lr", "tolerance", "store"}
 
 
 def _options(text: str) -> dict[str, int]:
@@ -84,6 +86,10 @@ def make_drafter(
         return _build(MergeDrafter.model_and_ngram, kind, rest, with_model)
     if kind == "hybrid":
         return _build(HybridDrafter, kind, rest, with_model)
+    if kind == "online":
+        from verispec.online import OnlineDrafter
+
+        return _build(OnlineDrafter, kind, rest, with_model)
     if kind == "triforce":
         from verispec.drafters.triforce import make_triforce
 

@@ -10,7 +10,8 @@ the verifier treats each token as a point mass. A session may return a token tre
 Two optional hooks show a session the target's side. `attach_target_cache` gets the target's prompt
 cache once (TriForce builds its retrieval cache from it). Sessions that learn from the target (STAND,
 the online drafter) set `observes_target = True`; the engine then calls `observe(ids, target_probs)`
-after each commit with the target's distributions at the newly committed positions.
+after each commit with the target's distributions at the newly committed positions. `finish()`
+tells a session its request is over.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ class DraftSession(ABC):
     def observe(self, ids: list[int], target_probs: torch.Tensor) -> None:
         """target_probs [m, vocab]: row j is the target's distribution that produced ids[len(ids) − m + j]
         (processed like the sampling distribution; plain softmax under greedy decoding)."""
+
+    def finish(self) -> None:
+        """The request is over (finished, stopped or cancelled). Default: nothing to do."""
 
 
 class Drafter(ABC):

@@ -183,6 +183,7 @@ class Scheduler:
         for job in list(self._active):
             if job.cancelled:
                 self._active.remove(job)
+                job.generation.close()
                 self.metrics.record_finished("cancelled")
             elif now > job.deadline:
                 self._fail(job, RequestTimeoutError(
@@ -191,6 +192,7 @@ class Scheduler:
     def _fail(self, job: Job, error: BaseException, reason: str) -> None:
         if job in self._active:
             self._active.remove(job)
+            job.generation.close()
         self.metrics.record_finished(reason)
         job.push(JobUpdate("failed", error=error))
 
