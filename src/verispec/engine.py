@@ -202,6 +202,7 @@ class Generation:
         self.origins: list[Origin] = []
         self.text = ""
         self.finish_reason: str | None = None
+        self._closed = False
         self._detok = _Detokenizer(self.target.tokenizer)
 
         # building a drafter and measuring costs happen once per engine: not part of this request's time
@@ -343,10 +344,10 @@ class Generation:
         self.close()
 
     def close(self) -> None:
-        """Tell the drafter's session the request is over (done or abandoned); safe to call twice."""
-        session, self.session = self.session, None
-        if session is not None:
-            session.finish()
+        """Tell the drafter's session the request is over (done or abandoned), once."""
+        if self.session is not None and not self._closed:
+            self._closed = True
+            self.session.finish()
 
     def result(self) -> GenerationResult:
         return GenerationResult(self.text, list(self.output_ids), self.finish_reason or "length", self.stats, list(self.origins))
