@@ -79,7 +79,8 @@ def test_factory_builds_model_free_drafters_and_names_bad_options(tiny_target):
 
     target = load_model(tiny_target)
     stand = make_drafter("stand:max_n=3,k=3,depth=4", target)
-    assert isinstance(stand, StandDrafter) and stand.shape == (3, 1, 1, 1) and stand.table.max_n == 3
+    assert isinstance(stand, StandDrafter) and stand.fanout == {(): 3, (0,): 1, (1,): 1, (2,): 1, (0, 0): 1, (1, 0): 1, (2, 0): 1, (0, 0, 0): 1, (1, 0, 0): 1, (2, 0, 0): 1}
+    assert stand.table.max_n == 3 and len(stand.paths) == 3 * 4
     assert isinstance(make_drafter("stand", target), StandDrafter)
     with pytest.raises(InvalidParameterError, match="'width'"):
         make_drafter("stand:width=3", target)
@@ -90,3 +91,40 @@ def test_factory_builds_model_free_drafters_and_names_bad_options(tiny_target):
     for kind in ("tree", "merge", "hybrid"):  # option names are checked before the draft model loads
         with pytest.raises(InvalidParameterError, match=f"unknown {kind} drafter option 'bogus'"):
             make_drafter(f"{kind}:bogus=1", target)
+
+
+# ---- the searched shape ---------------------------------------------------------------------------
+
+def test_replay_counts_exactly_what_the_engine_accepts(target):
+    """The shape search's replay of greedy STAND equals real decoding with that shape: same steps,
+    same accepted tokens (so its per-node acceptance is what the engine would see)."""
+    from verispec import Engine, GenerationConfig
+    from verispec.drafters.branching import level_paths
+    from verispec.measure import teacher_forced_logits
+    from verispec.tree_search import replay
+
+    prompt, shape = [5, 9, 2, 7, 5, 9, 2, 7, 11, 5, 9], level_paths(2, 3, 2)
+    engine = Engine(target, StandDrafter(target.vocab_size, max_n=3, paths=shape), gamma=3, gamma_policy="constant")
+    result = engine.generate(prompt, GenerationConfig(max_new_tokens=30))
+    probs = torch.softmax(teacher_forced_logits(target, prompt + result.token_ids, len(prompt)), dim=-1)
+    counts, steps = replay(StandDrafter(target.vocab_size, max_n=3, paths=shape), prompt, result.token_ids, probs, 3)
+    assert steps == result.stats.steps and sum(counts.values()) == result.stats.accepted_tokens > 0
+    assert set(counts) <= set(shape)
+
+
+def test_ranking_keeps_every_prefix_a_tree():
+    from collections import Counter
+
+    from verispec.drafters.branching import check_paths, level_paths
+    from verispec.tree_search import expected_tokens_by_size, rank_nodes
+
+    candidates = level_paths(3, 3, 3)
+    counts = Counter({(0,): 9, (1,): 2, (2,): 5, (0, 0): 7, (0, 1): 8, (2, 0): 4})  # (2,) beats (1,): must wait for it
+    ranking = rank_nodes(counts, candidates)
+    assert ranking[:4] == [(0,), (0, 0), (0, 1), (1,)] and ranking.index((2,)) == 4 and len(ranking) == len(candidates)
+    for n in range(1, len(ranking) + 1):
+        check_paths(ranking[:n])  # raises if a prefix is not a tree
+    sizes = expected_tokens_by_size(ranking, counts, steps=10)
+    assert sizes[0] == 1 and sizes[1] == pytest.approx(1.9) and sizes == sorted(sizes)
+    with pytest.raises(InvalidParameterError, match="lower-ranked sibling"):
+        check_paths([(0,), (0, 1)])

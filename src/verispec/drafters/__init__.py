@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 DRAFTER_KINDS = ("none", "model", "ngram", "tree", "merge", "stand", "hybrid", "online", "triforce", *SPEC_KINDS)
-_NOT_OPTIONS = {"self", "model", "draft", "target_vocab_size", "vocab_size", "table", "lr", "tolerance", "store"}
+_NOT_OPTIONS = {"self", "model", "draft", "target_vocab_size", "vocab_size", "table", "paths", "lr", "tolerance", "store"}
 
 
 def _options(text: str) -> dict[str, int]:

@@ -3,7 +3,9 @@
 Children of a node come from its draft distribution [vocab]: the top-k under greedy decoding
 (deterministic, no probabilities), k distinct Gumbel-top-k draws under sampling, each recorded with
 the exact distribution it was drawn from (the node's distribution minus the earlier siblings), which
-is what tree verification needs to stay lossless.
+is what tree verification needs to stay lossless. A static tree shape is either a child count per
+depth (`static_shape`) or any prefix-closed set of rank paths (`fanouts` reads it), such as the one
+`verispec.tree_search` keeps from measured acceptance.
 """
 
 from __future__ import annotations
@@ -11,11 +13,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from verispec.errors import InvalidParameterError
 from verispec.sampling.processors import SamplingParams, apply_repetition_penalty, to_probs
 from verispec.sampling.samplers import gumbel_topk, without_replacement_probs
 from verispec.types import Draft
 
-__all__ = ["choose_children", "node_distributions", "TreeBuilder", "static_shape"]
+__all__ = ["choose_children", "node_distributions", "TreeBuilder", "static_shape", "RankPath", "level_paths",
+           "fanouts", "check_paths"]
+
+RankPath = tuple[int, ...]  # a node by the ranks of the children taken from the root: (0, 1) = best, then second best
 
 
 def node_distributions(
@@ -35,6 +41,34 @@ def node_distributions(
 def static_shape(k: int, depth: int, wide: int) -> tuple[int, ...]:
     """Children per node at each depth: k for the first `wide` depths, then 1 (chains under a bush)."""
     return tuple(k if level < wide else 1 for level in range(depth))
+
+
+def level_paths(k: int, depth: int, wide: int) -> tuple[RankPath, ...]:
+    """Every node of `static_shape(k, depth, wide)` as a rank path, level by level."""
+    paths: list[RankPath] = []
+    frontier: list[RankPath] = [()]
+    for children in static_shape(k, depth, wide):
+        frontier = [path + (rank,) for path in frontier for rank in range(children)]
+        paths += frontier
+    return tuple(paths)
+
+
+def check_paths(paths) -> tuple[RankPath, ...]:
+    """`paths` as rank-path tuples, refused unless every node's parent and lower-ranked siblings are in it."""
+    shape = tuple(tuple(int(r) for r in path) for path in paths)
+    present = set(shape) | {()}
+    for path in shape:
+        if not path or min(path) < 0 or path[:-1] not in present or (path[-1] and path[:-1] + (path[-1] - 1,) not in present):
+            raise InvalidParameterError(f"tree shape node {list(path)} lacks its parent or a lower-ranked sibling")
+    return shape
+
+
+def fanouts(paths) -> dict[RankPath, int]:
+    """How many children to draw below each node (the root is ()), from a checked set of rank paths."""
+    children: dict[RankPath, int] = {}
+    for path in paths:
+        children[path[:-1]] = max(children.get(path[:-1], 0), path[-1] + 1)
+    return children
 
 
 def choose_children(

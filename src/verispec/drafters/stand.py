@@ -25,13 +25,14 @@ from pathlib import Path
 import torch
 
 from verispec.drafters.base import Drafter, DraftSession
-from verispec.drafters.branching import TreeBuilder, choose_children, static_shape
+from verispec.drafters.branching import RankPath, TreeBuilder, check_paths, choose_children, fanouts, level_paths
 from verispec.errors import InvalidParameterError
 from verispec.types import Draft
 
-__all__ = ["StandTable", "StandDrafter"]
+__all__ = ["StandTable", "StandDrafter", "StandSession", "SEARCHED_SHAPE", "searched_shape"]
 
 TOP = 10
+SEARCHED_SHAPE = Path(__file__).with_name("stand_shape.json")
 
 
 class StandTable:
@@ -95,14 +96,22 @@ class StandTable:
 
 
 class StandDrafter(Drafter):
+    """STAND drafting; the tree shape is k children at the first `wide` of `depth` levels, or the
+    `nodes` most useful nodes of the searched shape (`SEARCHED_SHAPE`, see `verispec.tree_search`)."""
+
     def __init__(self, vocab_size: int, max_n: int = 4, min_n: int = 2, k: int = 2, depth: int = 5, wide: int = 1,
-                 table: StandTable | None = None):
-        if k < 1 or depth < 1 or not 0 <= wide <= depth:
-            raise InvalidParameterError(f"STAND needs k ≥ 1, depth ≥ 1, 0 ≤ wide ≤ depth; got k={k}, depth={depth}, wide={wide}")
+                 nodes: int = 0, table: StandTable | None = None, paths=None):
+        if k < 1 or depth < 1 or not 0 <= wide <= depth or nodes < 0:
+            raise InvalidParameterError(f"STAND needs k ≥ 1, depth ≥ 1, 0 ≤ wide ≤ depth, nodes ≥ 0; got k={k}, "
+                                        f"depth={depth}, wide={wide}, nodes={nodes}")
         self.vocab_size = vocab_size
         self.table = table if table is not None else StandTable(max_n, min_n)
-        self.shape = static_shape(k, depth, wide)
-        self.name = f"stand:max_n={self.table.max_n},k={k},depth={depth}"
+        if paths is None:
+            paths = searched_shape(nodes) if nodes else level_paths(k, depth, wide)
+        self.paths = check_paths(paths)
+        self.fanout = fanouts(self.paths)
+        shape = f"nodes={len(self.paths)}" if nodes or paths is not None else f"k={k},depth={depth}"
+        self.name = f"stand:max_n={self.table.max_n},{shape}"
 
     def save(self, path: str | Path) -> None:
         self.table.save(path)
@@ -110,12 +119,20 @@ class StandDrafter(Drafter):
     def load(self, path: str | Path) -> None:
         self.table = StandTable.load(path)
 
-    def start(self, prompt_ids: list[int]) -> DraftSession:
+    def start(self, prompt_ids: list[int]) -> StandSession:
         self.table.add_sequence(prompt_ids)
-        return _StandSession(self)
+        return StandSession(self)
 
 
-class _StandSession(DraftSession):
+def searched_shape(nodes: int) -> tuple[RankPath, ...]:
+    """The first `nodes` rank paths of the searched ranking (every prefix of it is a valid shape)."""
+    ranking = json.loads(SEARCHED_SHAPE.read_text())["ranking"]
+    if not 1 <= nodes <= len(ranking):
+        raise InvalidParameterError(f"stand option nodes={nodes}: the searched shape ranks {len(ranking)} nodes; use 1…{len(ranking)}")
+    return tuple(tuple(path) for path in ranking[:nodes])
+
+
+class StandSession(DraftSession):
     observes_target = True
 
     def __init__(self, drafter: StandDrafter):
@@ -129,21 +146,28 @@ class _StandSession(DraftSession):
         row = torch.zeros(self.drafter.vocab_size).index_put_((found[0],), found[1])
         return row / row.sum()
 
-    def propose(self, ids, gamma, params, generator):
-        tail = self.drafter.table.max_n
-        builder = TreeBuilder()
-        frontier = {-1: ids[-tail:]}  # node -> its context (the last max_n tokens suffice)
-        for k in self.drafter.shape[:gamma]:
-            grown = {}
-            for parent, context in frontier.items():
-                row = self._row(context)
+    def grow(self, ids, gamma, params, generator) -> tuple[TreeBuilder, list[RankPath]]:
+        """The draft tree, level by level down to depth γ, and each node's rank path."""
+        tail, fanout = self.drafter.table.max_n, self.drafter.fanout
+        builder, paths = TreeBuilder(), []
+        frontier = [(-1, (), ids[-tail:])]  # (node, its rank path, its context: the last max_n tokens suffice)
+        while frontier:
+            grown = []
+            for parent, path, context in frontier:
+                k = fanout.get(path, 0) if len(path) < gamma else 0
+                row = self._row(context) if k else None
                 if row is None:
                     continue
                 tokens, rows = choose_children(row, k, params.greedy, generator)
-                for i, token in enumerate(tokens):
-                    node = builder.add(token, parent, rows[i] if rows is not None else None)
-                    grown[node] = (context + [token])[-tail:]
+                for rank, token in enumerate(tokens):
+                    node = builder.add(token, parent, rows[rank] if rows is not None else None)
+                    paths.append(path + (rank,))
+                    grown.append((node, path + (rank,), (context + [token])[-tail:]))
             frontier = grown
+        return builder, paths
+
+    def propose(self, ids, gamma, params, generator):
+        builder, _ = self.grow(ids, gamma, params, generator)
         if not len(builder):
             return Draft(torch.zeros(0, dtype=torch.long))
         return builder.build(self.drafter.vocab_size)
