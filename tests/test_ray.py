@@ -105,6 +105,20 @@ def test_batch_input_problems_are_records_and_duplicates_are_refused(tmp_path):
         read_input(tmp_path / "in.csv")
 
 
+def test_batch_runs_locally_without_ray_and_resumes(tiny_text_pair, tmp_path, monkeypatch):
+    """`--local`: the same job (files, resume, check) in this process; Ray is not even importable."""
+    monkeypatch.setitem(sys.modules, "ray", None)
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"t{20 + i} t5", "max_tokens": 4}) + "\n"
+                                               for i in range(6)) + '{"id": "q6", "prompt": "t5", "top_k": -1}\n')
+    argv = ["batch", "--local", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out"), "--target",
+            str(tiny_text_pair[0]), "--draft", "ngram", "--gamma-policy", "constant", "--batch-size", "2"]
+    assert main(argv + ["--limit", "3"]) == 0
+    assert sum(map(len, written_ids(tmp_path / "out").values())) == 3
+    assert main(argv) == 0
+    check = check_ids([f"q{i}" for i in range(7)], tmp_path / "out")
+    assert check.complete and (check.results, check.errors) == (6, 1), check.describe()
+
+
 def test_serve_options_refuse_half_an_autoscaling_range():
     from verispec.distributed.serve import ServeOptions
 

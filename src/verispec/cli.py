@@ -158,10 +158,13 @@ def _batch(args: argparse.Namespace) -> int:
 
     options = BatchOptions(actors=args.actors, actor_cpus=args.actor_cpus, batch_size=args.batch_size,
                            max_tokens=args.max_new_tokens, temperature=args.temperature, output_format=args.output_format,
-                           limit=args.limit, flush_every=args.flush_every)
+                           limit=args.limit, flush_every=args.flush_every, local=args.local)
     err = Console(stderr=True, highlight=False)
-    with ray_session(args.ray_address):
+    if args.local:
         report = run_batch(_engine_spec(args), args.input, args.output, options, err)
+    else:
+        with ray_session(args.ray_address):
+            report = run_batch(_engine_spec(args), args.input, args.output, options, err)
     print_report(report, Path(args.output), Console(highlight=False))
     if report.interrupted:
         return 130
@@ -230,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--temperature", type=float, default=0.0, help="for records without temperature (0 = greedy)")
     batch.add_argument("--limit", type=int, default=None, help="run at most this many pending records now (rerun for the rest)")
     batch.add_argument("--flush-every", type=int, default=64, help="records per output part file")
+    batch.add_argument("--local", action="store_true", help="no Ray: one engine in this process (same files, resume and checks)")
     _add_ray_address(batch)
     _add_model_options(batch)
     batch.set_defaults(func=_batch)

@@ -6,7 +6,8 @@ optionally the server's sampling fields (`max_tokens`, `temperature`, `top_p`, `
 template, default true). They are validated by the server's own request schema.
 
 The driver reads the input, skips the ids already written (a rerun resumes), and hands the rest to
-`map_batches` over a fixed pool of `EngineActor`s: each loads the target and drafter once and runs
+`map_batches` over a fixed pool of `EngineActor`s (or, with `local`, to one EngineActor in this
+process, no Ray needed: the single-process baseline): each loads the target and drafter once and runs
 every batch of records through the server's continuous-batching `Scheduler` (all records of a batch
 verified together in one target pass per step). Results stream back to the driver, which shows
 progress and writes them as whole part files (`verispec.distributed.batch_io`). A record that fails
@@ -23,7 +24,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -74,6 +75,7 @@ class BatchOptions:
     limit: int | None = None  # run at most this many of the pending records (a rerun does the rest)
     flush_every: int = 64  # records per part file (also flushed every 10 s and at the end)
     record_timeout: float = 600.0
+    local: bool = False  # one engine in this process, no Ray (same files, resume and checks)
 
     def __post_init__(self) -> None:
         if self.actors < 1 or self.batch_size < 1 or self.flush_every < 1 or self.actor_cpus <= 0:
@@ -238,7 +240,7 @@ def _progress(console: Console) -> Progress:
 
 def run_batch(loader: Callable, input_path: str | Path, out_dir: str | Path, options: BatchOptions = BatchOptions(),
               console: Console | None = None) -> BatchReport:
-    """Generate every record of `input_path` not yet written under `out_dir`; Ray must be initialised."""
+    """Generate every record of `input_path` not yet written under `out_dir` (Ray must be initialised unless local)."""
     console = console or Console(stderr=True, highlight=False)
     input_path, out_dir = Path(input_path), Path(out_dir)
     records = read_input(input_path)
@@ -264,6 +266,10 @@ def run_batch(loader: Callable, input_path: str | Path, out_dir: str | Path, opt
             _generate_all(loader, runnable, options, sink, total, actors, console)
     except KeyboardInterrupt:
         interrupted = True
+    except Exception as error:  # the Ray job itself failed (e.g. actors kept dying): keep what is done, say how to go on
+        sink.flush()
+        raise VerispecError(f"the batch job failed ({type(error).__name__}: {error}); the {total.results + total.errors} records "
+                            "finished before are written: rerun the same command to resume") from error
     finally:
         sink.flush()
     wall = time.perf_counter() - started
@@ -274,23 +280,40 @@ def run_batch(loader: Callable, input_path: str | Path, out_dir: str | Path, opt
     return report
 
 
-def _generate_all(loader: Callable, records: list[InputRecord], options: BatchOptions, sink: _Sink, total: Tally,
-                  actors: dict[str, Tally], console: Console) -> None:
+def _actor_args(loader: Callable, options: BatchOptions) -> tuple:
+    return (loader, {"temperature": options.temperature}, options.max_tokens, options.batch_size, options.actor_cpus,
+            options.record_timeout)
+
+
+def _ray_batches(loader: Callable, items: list[dict], options: BatchOptions) -> Iterator[dict]:
+    """Generated batches from a pool of `options.actors` EngineActors on Ray Data, as they finish."""
     ray = require_ray()
     context = ray.data.DataContext.get_current()
-    context.enable_progress_bars = False  # ours below counts records and shows τ
+    context.enable_progress_bars = False  # ours (in _generate_all) counts records and shows τ
     context.print_on_execution_start = False
-    items = [{"id": r.id, "record": json.dumps(r.record, ensure_ascii=False)} for r in records]
     dataset = ray.data.from_items(items, override_num_blocks=min(200, -(-len(items) // options.batch_size)))
     generated = dataset.map_batches(
-        EngineActor, batch_size=options.batch_size, batch_format="numpy",
+        EngineActor, batch_size=options.batch_size, batch_format="numpy", fn_constructor_args=_actor_args(loader, options),
         compute=ray.data.ActorPoolStrategy(size=options.actors), num_cpus=options.actor_cpus,
-        fn_constructor_args=(loader, {"temperature": options.temperature}, options.max_tokens, options.batch_size,
-                             options.actor_cpus, options.record_timeout),
     )
+    yield from generated.iter_batches(batch_size=None, batch_format="numpy")
+
+
+def _local_batches(loader: Callable, items: list[dict], options: BatchOptions) -> Iterator[dict]:
+    """The same work in this process, without Ray: one EngineActor, batch after batch."""
+    actor = EngineActor(*_actor_args(loader, options))
+    for start in range(0, len(items), options.batch_size):
+        chunk = items[start : start + options.batch_size]
+        yield actor({"id": [item["id"] for item in chunk], "record": [item["record"] for item in chunk]})
+
+
+def _generate_all(loader: Callable, records: list[InputRecord], options: BatchOptions, sink: _Sink, total: Tally,
+                  actors: dict[str, Tally], console: Console) -> None:
+    items = [{"id": r.id, "record": json.dumps(r.record, ensure_ascii=False)} for r in records]
+    batches = (_local_batches if options.local else _ray_batches)(loader, items, options)
     with _progress(console) as progress:
-        task = progress.add_task("generating", total=len(items), stats="loading the models on the actors")
-        for batch in generated.iter_batches(batch_size=None, batch_format="numpy"):
+        task = progress.add_task("generating", total=len(items), stats="loading the models")
+        for batch in batches:
             for kind, payload, actor, seconds in zip(batch["kind"], batch["payload"], batch["actor"], batch["seconds"]):
                 row = json.loads(payload)
                 sink.add(str(kind), row)

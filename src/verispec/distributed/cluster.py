@@ -8,7 +8,6 @@ worker loads the target and drafter once, itself.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -74,8 +73,7 @@ def ray_session(address: str | None = None, num_cpus: int | None = None, env_var
     runtime_env = {"env_vars": env_vars} if env_vars else None
     try:
         ray.init(address=address or "local", num_cpus=None if address else num_cpus, runtime_env=runtime_env,
-                 include_dashboard=False, logging_level="warning", configure_logging=True,
-                 log_to_driver=os.environ.get("VERISPEC_RAY_WORKER_LOGS", "1") != "0")
+                 include_dashboard=False, logging_level="warning")
     except ConnectionError as error:
         raise VerispecError(
             f"cannot reach the Ray cluster at {address!r} ({error}): start one with `ray start --head`, "
