@@ -2,8 +2,9 @@
 # Set up verispec in ./.venv (created if missing) and install what it needs.
 #
 #   scripts/setup.sh          the package and its runtime dependencies
-#   scripts/setup.sh --test   also the test dependencies (pytest, scipy, the server test clients) and,
-#                             where apt-get may run, Debian's Chromium for the playground's browser test
+#   scripts/setup.sh --test   also the test dependencies (pytest, scipy, the server test clients), Ray
+#                             (the `ray` extra: serve --ray, batch) and, where apt-get may run, Debian's
+#                             Chromium for the playground's browser test
 #
 # torch: a torch already importable in the venv (or in the system site-packages it sees, e.g. a
 # CUDA build) is kept. Otherwise torch==2.13.0 is installed: on the CPU machines this project runs
@@ -12,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 extras=""
-[[ "${1:-}" == "--test" ]] && extras="[test]"
+[[ "${1:-}" == "--test" ]] && extras="[test,ray]"
 
 if [[ ! -x .venv/bin/python ]]; then
     python3 -m venv --system-site-packages .venv

@@ -1,18 +1,22 @@
-"""Helpers for the server tests: a tiny engine with a chat template, and uvicorn on a free local port."""
+"""Helpers for the server tests: a tiny engine with a chat template (also as a picklable loader for Ray
+workers), the engine's own answer to compare with, and uvicorn on a free local port."""
 
 from __future__ import annotations
 
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
 from transformers import PreTrainedTokenizerFast
 
-from verispec import Engine
+from verispec import Engine, GenerationConfig, SamplingParams
 from verispec.drafters import DraftModelDrafter, ExpansionDrafter, NgramDrafter
 from verispec.models.loading import load_model
+from verispec.server.app import chat_prompt_ids
+from verispec.server.schemas import ChatMessage
 
 MODEL = "tiny"
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # words are tokens "t0".."t47"
@@ -36,6 +40,36 @@ def tiny_engine(target_dir: Path, draft: Path | str = "ngram", gamma: int = 3) -
     else:
         drafter = DraftModelDrafter(load_model(draft), target.vocab_size)
     return Engine(target, drafter, gamma=gamma, gamma_policy="constant")
+
+
+def slow(engine: Engine, seconds: float) -> Engine:
+    """Slow every batched target pass, so that requests overlap for sure."""
+    runner = engine.target.runner
+    ragged = runner.forward_ragged
+
+    def slow_ragged(caches, feeds, *rest):
+        time.sleep(seconds)
+        return ragged(caches, feeds, *rest)
+    runner.forward_ragged = slow_ragged
+    return engine
+
+
+@dataclass(frozen=True)
+class TinyLoader:
+    """`tiny_engine(target_dir)`, slowed by `delay` s per target pass: a loader Ray can ship to its workers."""
+
+    target_dir: str
+    delay: float = 0.0
+
+    def __call__(self) -> Engine:
+        return slow(tiny_engine(Path(self.target_dir)), self.delay) if self.delay else tiny_engine(Path(self.target_dir))
+
+
+def expected_text(engine, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int | None = None, chat=False) -> str:
+    """What the engine itself generates for one request (the server must answer the same)."""
+    ids = chat_prompt_ids(engine, [ChatMessage(role="user", content=prompt)]) if chat else engine.prompt_ids(prompt, chat=False)
+    config = GenerationConfig(max_new_tokens=max_tokens, sampling=SamplingParams(temperature=temperature), seed=seed)
+    return engine.generate(ids, config).text
 
 
 def _free_port() -> int:

@@ -15,12 +15,10 @@ import time
 import httpx
 import openai
 import pytest
-from server_helpers import MODEL, LocalServer, tiny_engine
+from server_helpers import MODEL, LocalServer, expected_text, slow, tiny_engine
 
 from verispec import GenerationConfig, SamplingParams
 from verispec.server import create_app
-from verispec.server.app import chat_prompt_ids
-from verispec.server.schemas import ChatMessage
 
 PROMPTS = ["t5 t9 t2 t7", "t22 t3 t3 t3 t8 t2 t30 t42 t5", "t40", "t20 t21 t22 t20 t21", "t7 t7 t7", "t33 t2"]  # no word starts with "t1": the unknown token "t1" is matched inside words
 
@@ -41,12 +39,6 @@ def server(tiny_target):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def expected_text(engine, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int | None = None, chat=False) -> str:
-    ids = chat_prompt_ids(engine, [ChatMessage(role="user", content=prompt)]) if chat else engine.prompt_ids(prompt, chat=False)
-    config = GenerationConfig(max_new_tokens=max_tokens, sampling=SamplingParams(temperature=temperature), seed=seed)
-    return engine.generate(ids, config).text
 
 
 def metric(server, name: str) -> float:
@@ -264,20 +256,8 @@ def test_bad_chat_requests_and_malformed_json(server):
     assert post({"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "max_tokens": 3}).status_code == 200
 
 
-def _slow(engine, seconds: float):
-    """Slow every target pass, so that requests overlap for sure."""
-    runner = engine.target.runner
-    ragged = runner.forward_ragged
-
-    def slow_ragged(caches, feeds, *rest):
-        time.sleep(seconds)
-        return ragged(caches, feeds, *rest)
-    runner.forward_ragged = slow_ragged
-    return engine
-
-
 def test_full_queue_is_a_429_and_disconnect_frees_the_slot(tiny_target):
-    engine = _slow(tiny_engine(tiny_target), 0.1)
+    engine = slow(tiny_engine(tiny_target), 0.1)
     with LocalServer(create_app(engine, model_name=MODEL, max_batch=1, max_queue=1)) as server:
         # PROMPTS[3] runs 100 tokens in 36 steps, no EOS
         long = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 100, "temperature": 0, "stream": True}
@@ -308,7 +288,7 @@ def test_full_queue_is_a_429_and_disconnect_frees_the_slot(tiny_target):
 
 
 def test_timeout_is_a_504(tiny_target):
-    engine = _slow(tiny_engine(tiny_target), 0.05)
+    engine = slow(tiny_engine(tiny_target), 0.05)
     with LocalServer(create_app(engine, model_name=MODEL, request_timeout=0.3)) as server:
         response = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 100, "temperature": 0})
         assert response.status_code == 504 and "ran past the server's limit of 0.3 s" in response.json()["error"]["message"]
@@ -317,7 +297,7 @@ def test_timeout_is_a_504(tiny_target):
 def test_a_crashing_generation_fails_alone(tiny_target, reference):
     """A target pass that raises for rows containing token 47: the batch falls back to row by row;
     that request gets a 500, the others their exact answers."""
-    engine = _slow(tiny_engine(tiny_target), 0.02)
+    engine = slow(tiny_engine(tiny_target), 0.02)
     runner = engine.target.runner
     forward, ragged = runner.forward, runner.forward_ragged
 

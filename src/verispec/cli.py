@@ -1,4 +1,4 @@
-"""The `verispec` command line: generate, serve, bench, analyze, design, models.
+"""The `verispec` command line: generate, serve, batch, bench, analyze, design, models.
 
 `verispec generate "prompt"` streams the answer with each token coloured by where it came from
 (green: draft token the target accepted; yellow: recovered after a rejection; blue: bonus token;
@@ -28,6 +28,11 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--gamma", type=int, default=4, help="draft length γ (the starting value for adaptive policies)")
     parser.add_argument("--gamma-policy", default="analytic", choices=["constant", "heuristic", "analytic"])
+
+
+def _add_ray_address(parser) -> None:
+    parser.add_argument("--ray-address", default=None,
+                        help="join this Ray cluster (host:6379, ray://host:10001, or auto); default: start a local instance")
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -110,7 +115,15 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_spec(args: argparse.Namespace):
+    from verispec.distributed.cluster import EngineSpec
+
+    return EngineSpec(args.target, args.draft, args.dtype, args.gamma, args.gamma_policy)
+
+
 def _serve(args: argparse.Namespace) -> int:
+    if args.ray:
+        return _serve_on_ray(args)
     import uvicorn
 
     from verispec import load
@@ -123,6 +136,39 @@ def _serve(args: argparse.Namespace) -> int:
                                "(playground at /, OpenAI API under /v1)")
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
+
+
+def _serve_on_ray(args: argparse.Namespace) -> int:
+    from verispec.distributed.serve import ServeOptions, run_cli
+
+    options = ServeOptions(
+        replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas, replica_cpus=args.replica_cpus,
+        target_ongoing_requests=args.target_ongoing_requests, host=args.host, port=args.port, model_name=args.model_name,
+        max_batch=args.max_batch, max_queue=args.max_queue, request_timeout=args.timeout,
+    )
+    spec = _engine_spec(args)
+    return run_cli(spec, options, args.ray_address, spec.describe())
+
+
+def _batch(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from verispec.distributed.batch import BatchOptions, print_report, run_batch
+    from verispec.distributed.cluster import ray_session
+
+    options = BatchOptions(actors=args.actors, actor_cpus=args.actor_cpus, batch_size=args.batch_size,
+                           max_tokens=args.max_new_tokens, temperature=args.temperature, output_format=args.output_format,
+                           limit=args.limit, flush_every=args.flush_every, local=args.local)
+    err = Console(stderr=True, highlight=False)
+    if args.local:
+        report = run_batch(_engine_spec(args), args.input, args.output, options, err)
+    else:
+        with ray_session(args.ray_address):
+            report = run_batch(_engine_spec(args), args.input, args.output, options, err)
+    print_report(report, Path(args.output), Console(highlight=False))
+    if report.interrupted:
+        return 130
+    return 0 if report.check is None or not (report.check.duplicated or report.check.unknown) else 1
 
 
 def _bench(argv: list[str]) -> int:
@@ -163,7 +209,34 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queue", type=int, default=32, help="requests allowed to wait; beyond that: HTTP 429")
     serve.add_argument("--timeout", type=float, default=300.0, help="seconds per request before HTTP 504")
     _add_model_options(serve)
+    ray_group = serve.add_argument_group("Ray Serve (needs verispec[ray])")
+    ray_group.add_argument("--ray", action="store_true", help="serve as replicas on Ray Serve (the same API; Serve's proxy listens on --host/--port)")
+    _add_ray_address(ray_group)
+    ray_group.add_argument("--replicas", type=int, default=1, help="fixed number of replicas, each loading the models once")
+    ray_group.add_argument("--min-replicas", type=int, default=None, help="autoscaling: fewest replicas (with --max-replicas)")
+    ray_group.add_argument("--max-replicas", type=int, default=None, help="autoscaling: most replicas (with --min-replicas)")
+    ray_group.add_argument("--target-ongoing-requests", type=float, default=None,
+                           help="autoscaling: requests per replica to aim for (default: --max-batch)")
+    ray_group.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per replica (its torch threads)")
     serve.set_defaults(func=_serve)
+    batch = sub.add_parser("batch", help="generate for every record of a JSONL/Parquet file on Ray Data (resumable)",
+                           description="Generate for every record of --input with a pool of engine actors on Ray Data. "
+                           "Records: {id, prompt | messages, max_tokens?, temperature?, top_p?, top_k?, min_p?, seed?, stop?, chat?}. "
+                           "Rerunning skips the ids already written to --output.")
+    batch.add_argument("--input", required=True, help="a .jsonl or .parquet file, one prompt per record with a unique id")
+    batch.add_argument("--output", required=True, help="folder for results/, errors/ and summary.json (a rerun resumes)")
+    batch.add_argument("--output-format", choices=["jsonl", "parquet"], default=None, help="default: the input's format")
+    batch.add_argument("--actors", type=int, default=1, help="engine actors (each loads the models once)")
+    batch.add_argument("--actor-cpus", type=float, default=1.0, help="CPUs Ray reserves per actor (its torch threads)")
+    batch.add_argument("--batch-size", type=int, default=8, help="records per actor call, verified together")
+    batch.add_argument("--max-new-tokens", type=int, default=128, help="for records without max_tokens")
+    batch.add_argument("--temperature", type=float, default=0.0, help="for records without temperature (0 = greedy)")
+    batch.add_argument("--limit", type=int, default=None, help="run at most this many pending records now (rerun for the rest)")
+    batch.add_argument("--flush-every", type=int, default=64, help="records per output part file")
+    batch.add_argument("--local", action="store_true", help="no Ray: one engine in this process (same files, resume and checks)")
+    _add_ray_address(batch)
+    _add_model_options(batch)
+    batch.set_defaults(func=_batch)
     from verispec import draft_design
 
     design = sub.add_parser("design", help="measure candidate drafts (α, latency) and rank them by predicted speedup")

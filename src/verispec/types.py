@@ -104,9 +104,14 @@ class GenerationStats:
         return (self.accepted_tokens + self.steps) / self.steps if self.steps else 0.0
 
     @property
+    def judged_tokens(self) -> int:
+        """Draft tokens the rejection rule decided on: the accepted ones and the first rejected one per step."""
+        return sum(r.accepted + (r.accepted < r.proposed) for r in self.records)
+
+    @property
     def acceptance_rate(self) -> float:
         """α estimate: accepted / drafted positions that were actually judged (the geometric MLE)."""
-        judged = sum(r.accepted + (r.accepted < r.proposed) for r in self.records)
+        judged = self.judged_tokens
         return self.accepted_tokens / judged if judged else 0.0
 
     @property

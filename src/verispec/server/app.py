@@ -31,7 +31,7 @@ from verispec.server.schemas import (
     ModelList,
 )
 
-__all__ = ["create_app", "chat_prompt_ids"]
+__all__ = ["create_app", "chat_prompt_ids", "request_config", "describe_invalid", "error_response"]
 
 STATIC = Path(__file__).parent / "static"
 DISCONNECT_POLL_SECONDS = 0.25
@@ -45,6 +45,18 @@ class ClientDisconnected(Exception):
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
     kind = {429: "rate_limit_error", 500: "server_error", 503: "server_error", 504: "timeout_error"}.get(status, "invalid_request_error")
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)
+
+
+def describe_invalid(errors: list[dict]) -> tuple[int, str, str | None]:
+    """(status, message, param) for pydantic validation errors of a request body: the first problem, named."""
+    first = errors[0] if errors else {"type": "", "loc": (), "msg": "invalid request"}
+    if first["type"] == "json_invalid":
+        return 400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
+    path = [str(part) for part in first["loc"] if part != "body"]
+    if not path:
+        return 422, f"the request body is invalid ({first['msg']}): send a JSON object", None
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return 422, f"invalid '{'.'.join(path)}': {first['msg']}{more}", path[0]
 
 
 def _error_status(error: BaseException) -> tuple[int, str, str | None]:
@@ -72,7 +84,7 @@ def chat_prompt_ids(engine: Engine, messages: list[ChatMessage]) -> list[int]:
     return engine.prompt_ids(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _config(body: CompletionRequest | ChatCompletionRequest, default_max_tokens: int) -> GenerationConfig:
+def request_config(body: CompletionRequest | ChatCompletionRequest, default_max_tokens: int) -> GenerationConfig:
     sampling = SamplingParams(
         temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p, eta=body.eta,
         epsilon=body.epsilon, repetition_penalty=body.repetition_penalty,
@@ -128,15 +140,7 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {"type": "", "loc": (), "msg": "invalid request"}
-        if first["type"] == "json_invalid":
-            return error_response(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
-        path = [str(part) for part in first["loc"] if part != "body"]
-        if not path:
-            return error_response(422, f"the request body is invalid ({first['msg']}): send a JSON object")
-        more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-        return error_response(422, f"invalid '{'.'.join(path)}': {first['msg']}{more}", param=path[0])
+        return error_response(*describe_invalid(exc.errors()))
 
     async def serve(request: Request, body: CompletionRequest | ChatCompletionRequest, endpoint: str,
                     encode: Callable[[Engine], list[int]], fmt: CompletionFormat) -> Response:
@@ -150,7 +154,7 @@ def create_app(
         else:
             job = None
             try:
-                job = scheduler.submit(encode, _config(body, default_max_tokens))
+                job = scheduler.submit(encode, request_config(body, default_max_tokens))
                 await _next(job, request)  # "admitted": the prompt fits and is prefilled
                 if body.stream:
                     return StreamingResponse(stream(job, fmt, endpoint, started), media_type="text/event-stream")

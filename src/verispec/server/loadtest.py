@@ -1,6 +1,6 @@
 """A bounded load test of a running verispec server: throughput and latency per concurrency level.
 
-    python -m verispec.server.loadtest --url http://127.0.0.1:8000 --clients 1,4,16 --requests 32
+    python -m verispec.server.loadtest --url http://127.0.0.1:8000 --clients 1,4,16 --requests 32 [--chat]
 
 For each client count, exactly `--requests` completions are sent (by that many concurrent clients)
 and the run stops by itself. Reports requests/s, generated tokens/s, p50/p99 latency, and τ. Under
@@ -26,8 +26,13 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def run_level(url: str, model: str, clients: int, requests: int, body: dict) -> dict:
-    """Send `requests` completions with `clients` concurrent workers; return the level's summary."""
+async def run_level(url: str, model: str, clients: int, requests: int, body: dict, chat: bool = False) -> dict:
+    """Send `requests` completions with `clients` concurrent workers; return the level's summary.
+
+    chat: send body["prompt"] as one user message to /v1/chat/completions (the model's chat template)."""
+    if chat:
+        body = {key: value for key, value in body.items() if key != "prompt"} | {"messages": [{"role": "user", "content": body["prompt"]}]}
+    endpoint = "/v1/chat/completions" if chat else "/v1/completions"
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(requests):
         queue.put_nowait(i)
@@ -38,13 +43,14 @@ async def run_level(url: str, model: str, clients: int, requests: int, body: dic
         while not queue.empty():
             i = queue.get_nowait()
             started = time.perf_counter()
-            response = await http.post("/v1/completions", json={**body, "model": model, "seed": i})
+            response = await http.post(endpoint, json={**body, "model": model, "seed": i})
             latencies.append(time.perf_counter() - started)
             if response.status_code != 200:
                 failures += 1
                 continue
             answer = response.json()
-            texts.append(answer["choices"][0]["text"])
+            choice = answer["choices"][0]
+            texts.append(choice["message"]["content"] if chat else choice["text"])
             usage = answer["usage"]
             tokens += usage["completion_tokens"]
             steps += usage["steps"]
@@ -71,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", default="Write a short story about a robot who learns to paint.")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--chat", action="store_true", help="send the prompt as a user message to /v1/chat/completions")
     parser.add_argument("--json", action="store_true", help="one JSON object per level instead of a table")
     args = parser.parse_args(argv)
     model = httpx.get(args.url + "/v1/models", timeout=30).json()["data"][0]["id"]
@@ -78,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.json:
         print(f"{'clients':>7} {'req/s':>8} {'tok/s':>8} {'p50 s':>8} {'p99 s':>8} {'τ':>6} {'failed':>6} {'garbled':>7}")
     for clients in (int(c) for c in args.clients.split(",")):
-        row = asyncio.run(run_level(args.url, model, clients, args.requests, body))
+        row = asyncio.run(run_level(args.url, model, clients, args.requests, body, args.chat))
         if args.json:
             print(json.dumps(row))
         else:

@@ -131,6 +131,8 @@ class Metrics:
             metric("verispec_steps_total", "counter", "Verification steps (one per request per target pass).", [f"verispec_steps_total {self.steps}"])
             metric("verispec_draft_tokens_proposed_total", "counter", "Draft tokens proposed.", [f"verispec_draft_tokens_proposed_total {self.proposed}"])
             metric("verispec_draft_tokens_accepted_total", "counter", "Draft tokens accepted.", [f"verispec_draft_tokens_accepted_total {self.accepted}"])
+            metric("verispec_draft_tokens_judged_total", "counter", "Draft tokens the rejection rule decided on (accepted + first rejected per step): α = accepted / judged.",
+                   [f"verispec_draft_tokens_judged_total {self.judged}"])
             metric("verispec_tokens_per_second", "gauge", f"Tokens generated per second over the last {RATE_WINDOW_SECONDS:.0f} s.",
                    [f"verispec_tokens_per_second {tokens_per_second:.4f}"])
             alpha = self.accepted / self.judged if self.judged else 0.0
