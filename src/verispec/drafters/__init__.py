@@ -63,7 +63,7 @@ def _build(factory, kind: str, text: str, args=lambda: ()) -> Drafter:
 
 
 def _draft_model(target: LoadedModel, dtype: str | None) -> LoadedModel:
-    draft = load_model(DEFAULT_DRAFT, dtype or target.dtype)
+    draft = load_model(DEFAULT_DRAFT, dtype or target.precision)
     check_compatible(target, draft)
     return draft
 
@@ -93,6 +93,6 @@ def make_drafter(spec: str | None, target: LoadedModel, dtype: str | None = None
 
         return make_triforce(target, _draft_model(target, dtype), _options(rest))
     model_spec = (rest or DEFAULT_DRAFT) if kind == "model" else spec
-    draft = load_model(model_spec, dtype or target.dtype)
+    draft = load_model(model_spec, dtype or target.precision)
     check_compatible(target, draft)
     return DraftModelDrafter(draft, vocab)

@@ -76,7 +76,7 @@ def _derived(spec: str, model: LoadedModel, options: dict[str, str], default_lay
 
 
 def _draft_model(name: str | None, target: LoadedModel, dtype: str | None) -> LoadedModel:
-    draft = load_model(name or DEFAULT_DRAFT, dtype or target.dtype)
+    draft = load_model(name or DEFAULT_DRAFT, dtype or target.precision)
     check_compatible(target, draft)
     return draft
 

@@ -5,6 +5,12 @@ rollback is setting a length, (2) a tree attention mask with per-node positions,
 the accepted tree path inside the cache, and (4) weights prepacked for the CPU's small-batch
 kernels (see `linear.py`). The weights, config and tokenizer still come from a Hugging Face folder;
 tests check the logits against the transformers implementation of the same config.
+
+With `quant="int8"` every linear layer (and the head) is an `Int8Linear` (see `int8.py`): int8
+weights quantized at load time from the float32 folder, activations quantized per row, so a row's
+logits do not depend on how many positions the forward pass holds. The rest of the layer (norms,
+RoPE, attention, the KV cache) stays float32. `variant` then carries ",int8", which keeps measured
+costs (`control/costs.py`) apart from the float model's.
 """
 
 from __future__ import annotations
@@ -19,11 +25,13 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from verispec.errors import ModelNotFoundError
+from verispec.models.int8 import Int8Linear
 from verispec.models.linear import PackedLinear
 
 __all__ = ["ModelConfig", "KVCache", "Transformer"]
 
 SUPPORTED_TYPES = ("qwen2", "llama")
+QUANTIZATIONS = ("int8",)
 
 
 @dataclass(frozen=True)
@@ -122,8 +130,17 @@ class _Row:
     mask: torch.Tensor | None  # [n, start + n] bool; None when a single token sees everything
 
 
+def _linear_factory(pack: bool, quant: str | None):
+    """How the runner builds a linear layer from W [out, in] and b [out] (or None)."""
+    if quant is None:
+        return lambda weight, bias: PackedLinear(weight, bias, pack)
+    if quant == "int8":
+        return Int8Linear
+    raise ValueError(f"unknown quantization {quant!r}: use one of {', '.join(QUANTIZATIONS)} or None")
+
+
 class _Layer:
-    def __init__(self, weights: dict[str, torch.Tensor], prefix: str, config: ModelConfig, pack: bool):
+    def __init__(self, weights: dict[str, torch.Tensor], prefix: str, config: ModelConfig, linear):
         w = lambda name: weights[prefix + name]  # noqa: E731
         b = lambda name: weights.get(prefix + name)  # noqa: E731
         self.input_norm = w("input_layernorm.weight")
@@ -132,31 +149,45 @@ class _Layer:
         if config.attention_bias:
             qkv_bias = torch.cat([b("self_attn.q_proj.bias"), b("self_attn.k_proj.bias"), b("self_attn.v_proj.bias")])
         qkv = torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")])
-        self.qkv = PackedLinear(qkv, qkv_bias, pack)
-        self.o = PackedLinear(w("self_attn.o_proj.weight"), b("self_attn.o_proj.bias"), pack)
-        self.gate_up = PackedLinear(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), None, pack)
-        self.down = PackedLinear(w("mlp.down_proj.weight"), None, pack)
+        self.qkv = linear(qkv, qkv_bias)
+        self.o = linear(w("self_attn.o_proj.weight"), b("self_attn.o_proj.bias"))
+        self.gate_up = linear(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), None)
+        self.down = linear(w("mlp.down_proj.weight"), None)
 
 
 class Transformer:
-    """Inference-only decoder. `forward` appends tokens to a KVCache and returns logits."""
+    """Inference-only decoder. `forward` appends tokens to a KVCache and returns logits.
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, pack: bool = True):
+    dtype: the dtype of activations, norms and the KV cache (and of the weights unless quantized);
+    quant: None, or "int8" for int8 linear layers (dtype must then be float32).
+    """
+
+    def __init__(
+        self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, pack: bool = True,
+        quant: str | None = None,
+    ):
+        if quant is not None and dtype != torch.float32:
+            raise ValueError(f"{quant} weights run with float32 activations, not {dtype}")
         self.config = config
         self.dtype = dtype
+        self.quant = quant
+        self.variant = f",{quant}" if quant else ""
+        linear = _linear_factory(pack, quant)
         weights = {k: v.to(dtype) for k, v in weights.items()}
         self.device = weights["model.embed_tokens.weight"].device
         self.embed = weights["model.embed_tokens.weight"]  # [vocab, hidden]
-        self.layers = [_Layer(weights, f"model.layers.{i}.", config, pack) for i in range(config.num_layers)]
+        self.layers = [_Layer(weights, f"model.layers.{i}.", config, linear) for i in range(config.num_layers)]
         self.final_norm = weights["model.norm.weight"]
         head = self.embed if config.tie_word_embeddings else weights["lm_head.weight"]
-        self.lm_head = PackedLinear(head, None, pack)
+        self.lm_head = linear(head, None)
         self._rope_cache = torch.empty(2, 0, config.head_dim)  # [cos/sin, positions, head_dim]
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim))
         self._inv_freq = inv_freq  # [head_dim / 2]
 
     @classmethod
-    def from_folder(cls, folder: str | Path, dtype: torch.dtype = torch.float32, pack: bool = True) -> Transformer:
+    def from_folder(
+        cls, folder: str | Path, dtype: torch.dtype = torch.float32, pack: bool = True, quant: str | None = None
+    ) -> Transformer:
         folder = Path(folder)
         config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
         weights: dict[str, torch.Tensor] = {}
@@ -167,7 +198,7 @@ class Transformer:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
                     weights[name] = f.get_tensor(name)
-        return cls(config, weights, dtype, pack)
+        return cls(config, weights, dtype, pack, quant)
 
     def new_cache(self, capacity: int = 1024) -> KVCache:
         return KVCache(self.config, capacity, self.dtype, self.device)
