@@ -115,7 +115,7 @@ def quantized(runner: Transformer) -> Transformer:
         head = _PaddedHead(_as_int8(head.head), head.kept, head.full)
     else:
         head = _as_int8(head)
-    return _with(runner, "int8=1", layers=layers, lm_head=head, quant="int8")
+    return _with(runner, "int8=1", layers=layers, lm_head=head, quant="int8", row_invariant=True)
 
 
 def derive_model(model: LoadedModel, layers: int | None = None, vocab: int | None = None, int8: bool = False) -> LoadedModel:
