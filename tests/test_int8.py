@@ -188,3 +188,22 @@ def test_cli_generates_with_int8(capsys, tiny_target, tiny_draft):
     assert cli_main([*common, "--draft", "none"]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert spec["token_ids"] == plain["token_ids"]
+
+
+def test_quality_report_compares_int8_with_float32(tiny_text_pair, tmp_path, capsys):
+    import json
+
+    questions = tmp_path / "q.jsonl"
+    rows = [{"question_id": 1, "category": "rag", "turns": ["t3 t4 t5"]}, {"question_id": 2, "category": "qa", "turns": ["t9 t8"]}]
+    questions.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "quality.json"
+    argv = ["quality", "--target", str(tiny_text_pair[0]), "--questions", str(questions), "--raw", "--max-new-tokens", "6",
+            "--json", str(out)]
+    assert cli_main(argv) == 0
+    assert "| overall | 2 |" in capsys.readouterr().out
+    summary = json.loads(out.read_text())["summary"]
+    overall = summary["overall"]
+    assert set(summary["per_category"]) == {"rag", "qa"}
+    assert 0 <= overall["mean_kl"] < 0.05 and 0 <= overall["top1_agreement"] <= 1 and overall["positions"] > 0
+    assert cli_main([*argv[:-2], "--reference", "int8"]) == 2  # the same precision twice: a clear error
+    assert "both int8" in capsys.readouterr().err

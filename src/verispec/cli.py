@@ -1,4 +1,4 @@
-"""The `verispec` command line: generate, serve, bench, analyze, design, models.
+"""The `verispec` command line: generate, serve, bench, analyze, design, quality, models.
 
 `verispec generate "prompt"` streams the answer with each token coloured by where it came from
 (green: draft token the target accepted; yellow: recovered after a rejection; blue: bonus token;
@@ -166,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--timeout", type=float, default=300.0, help="seconds per request before HTTP 504")
     _add_model_options(serve)
     serve.set_defaults(func=_serve)
+    from verispec.bench import quality
+
+    quality_parser = sub.add_parser("quality", help="how close one precision is to another (int8 vs float32): "
+                                    "greedy agreement and mean KL of next-token distributions")
+    quality.add_arguments(quality_parser)
+    quality_parser.set_defaults(func=quality.run)
     from verispec import draft_design
 
     design = sub.add_parser("design", help="measure candidate drafts (α, latency) and rank them by predicted speedup")

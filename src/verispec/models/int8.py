@@ -64,19 +64,20 @@ class Int8Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, use_fbgemm: bool | None = None):
         self.out_features, self.in_features = weight.shape
-        q, scales = quantize_per_channel(weight)
+        weight = weight.detach().float()
         self.bias = None if bias is None else bias.detach().float().contiguous()  # [out]
         self.use_fbgemm = int8_available() if use_fbgemm is None else use_fbgemm
         if self.use_fbgemm:
+            scales = (weight.abs().amax(dim=1) / 127.0).clamp_min(1e-12)  # [out]
             zero_points = torch.zeros(self.out_features, dtype=torch.long)
             with warnings.catch_warnings():  # quantized tensor creation warns about a future deprecation
                 warnings.simplefilter("ignore")
-                quantized = torch._make_per_channel_quantized_tensor(q, scales.double(), zero_points, 0)
+                quantized = torch.quantize_per_channel(weight, scales.double(), zero_points, 0, torch.qint8)
                 self.packed = torch.ops.quantized.linear_prepack(quantized, None)
             self.weight_q = self.scales = None
         else:
             self.packed = None
-            self.weight_q, self.scales = q, scales  # [out, in] int8, [out]
+            self.weight_q, self.scales = quantize_per_channel(weight)  # [out, in] int8, [out]
 
     @property
     def nbytes(self) -> int:
