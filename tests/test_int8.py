@@ -207,3 +207,54 @@ def test_quality_report_compares_int8_with_float32(tiny_text_pair, tmp_path, cap
     assert 0 <= overall["mean_kl"] < 0.05 and 0 <= overall["top1_agreement"] <= 1 and overall["positions"] > 0
     assert cli_main([*argv[:-2], "--reference", "int8"]) == 2  # the same precision twice: a clear error
     assert "both int8" in capsys.readouterr().err
+
+
+# --- benchmark: per-method precision, the optional llama.cpp baseline ------------------------------
+
+
+def test_bench_methods_take_a_precision_and_llama_cpp_is_optional(monkeypatch):
+    from verispec.bench import compare
+
+    assert compare.parse_method("vs:none[int8]").precision == "int8"
+    spec = compare.parse_method("vs:model@constant[fp32]")
+    assert (spec.drafter, spec.policy, spec.precision) == ("model", "constant", "float32")
+    assert compare.parse_method("vs:ngram:max_n=3").precision is None
+    with pytest.raises(InvalidParameterError, match="dtype must be one of"):
+        compare.parse_method("vs:none[int4]")
+    assert compare.parse_method("llama-cpp").is_llama_cpp
+    assert compare.split_methods("hf-plain,llama-cpp,vs:stand:k=2,depth=5[int8]") == [
+        "hf-plain", "llama-cpp", "vs:stand:k=2,depth=5[int8]"]
+    monkeypatch.setattr(compare, "llama_cpp_available", lambda: False)
+    kept, notes = compare.drop_unavailable([compare.parse_method(m) for m in ("llama-cpp", "vs:none")])
+    assert [s.name for s in kept] == ["vs:none"] and "llama-cpp-python package is not installed" in notes[0]
+
+
+def test_llama_cpp_needs_a_gguf_target(tiny_target):
+    from verispec.bench.compare import gguf_for
+
+    with pytest.raises(InvalidParameterError, match="shipped model name or a .gguf file"):
+        gguf_for(str(tiny_target))
+
+
+def test_bench_runs_int8_methods_beside_float32(tiny_text_pair, tmp_path, monkeypatch, capsys):
+    import json
+
+    from verispec.bench import compare
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(compare, "llama_cpp_available", lambda: False)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "rag", "turns": ["t10 t11 t12 t10 t11"]}))
+    target, draft = tiny_text_pair
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--target", str(target), "--draft", str(draft), "--questions", str(questions),
+            "--methods", "hf-plain,llama-cpp,vs:none,vs:none[int8],vs:model@constant[int8]",
+            "--max-new-tokens", "8", "--json", str(out)]
+    assert cli_main(argv) == 0
+    assert "skipping llama-cpp" in capsys.readouterr().err
+    data = json.loads(out.read_text())
+    runs = {r["method"]: r["token_ids"] for r in data["runs"]}
+    assert set(runs) == {"hf-plain", "vs:none", "vs:none[int8]", "vs:model@constant[int8]"}
+    assert runs["vs:model@constant[int8]"] == runs["vs:none[int8]"]  # exact on the int8 path
+    methods = data["methods"]
+    assert methods["vs:none[int8]"]["weights_mib"] < methods["vs:none"]["weights_mib"]
