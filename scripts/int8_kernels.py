@@ -14,6 +14,8 @@ Candidates:
                   pair sums cannot saturate), multiplied back after (batch-invariant)
   int-mm-row      per-row int8 activations, torch._int_mm (int8×int8→int32), scales applied after
   w8-pack-mm      torch._weight_int8pack_mm: int8 weight-only, fp32 activations
+  int8-residual   verispec's `Int8Linear`: fbgemm-row plus a second 7-bit row per row holding the
+                  rounding error (≈14-bit activations), both rows in one call (batch-invariant)
   onednn-q        onednn.qlinear_pointwise with prepacked int8 weights, per-row normalised activations
                   like fbgemm-row (uint8 input, fixed scale)
 
@@ -31,6 +33,7 @@ import warnings
 
 import torch
 
+from verispec.models.int8 import Int8Linear
 from verispec.models.linear import PackedLinear
 
 SHAPES_15B = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960), "head": (151936, 1536)}
@@ -63,6 +66,8 @@ def candidates(weight: torch.Tensor) -> dict:
         return y * absmax
 
     found["fbgemm-row"] = fbgemm_row
+    residual = Int8Linear(weight)  # verispec's layer: per-row 7-bit + 7-bit residual rows, one fbgemm call
+    found["int8-residual"] = residual
 
     qt = q.t().contiguous()  # [in, out]
 
@@ -135,7 +140,7 @@ def bench_shape(name, shape, rows, repeats, check, keep=None):
         print(line)
     if check:
         x = torch.randn(5, shape[1])
-        for c in ("fbgemm-row", "int-mm-row", "w8-pack-mm", "onednn-q", "fbgemm-dyn", "fp32-packed"):
+        for c in ("fbgemm-row", "int8-residual", "int-mm-row", "w8-pack-mm", "onednn-q", "fbgemm-dyn", "fp32-packed"):
             if c not in cands:
                 continue
             try:

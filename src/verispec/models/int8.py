@@ -41,6 +41,7 @@ __all__ = ["Int8Linear", "int8_available", "quantize_per_channel", "ACT_LEVELS",
 
 ACT_LEVELS = 63  # |q − zero point| ≤ 63: 7-bit activations
 ACT_ZERO = 64
+RESIDUAL_LEVELS = 126  # the rounding error (|e| ≤ 1/2 step) quantized again on 7 bits: e ≈ fine / 126
 
 
 def int8_available() -> bool:
@@ -62,8 +63,10 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 class Int8Linear:
     """y ≈ x Wᵀ + b: int8 per-channel weights, per-row 7-bit activations, exact int32 sums."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, use_fbgemm: bool | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, use_fbgemm: bool | None = None,
+                 residual: bool = True):
         self.out_features, self.in_features = weight.shape
+        self.residual = residual
         weight = weight.detach().float()
         self.bias = None if bias is None else bias.detach().float().contiguous()  # [out]
         self.use_fbgemm = int8_available() if use_fbgemm is None else use_fbgemm
@@ -85,15 +88,23 @@ class Int8Linear:
         bias = 0 if self.bias is None else self.bias.numel() * 4
         return self.out_features * (self.in_features + 4) + bias
 
+    def _integer_matmul(self, q: torch.Tensor) -> torch.Tensor:
+        """Σ_k q[m, k]·W_int8[n, k]·w_scale[n] for integer-valued q [rows, in] in [−63, 63] -> [rows, out]."""
+        if self.use_fbgemm:  # scale 1 and zero point 64: fbgemm's own rounding of integers is exact
+            return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(q, 1.0, ACT_ZERO, self.packed)
+        return (F.linear(q.double(), self.weight_q.double()) * self.scales.double()).float()  # exact sums in float64
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [rows, in] float32 -> [rows, out] float32
+        rows = x.shape[0]
         absmax = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)  # [rows, 1]
-        if self.use_fbgemm:
-            y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-                (x / absmax).contiguous(), 1.0 / ACT_LEVELS, ACT_ZERO, self.packed
-            )  # [rows, out]
-        else:
-            q = torch.round(x / absmax * ACT_LEVELS).clamp_(-ACT_LEVELS, ACT_LEVELS)  # [rows, in], integers
-            acc = F.linear(q.double(), self.weight_q.double())  # [rows, out]: exact integer sums
-            y = (acc * (self.scales.double() / ACT_LEVELS)).float()
-        y = y * absmax
+        scaled = x / absmax * ACT_LEVELS  # [rows, in] in [−63, 63]
+        coarse = torch.round(scaled)  # [rows, in] integers
+        if not self.residual:
+            return self._finish(self._integer_matmul(coarse.contiguous()), absmax)
+        fine = torch.round((scaled - coarse) * RESIDUAL_LEVELS)  # [rows, in] integers in [−63, 63]
+        acc = self._integer_matmul(torch.cat([coarse, fine]))  # [2·rows, out]: one pass over the weights
+        return self._finish(acc[:rows] + acc[rows:] / RESIDUAL_LEVELS, absmax)
+
+    def _finish(self, y: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
+        y = y * (absmax / ACT_LEVELS)  # [rows, out]
         return y if self.bias is None else y + self.bias
