@@ -64,6 +64,16 @@ def main() -> None:
                     times[p].append(forward_seconds(models["target", p].runner, n))
             fp32, int8 = (statistics.median(times[p]) * 1e3 for p in ("float32", "int8"))
             print(f"  {n:5d}  {fp32:12.1f}  {int8:12.1f}   {int8 / fp32:5.2f}")
+        int8 = models["target", "int8"].runner
+        for n in (4, 8):  # the cost of attending one query at a time (row invariance) in a verification pass
+            times = {True: [], False: []}
+            for r in range(args.repeats):
+                for flag in ((True, False) if r % 2 == 0 else (False, True)):
+                    int8.row_invariant = flag
+                    times[flag].append(forward_seconds(int8, n))
+            int8.row_invariant = True
+            on, off = (statistics.median(times[f]) * 1e3 for f in (True, False))
+            print(f"int8 target, n={n}: row-invariant attention {on:.1f} ms, one batched SDPA call {off:.1f} ms")
         draft = {p: [] for p in ("float32", "int8")}
         for r in range(args.repeats):
             for p in (("float32", "int8") if r % 2 == 0 else ("int8", "float32")):

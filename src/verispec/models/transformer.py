@@ -199,8 +199,8 @@ class Transformer:
     `int8.py`), and so are embedding, norms, RoPE and the SiLU gate (elementwise or per-row
     reductions); batched `scaled_dot_product_attention` is not (its blocking changes with the number
     of queries), so feeds of 2..ROW_INVARIANT_POSITIONS chain positions attend one query at a time,
-    over exactly the keys a single-token step would see (measured: ~1 SDPA call per layer and
-    position, a few ms per verification of the 1.5B). Longer feeds (prompt prefill) and token trees
+    over exactly the keys a single-token step would see (one SDPA call per layer and position; its
+    cost is measured by scripts/int8_e2e.py, see BENCHMARKS.md). Longer feeds (prompt prefill) and token trees
     use one batched call: prefill is shared by speculative and plain decoding, and tree nodes see
     their ancestors in another slot order than sequential decoding would, so trees stay exact only
     up to float rounding, as in float32.
