@@ -178,6 +178,14 @@ def test_unsupported_precisions_are_clear_errors(tiny_target, capsys):
     assert "int8" in capsys.readouterr().err  # argparse lists the choices
 
 
+def test_every_command_offers_int8():
+    from verispec.cli import build_parser
+
+    parser = build_parser()
+    for argv in (["generate", "x"], ["serve"], ["design"], ["analyze"], ["quality"]):
+        assert parser.parse_args([*argv, "--dtype", "int8"]).dtype == "int8"
+
+
 def test_cli_generates_with_int8(capsys, tiny_target, tiny_draft):
     import json
 
