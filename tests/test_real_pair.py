@@ -60,3 +60,23 @@ def test_speculative_greedy_equals_hf_generate(target, hf_target, draft):
 def test_a_draft_with_another_tokenizer_is_refused(target):
     with pytest.raises(IncompatibleModelsError, match="tokenizer|vocabularies"):
         make_drafter("model:smollm2-135m-instruct", target)
+
+
+@pytest.fixture(scope="module")
+def target_int8():
+    return load_model(DEFAULT_TARGET, "int8")
+
+
+@pytest.mark.parametrize("draft", ["model", "ngram"])
+def test_int8_speculative_greedy_equals_int8_plain_greedy(target_int8, draft):
+    """On the int8 path the oracle is plain greedy decoding of the same int8 model (the draft model is
+    loaded in int8 too): token-identical, because the int8 runner's rows do not depend on each other."""
+    engine = Engine(target_int8, make_drafter(draft, target_int8), gamma=4, gamma_policy="constant")
+    plain = Engine(target_int8, None)
+    config = GenerationConfig(max_new_tokens=16)
+    for prompt in PROMPTS:
+        ids = target_int8.encode_prompt(prompt)
+        result = engine.generate(ids, config)
+        assert result.token_ids == plain.generate(ids, config).token_ids
+        if draft == "model":
+            assert result.stats.mean_accepted_length > 1.5

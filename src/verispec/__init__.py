@@ -30,7 +30,11 @@ def load(
     gamma: int = 4,
     gamma_policy: str = "analytic",
 ) -> Engine:
-    """Load a target and a drafter (spec as in `verispec.drafters.make_drafter`) into an Engine."""
+    """Load a target and a drafter (spec as in `verispec.drafters.make_drafter`) into an Engine.
+
+    dtype: "float32", "bfloat16" or "int8" (int8 weights, float32 activations; the draft model is
+    loaded in the same precision; see `verispec.models.loading`).
+    """
     from verispec.drafters import make_drafter
     from verispec.models.loading import ModelCache
 

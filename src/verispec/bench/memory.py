@@ -70,10 +70,18 @@ def hf_weights_mib(model: torch.nn.Module) -> float:
 
 
 def runner_weights_mib(runner) -> float:
-    """Bytes of a verispec `Transformer`'s weights (packed linear layers counted by their shape)."""
+    """Bytes of a verispec `Transformer`'s weights (packed linear layers counted by their shape; int8
+    layers by their int8 values, scales and bias)."""
     itemsize = torch.empty((), dtype=runner.dtype).element_size()
     linears = [runner.lm_head] + [lin for layer in runner.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    numel = sum(lin.out_features * lin.in_features + (lin.bias.numel() if lin.bias is not None else 0) for lin in linears)
-    numel += runner.embed.numel() + runner.final_norm.numel()
+    total = 0
+    for lin in linears:
+        lin = getattr(lin, "head", lin)  # a reduced-vocabulary head wraps the real layer
+        if hasattr(lin, "nbytes"):
+            total += lin.nbytes
+        else:
+            bias = lin.bias.numel() if getattr(lin, "bias", None) is not None else 0
+            total += (lin.out_features * lin.in_features + bias) * itemsize
+    numel = runner.embed.numel() + runner.final_norm.numel()
     numel += sum(layer.input_norm.numel() + layer.post_norm.numel() for layer in runner.layers)
-    return numel * itemsize / MIB
+    return (total + numel * itemsize) / MIB

@@ -77,7 +77,7 @@ def _derived(spec: str, model: LoadedModel, options: dict[str, str], default_lay
 
 def draft_model(name: str | None, target: LoadedModel, dtype: str | None, load: ModelLoader) -> LoadedModel:
     """The named draft model (default: the loader's, else the shipped one), checked against the target's tokenizer."""
-    draft = load(name or getattr(load, "default_draft", DEFAULT_DRAFT), dtype or target.dtype)
+    draft = load(name or getattr(load, "default_draft", DEFAULT_DRAFT), dtype or target.precision)
     check_compatible(target, draft)
     return draft
 

@@ -146,6 +146,18 @@ class StandSession(DraftSession):
         row = torch.zeros(self.drafter.vocab_size).index_put_((found[0],), found[1])
         return row / row.sum()
 
+    def _children(self, context: list[int], k: int, greedy: bool, generator) -> tuple[list[int], torch.Tensor | None]:
+        """Up to k children after `context` (and their draft rows when sampling); none if the table has no entry."""
+        if greedy:  # the k most probable stored tokens; no dense row needed
+            found = self.drafter.table.lookup(context)
+            if found is None:
+                return [], None
+            tokens, probs = found
+            order = torch.argsort(probs, descending=True, stable=True)[:k]  # [≤k]
+            return tokens[order[probs[order] > 0]].tolist(), None
+        row = self._row(context)
+        return ([], None) if row is None else choose_children(row, k, False, generator)
+
     def grow(self, ids, gamma, params, generator) -> tuple[TreeBuilder, list[RankPath]]:
         """The draft tree, level by level down to depth γ, and each node's rank path."""
         tail, fanout = self.drafter.table.max_n, self.drafter.fanout
@@ -155,10 +167,7 @@ class StandSession(DraftSession):
             grown = []
             for parent, path, context in frontier:
                 k = fanout.get(path, 0) if len(path) < gamma else 0
-                row = self._row(context) if k else None
-                if row is None:
-                    continue
-                tokens, rows = choose_children(row, k, params.greedy, generator)
+                tokens, rows = self._children(context, k, params.greedy, generator) if k else ([], None)
                 for rank, token in enumerate(tokens):
                     node = builder.add(token, parent, rows[rank] if rows is not None else None)
                     paths.append(path + (rank,))

@@ -1,12 +1,33 @@
-"""Int8 linear layers: per-output-channel symmetric weights, activations quantized on the fly.
+"""Int8 linear layers whose rows do not depend on each other: the kernel of the `int8` precision.
 
-Uses PyTorch's quantized dynamic linear (fbgemm / x86 engine: int8 weights prepacked once,
-activations quantized per call, fp32 out), the kernel behind `quantize_dynamic`. On the AVX2-only
-CPU this project runs on, oneDNN cannot pack bf16, and `torch._weight_int8pack_mm` measured 2–6×
-slower than packed fp32 (its CPU kernel is not tuned for small batches), while the dynamic int8
-linear reads a quarter of the fp32 bytes and ran at about half the fp32 time for the 0.5B draft's
-MLP shapes. Rounding changes the draft's logits slightly; the target still verifies, so decoding
-stays lossless — only α can move, which `verispec design` measures.
+y ≈ x Wᵀ + b with W [out, in] stored as int8, one fp32 scale per output channel (symmetric,
+scale = row absmax / 127), prepacked ONCE for fbgemm (PyTorch's x86 quantized backend), and the
+activations quantized on the fly with one scale PER ROW:
+
+    absmax[m] = max_k |x[m, k]|                                   # [rows, 1]
+    q[m, k]   = round(x[m, k] / absmax[m] · 63) + 64   ∈ [1, 127]  # uint8, 7 bits
+    acc[m, n] = Σ_k (q[m, k] − 64) · W_int8[n, k]                 # exact int32
+    y[m, n]   = acc[m, n] · (1/63) · w_scale[n] · absmax[m] + b[n]
+
+Every step is either elementwise or an exact integer sum, so row m of the result is bit-for-bit
+the same whether x holds 1 row (decoding) or γ+1 rows (verifying a draft), or other requests' rows
+(server batches). That is what keeps greedy speculative decoding on this path token-identical to
+greedy plain decoding of the same quantized model. PyTorch's own dynamic int8 linear
+(`quantized.linear_dynamic`, the kernel behind `quantize_dynamic`) takes ONE activation scale for
+the whole call — the max over all rows — so a row's result there changes with the other rows.
+
+fbgemm only offers per-tensor activation parameters, so each row is first divided by its absmax
+(every row then spans [−1, 1]) and quantized with the fixed scale 1/63 and zero point 64 through
+`quantized.linear_with_input_q_dq_qweight_dq_output_fp32`; the absmax is multiplied back after.
+7-bit activations ([1, 127]) keep AVX2's int16 pair sums (u8·s8 + u8·s8 ≤ 127·127·2 < 2¹⁵) from
+saturating, as fbgemm's own `reduce_range` does.
+
+Measured on the 2-core AVX2 CPU (`scripts/int8_kernels.py`, interleaved medians, under load): this
+kernel costs 0.2–0.35× packed fp32 (`PackedLinear`) for the 1.5B's shapes at 1–8 rows, the same as
+the per-tensor dynamic kernel; `torch._int_mm` and `torch._weight_int8pack_mm` were 4–40× SLOWER
+than packed fp32 on this CPU (no tuned small-batch AVX2 kernels), and oneDNN's `qlinear_pointwise`
+about as fast as fp32. Where fbgemm is missing (another CPU architecture), the same arithmetic runs
+in float64, where integer sums of this size are exact: slow but identical in meaning.
 """
 
 from __future__ import annotations
@@ -14,26 +35,76 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["Int8Linear", "int8_available"]
+__all__ = ["Int8Linear", "int8_available", "quantize_per_channel", "ACT_LEVELS", "ACT_ZERO"]
+
+ACT_LEVELS = 63  # |q − zero point| ≤ 63: 7-bit activations
+ACT_ZERO = 64
+RESIDUAL_LEVELS = 126  # the rounding error (|e| ≤ 1/2 step) quantized again on 7 bits: e ≈ fine / 126
 
 
 def int8_available() -> bool:
-    return hasattr(torch.ops.quantized, "linear_dynamic") and bool(torch.backends.quantized.supported_engines)
+    """Whether this torch build has the fbgemm kernel (else `Int8Linear` runs its float64 fallback)."""
+    return (
+        "fbgemm" in torch.backends.quantized.supported_engines
+        and hasattr(torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32")
+    )
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: (q [out, in] int8 in [−127, 127], scales [out] float32)."""
+    weight = weight.detach().float()
+    scales = (weight.abs().amax(dim=1) / 127.0).clamp_min(1e-12)  # [out]
+    q = torch.round(weight / scales[:, None]).clamp_(-127, 127).to(torch.int8)  # [out, in]
+    return q, scales
 
 
 class Int8Linear:
-    """y ≈ x Wᵀ + b with W [out, in] stored as int8 with one fp32 scale per output row."""
+    """y ≈ x Wᵀ + b: int8 per-channel weights, per-row 7-bit activations, exact int32 sums."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        weight = weight.detach().float()
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, use_fbgemm: bool | None = None,
+                 residual: bool = True):
         self.out_features, self.in_features = weight.shape
-        scales = (weight.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()  # [out]
-        zero_points = torch.zeros(self.out_features, dtype=torch.long)
-        with warnings.catch_warnings():  # quantized tensor creation warns about a future deprecation
-            warnings.simplefilter("ignore")
-            quantized = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
-        self.packed = torch.ops.quantized.linear_prepack(quantized, None if bias is None else bias.float())
+        self.residual = residual
+        weight = weight.detach().float()
+        self.bias = None if bias is None else bias.detach().float().contiguous()  # [out]
+        self.use_fbgemm = int8_available() if use_fbgemm is None else use_fbgemm
+        if self.use_fbgemm:
+            scales = (weight.abs().amax(dim=1) / 127.0).clamp_min(1e-12)  # [out]
+            zero_points = torch.zeros(self.out_features, dtype=torch.long)
+            with warnings.catch_warnings():  # quantized tensor creation warns about a future deprecation
+                warnings.simplefilter("ignore")
+                quantized = torch.quantize_per_channel(weight, scales.double(), zero_points, 0, torch.qint8)
+                self.packed = torch.ops.quantized.linear_prepack(quantized, None)
+            self.weight_q = self.scales = None
+        else:
+            self.packed = None
+            self.weight_q, self.scales = quantize_per_channel(weight)  # [out, in] int8, [out]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [rows, in] (float32) -> [rows, out]
-        return torch.ops.quantized.linear_dynamic(x.float(), self.packed, True)
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored weights: int8 values, one fp32 scale per channel, the fp32 bias."""
+        bias = 0 if self.bias is None else self.bias.numel() * 4
+        return self.out_features * (self.in_features + 4) + bias
+
+    def _integer_matmul(self, q: torch.Tensor) -> torch.Tensor:
+        """Σ_k q[m, k]·W_int8[n, k]·w_scale[n] for integer-valued q [rows, in] in [−63, 63] -> [rows, out]."""
+        if self.use_fbgemm:  # scale 1 and zero point 64: fbgemm's own rounding of integers is exact
+            return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(q, 1.0, ACT_ZERO, self.packed)
+        return (F.linear(q.double(), self.weight_q.double()) * self.scales.double()).float()  # exact sums in float64
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [rows, in] float32 -> [rows, out] float32
+        rows = x.shape[0]
+        absmax = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)  # [rows, 1]
+        scaled = x / absmax * ACT_LEVELS  # [rows, in] in [−63, 63]
+        coarse = torch.round(scaled)  # [rows, in] integers
+        if not self.residual:
+            return self._finish(self._integer_matmul(coarse.contiguous()), absmax)
+        fine = torch.round((scaled - coarse) * RESIDUAL_LEVELS)  # [rows, in] integers in [−63, 63]
+        acc = self._integer_matmul(torch.cat([coarse, fine]))  # [2·rows, out]: one pass over the weights
+        return self._finish(acc[:rows] + acc[rows:] / RESIDUAL_LEVELS, absmax)
+
+    def _finish(self, y: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
+        y = y * (absmax / ACT_LEVELS)  # [rows, out]
+        return y if self.bias is None else y + self.bias

@@ -4,12 +4,22 @@ A `LoadedModel` bundles the runner (`Transformer`), the tokenizer, the stop ids 
 length. `check_compatible` refuses a draft whose tokenizer differs from the target's. A
 `ModelCache` loads each (spec, dtype) once; a server freezes it so a request can pick another
 drafter built from the models already in memory, never make it read new weights.
+
+Precisions (the `dtype` argument everywhere: API, CLI, server, benchmark):
+  float32 (fp32)    the default: weights and activations in float32, weights prepacked for oneDNN;
+  bfloat16 (bf16)   weights and activations in bfloat16 (fast only on CPUs with AMX / AVX-512 bf16);
+  int8              int8 weights (per output channel), quantized when loading from the float32
+                    folder, activations quantized per row inside each linear layer and float32
+                    elsewhere (`models/int8.py`): a quarter of the weight bytes, and greedy
+                    speculative decoding stays token-identical to greedy plain decoding of the SAME
+                    int8 model (not of the float32 one: `verispec quality` measures how close they are).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,22 +27,51 @@ from pathlib import Path
 import torch
 
 from verispec.errors import IncompatibleModelsError, InvalidParameterError, ModelNotFoundError
+from verispec.models.int8 import int8_available
 from verispec.models.registry import DEFAULT_DRAFT, SHIPPED_MODELS, cache_dir, convert_gguf, prepare_shipped_model
 from verispec.models.transformer import Transformer
 from verispec.progress import status
 
-__all__ = ["LoadedModel", "ModelCache", "ModelLoader", "load_model", "load_tokenizer", "resolve_folder", "check_compatible", "parse_dtype"]
+__all__ = [
+    "LoadedModel", "ModelCache", "ModelLoader", "load_model", "load_tokenizer", "resolve_folder", "check_compatible", "parse_dtype",
+    "parse_precision", "Precision", "PRECISIONS",
+]
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+PRECISIONS = ("float32", "bfloat16", "int8")  # the names the CLI, server and benchmark offer
 
 
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+@dataclass(frozen=True)
+class Precision:
+    """A model precision: its canonical name, the activation (and float weight) dtype, the weight quantization."""
+
+    name: str
+    dtype: torch.dtype
+    quant: str | None = None
+
+
+_PRECISIONS = {
+    "float32": Precision("float32", torch.float32), "fp32": Precision("float32", torch.float32),
+    "bfloat16": Precision("bfloat16", torch.bfloat16), "bf16": Precision("bfloat16", torch.bfloat16),
+    "int8": Precision("int8", torch.float32, "int8"),
+}
+
+
+def parse_precision(dtype: str | torch.dtype | Precision) -> Precision:
+    """'float32' / 'bfloat16' / 'int8' (or a torch dtype) as a Precision; InvalidParameterError otherwise."""
+    if isinstance(dtype, Precision):
+        return dtype
     if isinstance(dtype, torch.dtype):
-        if dtype in DTYPES.values():
-            return dtype
-    elif dtype in DTYPES:
-        return DTYPES[dtype]
-    raise InvalidParameterError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+        for precision in _PRECISIONS.values():
+            if precision.dtype == dtype and precision.quant is None:
+                return precision
+    elif isinstance(dtype, str) and dtype.strip().lower() in _PRECISIONS:
+        return _PRECISIONS[dtype.strip().lower()]
+    raise InvalidParameterError(f"dtype must be one of {', '.join(PRECISIONS)}, got {dtype!r}")
+
+
+def parse_dtype(dtype: str | torch.dtype | Precision) -> torch.dtype:
+    """The torch dtype of activations for a precision (float32 for int8, whose weights alone are int8)."""
+    return parse_precision(dtype).dtype
 
 
 def resolve_folder(spec: str | Path) -> Path:
@@ -75,6 +114,11 @@ class LoadedModel:
     def dtype(self) -> torch.dtype:
         return self.runner.dtype
 
+    @property
+    def precision(self) -> str:
+        """'float32', 'bfloat16' or 'int8': what a draft for this model is loaded in by default."""
+        return "int8" if getattr(self.runner, "quant", None) == "int8" else parse_precision(self.runner.dtype).name
+
     def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
         """Token ids for `prompt`, wrapped in the chat template when the model has one and chat=True."""
         if chat and getattr(self.tokenizer, "chat_template", None):
@@ -112,10 +156,18 @@ def load_tokenizer(folder: Path):
 
 
 def load_model(spec: str | Path, dtype: str | torch.dtype = "float32") -> LoadedModel:
-    torch_dtype = parse_dtype(dtype)
+    """`spec` (shipped name, HF folder or .gguf) in precision `dtype` (float32, bfloat16 or int8).
+
+    int8 weights are quantized from the cached float32 conversion while loading (a few seconds for
+    the 1.5B; measured in BENCHMARKS.md), so no second conversion is stored.
+    """
+    precision = parse_precision(dtype)
+    if precision.quant == "int8" and not int8_available():
+        warnings.warn("this torch build has no fbgemm int8 kernel: int8 runs a slow (exact) float64 fallback",
+                      RuntimeWarning, stacklevel=2)
     folder = resolve_folder(spec)
-    with status(f"loading {spec} ({str(torch_dtype).removeprefix('torch.')})"):
-        runner = Transformer.from_folder(folder, torch_dtype)
+    with status(f"loading {spec} ({precision.name})"):
+        runner = Transformer.from_folder(folder, precision.dtype, quant=precision.quant)
         tokenizer = load_tokenizer(folder)
     return LoadedModel(str(spec), folder, runner, tokenizer, _eos_ids(folder, tokenizer))
 
@@ -131,7 +183,7 @@ class ModelCache:
     """
 
     def __init__(self, *models: LoadedModel, frozen: bool = False):
-        self._models = {(model.name, model.dtype): model for model in models}
+        self._models = {(model.name, model.precision): model for model in models}
         self.frozen = frozen
         self.default_draft = DEFAULT_DRAFT
 
@@ -140,7 +192,7 @@ class ModelCache:
         return list(dict.fromkeys(name for name, _ in self._models))
 
     def __call__(self, spec: str | Path, dtype: str | torch.dtype = "float32") -> LoadedModel:
-        key = (str(spec), parse_dtype(dtype))
+        key = (str(spec), parse_precision(dtype).name)
         if key not in self._models:
             if self.frozen:
                 loaded = ", ".join(self.names) or "none"

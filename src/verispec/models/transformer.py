@@ -5,10 +5,17 @@ rollback is setting a length, (2) a tree attention mask with per-node positions,
 the accepted tree path inside the cache, and (4) weights prepacked for the CPU's small-batch
 kernels (see `linear.py`). The weights, config and tokenizer still come from a Hugging Face folder;
 tests check the logits against the transformers implementation of the same config.
+
+With `quant="int8"` every linear layer (and the head) is an `Int8Linear` (see `int8.py`): int8
+weights quantized at load time from the float32 folder, activations quantized per row, so a row's
+logits do not depend on how many positions the forward pass holds. The rest of the layer (norms,
+RoPE, attention, the KV cache) stays float32. `variant` then carries ",int8", which keeps measured
+costs (`control/costs.py`) apart from the float model's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass
@@ -19,11 +26,16 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from verispec.errors import ModelNotFoundError
+from verispec.models.int8 import Int8Linear
 from verispec.models.linear import PackedLinear
 
 __all__ = ["ModelConfig", "KVCache", "Transformer"]
 
 SUPPORTED_TYPES = ("qwen2", "llama")
+QUANTIZATIONS = ("int8",)
+# A quantized runner attends chains of up to this many new positions one query at a time, so that
+# verifying γ+1 positions computes each exactly as decoding it alone would (see `Transformer`).
+ROW_INVARIANT_POSITIONS = 32
 
 
 @dataclass(frozen=True)
@@ -120,10 +132,48 @@ class _Row:
     n: int
     positions: torch.Tensor  # [n] absolute positions
     mask: torch.Tensor | None  # [n, start + n] bool; None when a single token sees everything
+    chain: bool = True  # consecutive positions with a causal mask (not a token tree)
+
+
+def _linear_factory(pack: bool, quant: str | None):
+    """How the runner builds a linear layer from W [out, in] and b [out] (or None)."""
+    if quant is None:
+        return lambda weight, bias: PackedLinear(weight, bias, pack)
+    if quant == "int8":
+        return Int8Linear
+    raise ValueError(f"unknown quantization {quant!r}: use one of {', '.join(QUANTIZATIONS)} or None")
+
+
+class _Weights:
+    """Weights by name, each read on first use and cast to `dtype`. The source is a dict or `_Safetensors`
+    (files read tensor by tensor), so building the runner never holds every float32 weight at once: what
+    a layer needs is read, packed or quantized, and dropped before the next layer is read."""
+
+    def __init__(self, source, dtype: torch.dtype):
+        self.source, self.dtype = source, dtype
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.source[name].to(self.dtype)
+
+    def get(self, name: str) -> torch.Tensor | None:
+        return self[name] if name in self.source else None
+
+
+class _Safetensors:
+    """A read-only mapping over open safetensors files (`handles`); tensors are read on access."""
+
+    def __init__(self, handles: list):
+        self.where = {name: handle for handle in handles for name in handle.keys()}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.where[name].get_tensor(name)
 
 
 class _Layer:
-    def __init__(self, weights: dict[str, torch.Tensor], prefix: str, config: ModelConfig, pack: bool):
+    def __init__(self, weights: _Weights, prefix: str, config: ModelConfig, linear):
         w = lambda name: weights[prefix + name]  # noqa: E731
         b = lambda name: weights.get(prefix + name)  # noqa: E731
         self.input_norm = w("input_layernorm.weight")
@@ -132,42 +182,65 @@ class _Layer:
         if config.attention_bias:
             qkv_bias = torch.cat([b("self_attn.q_proj.bias"), b("self_attn.k_proj.bias"), b("self_attn.v_proj.bias")])
         qkv = torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")])
-        self.qkv = PackedLinear(qkv, qkv_bias, pack)
-        self.o = PackedLinear(w("self_attn.o_proj.weight"), b("self_attn.o_proj.bias"), pack)
-        self.gate_up = PackedLinear(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), None, pack)
-        self.down = PackedLinear(w("mlp.down_proj.weight"), None, pack)
+        self.qkv = linear(qkv, qkv_bias)
+        self.o = linear(w("self_attn.o_proj.weight"), b("self_attn.o_proj.bias"))
+        self.gate_up = linear(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), None)
+        self.down = linear(w("mlp.down_proj.weight"), None)
 
 
 class Transformer:
-    """Inference-only decoder. `forward` appends tokens to a KVCache and returns logits."""
+    """Inference-only decoder. `forward` appends tokens to a KVCache and returns logits.
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, pack: bool = True):
+    dtype: the dtype of activations, norms and the KV cache (and of the weights unless quantized);
+    quant: None, or "int8" for int8 linear layers (dtype must then be float32).
+
+    A quantized runner is row-invariant for chains: the logits of a position do not depend on how
+    many other positions the same forward pass holds, bit for bit. Its linear layers are (see
+    `int8.py`), and so are embedding, norms, RoPE and the SiLU gate (elementwise or per-row
+    reductions); batched `scaled_dot_product_attention` is not (its blocking changes with the number
+    of queries), so feeds of 2..ROW_INVARIANT_POSITIONS chain positions attend one query at a time,
+    over exactly the keys a single-token step would see (one SDPA call per layer and position; its
+    cost is measured by scripts/int8_e2e.py, see BENCHMARKS.md). Longer feeds (prompt prefill) and token trees
+    use one batched call: prefill is shared by speculative and plain decoding, and tree nodes see
+    their ancestors in another slot order than sequential decoding would, so trees stay exact only
+    up to float rounding, as in float32.
+    """
+
+    def __init__(
+        self, config: ModelConfig, weights: dict[str, torch.Tensor] | _Safetensors, dtype: torch.dtype,
+        pack: bool = True, quant: str | None = None,
+    ):
+        if quant is not None and dtype != torch.float32:
+            raise ValueError(f"{quant} weights run with float32 activations, not {dtype}")
         self.config = config
         self.dtype = dtype
-        weights = {k: v.to(dtype) for k, v in weights.items()}
-        self.device = weights["model.embed_tokens.weight"].device
+        self.quant = quant
+        self.variant = f",{quant}" if quant else ""
+        self.row_invariant = quant is not None
+        linear = _linear_factory(pack, quant)
+        weights = _Weights(weights, dtype)
         self.embed = weights["model.embed_tokens.weight"]  # [vocab, hidden]
-        self.layers = [_Layer(weights, f"model.layers.{i}.", config, pack) for i in range(config.num_layers)]
+        self.device = self.embed.device
+        self.layers = [_Layer(weights, f"model.layers.{i}.", config, linear) for i in range(config.num_layers)]
         self.final_norm = weights["model.norm.weight"]
         head = self.embed if config.tie_word_embeddings else weights["lm_head.weight"]
-        self.lm_head = PackedLinear(head, None, pack)
+        self.lm_head = linear(head, None)
         self._rope_cache = torch.empty(2, 0, config.head_dim)  # [cos/sin, positions, head_dim]
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim))
         self._inv_freq = inv_freq  # [head_dim / 2]
 
     @classmethod
-    def from_folder(cls, folder: str | Path, dtype: torch.dtype = torch.float32, pack: bool = True) -> Transformer:
+    def from_folder(
+        cls, folder: str | Path, dtype: torch.dtype = torch.float32, pack: bool = True, quant: str | None = None
+    ) -> Transformer:
         folder = Path(folder)
         config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
-        weights: dict[str, torch.Tensor] = {}
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise ModelNotFoundError(f"no *.safetensors weights in {folder}")
-        for file in files:
-            with safe_open(file, framework="pt") as f:
-                for name in f.keys():
-                    weights[name] = f.get_tensor(name)
-        return cls(config, weights, dtype, pack)
+        with contextlib.ExitStack() as stack:
+            handles = [stack.enter_context(safe_open(file, framework="pt")) for file in files]
+            return cls(config, _Safetensors(handles), dtype, pack, quant)
 
     def new_cache(self, capacity: int = 1024) -> KVCache:
         return KVCache(self.config, capacity, self.dtype, self.device)
@@ -263,7 +336,7 @@ class Transformer:
         else:
             local = tree_mask if tree_mask is not None else torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
             mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=self.device), local], dim=1)  # [n, start+n]
-        return _Row(cache, start, n, positions, mask)
+        return _Row(cache, start, n, positions, mask, chain=tree_mask is None)
 
     def _run(self, tokens: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
         """The decoder stack over tokens [N] (the rows' new tokens, concatenated) -> hidden [N, hidden]."""
@@ -298,6 +371,15 @@ class Transformer:
             end = row.start + row.n
             row.cache.keys[layer, :, row.start : end] = k[:, offset : offset + row.n]
             row.cache.values[layer, :, row.start : end] = v[:, offset : offset + row.n]
+            if self.row_invariant and row.chain and 1 < row.n <= ROW_INVARIANT_POSITIONS:
+                for i in range(row.n):  # each position exactly as a single-token decode step computes it
+                    keys = row.cache.keys[layer, None, :, : row.start + i + 1]  # [1, kv_heads, start+i+1, hd]
+                    values = row.cache.values[layer, None, :, : row.start + i + 1]
+                    outputs.append(F.scaled_dot_product_attention(
+                        q[None, :, offset + i : offset + i + 1], keys, values, scale=scale, enable_gqa=True
+                    )[0])  # [heads, 1, head_dim]
+                offset += row.n
+                continue
             keys, values = row.cache.keys[layer, :, :end], row.cache.values[layer, :, :end]  # [kv_heads, end, hd]
             outputs.append(F.scaled_dot_product_attention(
                 q[None, :, offset : offset + row.n], keys[None], values[None], attn_mask=row.mask, scale=scale, enable_gqa=True

@@ -6,7 +6,8 @@
   the earlier, more frequent merges); logits of the other ids are −inf, so the logits keep the full
   width and every caller (processors, padding to the target vocab) works unchanged. The 0.5B Qwen's
   tied head (151936 × 896) is ~27% of its weights, so this cuts the bytes read per draft token.
-- `quantized(runner)`: every linear layer as `Int8Linear` (needs unpacked fp32 weights).
+- `quantized(runner)`: every linear layer as `Int8Linear` (needs unpacked fp32 weights). A model
+  loaded with precision `int8` (`load_model(spec, "int8")`) already is; `derive_model` then keeps it.
 
 All stay lossless as drafts: the target verifies every token. `derive_model` chains them on a
 `LoadedModel`; the variant's `variant` tag keeps measured costs apart from the full model's.
@@ -78,11 +79,16 @@ def head_weight(runner: Transformer, folder=None) -> torch.Tensor:
 
 
 def reduced_vocab(runner: Transformer, vocab: int, head: torch.Tensor, pack: bool = True) -> Transformer:
-    """`runner` whose head scores only ids [0, vocab); `head` is the full unpacked head [full, hidden]."""
+    """`runner` whose head scores only ids [0, vocab); `head` is the full unpacked head [full, hidden].
+    An int8 runner (`runner.quant == "int8"`) gets an int8 head."""
     full = runner.config.vocab_size
     if not 1 <= vocab <= full:
         raise InvalidParameterError(f"vocab must be in [1, {full}] for this model, got {vocab}")
-    lm_head = _PaddedHead(PackedLinear(head[:vocab], None, pack), vocab, full)
+    if getattr(runner, "quant", None) == "int8":
+        kept = Int8Linear(head[:vocab].float())
+    else:
+        kept = PackedLinear(head[:vocab], None, pack)
+    lm_head = _PaddedHead(kept, vocab, full)
     return _with(runner, f"vocab={vocab}", lm_head=lm_head)
 
 
@@ -95,7 +101,7 @@ def _as_int8(linear) -> Int8Linear:
 def quantized(runner: Transformer) -> Transformer:
     """Every decoder linear (and a plain head) as int8; `runner` must be unpacked and float32."""
     if not int8_available():
-        raise InvalidParameterError("this torch build has no quantized dynamic linear: int8 drafts are unavailable")
+        raise InvalidParameterError("this torch build has no fbgemm int8 kernel: int8 drafts are unavailable")
     if runner.dtype != torch.float32:
         raise InvalidParameterError("int8 drafts need a float32 model (dtype float32)")
     layers = []
@@ -109,19 +115,19 @@ def quantized(runner: Transformer) -> Transformer:
         head = _PaddedHead(_as_int8(head.head), head.kept, head.full)
     else:
         head = _as_int8(head)
-    return _with(runner, "int8=1", layers=layers, lm_head=head)
+    return _with(runner, "int8=1", layers=layers, lm_head=head, quant="int8", row_invariant=True)
 
 
 def derive_model(model: LoadedModel, layers: int | None = None, vocab: int | None = None, int8: bool = False) -> LoadedModel:
     """`model` with its first `layers` layers, its head cut to `vocab` ids, and/or int8 linears."""
     runner = model.runner
-    if int8:  # quantizing needs the raw weights, which prepacking replaced: read them again
-        runner = Transformer.from_folder(model.folder, runner.dtype, pack=False)
+    if int8 and getattr(runner, "quant", None) != "int8":  # quantizing needs the raw weights: read them again
+        if runner.dtype != torch.float32:
+            raise InvalidParameterError("int8 drafts need a float32 model (dtype float32)")
+        runner = Transformer.from_folder(model.folder, torch.float32, quant="int8")
     full_head = head_weight(runner, model.folder) if vocab is not None else None
     if layers is not None:
         runner = truncated(runner, layers)
     if vocab is not None:
-        runner = reduced_vocab(runner, vocab, full_head, pack=not int8)
-    if int8:
-        runner = quantized(runner)
+        runner = reduced_vocab(runner, vocab, full_head)
     return dataclasses.replace(model, name=model.name + getattr(runner, "variant", ""), runner=runner)

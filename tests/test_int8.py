@@ -1,0 +1,268 @@
+"""The int8 precision (`dtype="int8"`) on tiny random models.
+
+The promise on this path is about the SAME quantized model: greedy speculative decoding is
+token-identical to greedy plain decoding of the int8 target, and sampling is lossless with respect
+to the int8 target's own distribution. The oracle is the int8 runner recomputing the whole sequence
+in one forward (no cache), which also checks that a row's logits do not depend on how many rows the
+forward pass holds. Sampling: chi-square tests at significance 1e-3 (tests/stats.py) of N = 600
+sequences of 3 tokens (12-token vocabulary, top-k 4: 64 possible sequences, ~9 expected per cell)
+against the exact distribution enumerated from the oracle, for a draft model and for n-gram drafts.
+(The verification rule itself, and the tests' power to catch a wrong one, are covered on float32
+in test_engine.py with N = 3000; this path changes only the logits, so a smaller N keeps it quick.)
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from stats import SIGNIFICANCE, chi_square_pvalue
+
+from verispec import Engine, GenerationConfig, SamplingParams
+from verispec.bench.memory import runner_weights_mib
+from verispec.cli import main as cli_main
+from verispec.drafters import DraftModelDrafter, NgramDrafter, make_drafter
+from verispec.errors import InvalidParameterError
+from verispec.models.int8 import Int8Linear
+from verispec.models.loading import load_model, parse_precision
+from verispec.models.transformer import Transformer
+from verispec.reference import reference_generate, sequence_distribution
+
+PROMPTS = [[5, 9, 2, 7], [11, 3, 3, 3, 8, 1, 30, 12, 5], [40]]
+
+
+class WholeSequenceOracle:
+    """`model(ids).logits` like a transformers model (the interface of `verispec.reference`), computed
+    by a verispec runner over the whole sequence in ONE forward pass with a fresh cache."""
+
+    def __init__(self, runner: Transformer):
+        self.runner = runner
+
+    def __call__(self, input_ids: torch.Tensor) -> SimpleNamespace:  # input_ids [1, L]
+        cache = self.runner.new_cache(input_ids.shape[1] + 1)
+        return SimpleNamespace(logits=self.runner.forward(cache, input_ids[0], logits="all")[None])  # [1, L, vocab]
+
+
+@pytest.fixture(scope="module")
+def target8(tiny_target):
+    return load_model(tiny_target, "int8")
+
+
+@pytest.fixture(scope="module")
+def draft8(tiny_draft):
+    return load_model(tiny_draft, "int8")
+
+
+def test_int8_linear_rows_do_not_depend_on_each_other():
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 64) * 0.1, torch.randn(96)
+    x = torch.randn(7, 64)  # [rows, in]
+    for layer in (Int8Linear(weight, bias), Int8Linear(weight, bias, use_fbgemm=False)):
+        together = layer(x)  # [7, 96]
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(7)])
+        assert torch.equal(together, alone)
+        reference = x @ weight.T + bias
+        assert float((together - reference).norm() / reference.norm()) < 0.03  # 7-bit activations, 8-bit weights
+    fast, slow = Int8Linear(weight, bias), Int8Linear(weight, bias, use_fbgemm=False)
+    torch.testing.assert_close(fast(x), slow(x), atol=1e-5, rtol=1e-5)  # same integers, float rounding apart
+
+
+def test_forward_rows_equal_single_position_decoding(target8):
+    runner = target8.runner
+    prompt, feed = torch.tensor(PROMPTS[1]), torch.tensor([4, 17, 23, 9, 31])
+    cache = runner.new_cache()
+    runner.forward(cache, prompt, logits="none")
+    together = runner.forward(cache, feed, logits="all")  # [5, vocab]: a verification pass
+    cache.truncate(len(PROMPTS[1]))
+    alone = torch.cat([runner.forward(cache, feed[i : i + 1], logits="all") for i in range(len(feed))])
+    assert torch.equal(together, alone)
+    whole = WholeSequenceOracle(runner)(torch.cat([prompt, feed])[None]).logits[0, len(PROMPTS[1]) :]
+    assert torch.equal(together, whole)
+    # a server batch: other requests' rows in the same pass change nothing either
+    other = runner.new_cache()
+    cache.truncate(len(PROMPTS[1]))
+    batched = runner.forward_ragged([cache, other], [feed, torch.tensor(PROMPTS[0])])
+    assert torch.equal(batched[0], together)
+
+
+def test_int8_model_is_close_to_float32_and_four_times_smaller(target, target8):
+    ids = torch.tensor(PROMPTS[1])
+    fp32 = target.runner.forward(target.runner.new_cache(), ids)
+    int8 = target8.runner.forward(target8.runner.new_cache(), ids)
+    assert not torch.equal(fp32, int8)
+    kl = torch.nn.functional.kl_div(int8.log_softmax(-1), fp32.log_softmax(-1), log_target=True, reduction="batchmean")
+    assert float(kl) < 0.05
+    assert target8.precision == "int8" and target.precision == "float32"
+    linear_fp32 = runner_weights_mib(target.runner) - target.runner.embed.numel() * 4 / 2**20
+    linear_int8 = runner_weights_mib(target8.runner) - target8.runner.embed.numel() * 4 / 2**20
+    assert linear_int8 < 0.4 * linear_fp32
+
+
+def _drafters(target8, draft8):
+    return {
+        "model": DraftModelDrafter(draft8, target8.vocab_size),
+        "self": DraftModelDrafter(target8, target8.vocab_size),  # always accepted: bonus and lagging-draft paths
+        "ngram": NgramDrafter(max_n=3),
+    }
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 8])
+@pytest.mark.parametrize("kind", ["model", "self", "ngram"])
+def test_greedy_speculative_equals_greedy_plain_int8(target8, draft8, kind, gamma):
+    engine = Engine(target8, _drafters(target8, draft8)[kind], gamma=gamma, gamma_policy="constant")
+    plain = Engine(target8, None)
+    oracle = WholeSequenceOracle(target8.runner)
+    for prompt in PROMPTS:
+        expected = plain.generate(prompt, GenerationConfig(max_new_tokens=20)).token_ids
+        assert expected == reference_generate(oracle, prompt, 20, eos_ids=target8.eos_ids)
+        assert engine.generate(prompt, GenerationConfig(max_new_tokens=20)).token_ids == expected
+
+
+def test_factory_loads_the_draft_in_the_targets_precision(target8, tiny_draft):
+    drafter = make_drafter(str(tiny_draft), target8)
+    assert drafter.model.precision == "int8"
+    derived = make_drafter("self:layers=1,int8=1", target8)  # already int8: kept, not re-quantized
+    assert derived.model.runner.quant == "int8" and len(derived.model.runner.layers) == 1
+    engine = Engine(target8, drafter, gamma=3, gamma_policy="constant")
+    plain = Engine(target8, None)
+    config = GenerationConfig(max_new_tokens=16)
+    assert engine.generate(PROMPTS[0], config).token_ids == plain.generate(PROMPTS[0], config).token_ids
+
+
+# --- sampling: equal in distribution to the int8 target ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_pair8(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("small8")
+    target = load_model(make_tiny_model(folder / "t", vocab_size=12, seed=21, layers=2), "int8")
+    draft = load_model(make_tiny_model(folder / "d", vocab_size=12, seed=22, layers=1), "int8")
+    target.eos_ids = frozenset()  # fixed-length sequences, so the exact distribution is a simple product
+    return target, draft
+
+
+def _sample_sequences(engine: Engine, params: SamplingParams, n: int, length: int) -> list[tuple[int, ...]]:
+    config = lambda seed: GenerationConfig(max_new_tokens=length, sampling=params, seed=seed)  # noqa: E731
+    return [tuple(engine.generate([3, 7], config(seed)).token_ids) for seed in range(n)]
+
+
+@pytest.mark.parametrize("drafter, params", [
+    ("model", SamplingParams(temperature=0.8, top_k=4)),
+    ("ngram", SamplingParams(temperature=1.0, top_k=4)),
+], ids=["model", "ngram"])
+def test_sampled_int8_output_is_distributed_as_the_int8_target(small_pair8, drafter, params):
+    target, draft = small_pair8
+    chosen = DraftModelDrafter(draft, target.vocab_size) if drafter == "model" else NgramDrafter(max_n=1)
+    engine = Engine(target, chosen, gamma=3, gamma_policy="constant")
+    exact = sequence_distribution(WholeSequenceOracle(target.runner), [3, 7], 3, params)
+    assert len(exact) == 64
+    assert chi_square_pvalue(_sample_sequences(engine, params, 600, 3), exact) > SIGNIFICANCE
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+
+def test_unsupported_precisions_are_clear_errors(tiny_target, capsys):
+    assert parse_precision("INT8").quant == "int8" and parse_precision(torch.bfloat16).name == "bfloat16"
+    with pytest.raises(InvalidParameterError, match="float32, bfloat16, int8"):
+        parse_precision("int4")
+    with pytest.raises(InvalidParameterError, match="int4"):
+        load_model(tiny_target, "int4")
+    with pytest.raises(ValueError, match="float32 activations"):
+        Transformer.from_folder(tiny_target, torch.bfloat16, quant="int8")
+    bf16 = load_model(tiny_target, "bfloat16")
+    with pytest.raises(InvalidParameterError, match="float32"):
+        make_drafter("self:int8=1", bf16)
+    with pytest.raises(SystemExit):
+        cli_main(["generate", "t3", "--raw", "--target", str(tiny_target), "--dtype", "int4"])
+    assert "int8" in capsys.readouterr().err  # argparse lists the choices
+
+
+def test_every_command_offers_int8():
+    from verispec.cli import build_parser
+
+    parser = build_parser()
+    for argv in (["generate", "x"], ["serve"], ["design"], ["analyze"], ["quality"]):
+        assert parser.parse_args([*argv, "--dtype", "int8"]).dtype == "int8"
+
+
+def test_cli_generates_with_int8(capsys, tiny_target, tiny_draft):
+    import json
+
+    common = ["generate", "t11 t3 t3 t8", "--raw", "--json", "--target", str(tiny_target), "--dtype", "int8",
+              "--max-new-tokens", "10", "--gamma-policy", "constant"]
+    assert cli_main([*common, "--draft", str(tiny_draft)]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert cli_main([*common, "--draft", "none"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert spec["token_ids"] == plain["token_ids"]
+
+
+def test_quality_report_compares_int8_with_float32(tiny_text_pair, tmp_path, capsys):
+    import json
+
+    questions = tmp_path / "q.jsonl"
+    rows = [{"question_id": 1, "category": "rag", "turns": ["t3 t4 t5"]}, {"question_id": 2, "category": "qa", "turns": ["t9 t8"]}]
+    questions.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "quality.json"
+    argv = ["quality", "--target", str(tiny_text_pair[0]), "--questions", str(questions), "--raw", "--max-new-tokens", "6",
+            "--json", str(out)]
+    assert cli_main(argv) == 0
+    assert "| overall | 2 |" in capsys.readouterr().out
+    summary = json.loads(out.read_text())["summary"]
+    overall = summary["overall"]
+    assert set(summary["per_category"]) == {"rag", "qa"}
+    assert 0 <= overall["mean_kl"] < 0.05 and 0 <= overall["top1_agreement"] <= 1 and overall["positions"] > 0
+    assert cli_main([*argv[:-2], "--reference", "int8"]) == 2  # the same precision twice: a clear error
+    assert "both int8" in capsys.readouterr().err
+
+
+# --- benchmark: per-method precision, the optional llama.cpp baseline ------------------------------
+
+
+def test_bench_methods_take_a_precision_and_llama_cpp_is_optional(monkeypatch):
+    from verispec.bench import compare
+
+    assert compare.parse_method("vs:none[int8]").precision == "int8"
+    spec = compare.parse_method("vs:model@constant[fp32]")
+    assert (spec.drafter, spec.policy, spec.precision) == ("model", "constant", "float32")
+    assert compare.parse_method("vs:ngram:max_n=3").precision is None
+    with pytest.raises(InvalidParameterError, match="dtype must be one of"):
+        compare.parse_method("vs:none[int4]")
+    assert compare.parse_method("llama-cpp").is_llama_cpp
+    assert compare.split_methods("hf-plain,llama-cpp,vs:stand:k=2,depth=5[int8]") == [
+        "hf-plain", "llama-cpp", "vs:stand:k=2,depth=5[int8]"]
+    monkeypatch.setattr(compare, "llama_cpp_available", lambda: False)
+    kept, notes = compare.drop_unavailable([compare.parse_method(m) for m in ("llama-cpp", "vs:none")])
+    assert [s.name for s in kept] == ["vs:none"] and "llama-cpp-python package is not installed" in notes[0]
+
+
+def test_llama_cpp_needs_a_gguf_target(tiny_target):
+    from verispec.bench.compare import gguf_for
+
+    with pytest.raises(InvalidParameterError, match="shipped model name or a .gguf file"):
+        gguf_for(str(tiny_target))
+
+
+def test_bench_runs_int8_methods_beside_float32(tiny_text_pair, tmp_path, monkeypatch, capsys):
+    import json
+
+    from verispec.bench import compare
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(compare, "llama_cpp_available", lambda: False)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "rag", "turns": ["t10 t11 t12 t10 t11"]}))
+    target, draft = tiny_text_pair
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--target", str(target), "--draft", str(draft), "--questions", str(questions),
+            "--methods", "hf-plain,llama-cpp,vs:none,vs:none[int8],vs:model@constant[int8]",
+            "--max-new-tokens", "8", "--json", str(out)]
+    assert cli_main(argv) == 0
+    assert "skipping llama-cpp" in capsys.readouterr().err
+    data = json.loads(out.read_text())
+    runs = {r["method"]: r["token_ids"] for r in data["runs"]}
+    assert set(runs) == {"hf-plain", "vs:none", "vs:none[int8]", "vs:model@constant[int8]"}
+    assert runs["vs:model@constant[int8]"] == runs["vs:none[int8]"]  # exact on the int8 path
+    methods = data["methods"]
+    assert methods["vs:none[int8]"]["weights_mib"] < methods["vs:none"]["weights_mib"]
