@@ -96,10 +96,13 @@ def candidates(weight: torch.Tensor) -> dict:
     return found
 
 
+CLOCK = time.perf_counter  # --cpu-time: time.process_time (CPU seconds of all threads; robust to descheduling)
+
+
 def timed(fn, x) -> float:
-    start = time.perf_counter()
+    start = CLOCK()
     fn(x)
-    return time.perf_counter() - start
+    return CLOCK() - start
 
 
 def bench_shape(name, shape, rows, repeats, check, keep=None):
@@ -161,12 +164,18 @@ def main() -> None:
     parser.add_argument("--candidates", default=None, help="comma list of candidates to run (default all)")
     parser.add_argument("--draft", action="store_true", help="the 0.5B draft's shapes instead of the 1.5B target's")
     parser.add_argument("--check", action="store_true", help="check batch invariance (M=5 vs five M=1 calls)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time with process CPU seconds (all threads) instead of wall time: on a loaded machine "
+                             "descheduling inflates wall time at random, CPU time much less")
     args = parser.parse_args()
+    global CLOCK
+    if args.cpu_time:
+        CLOCK = time.process_time
     torch.set_num_threads(args.threads)
     shapes = SHAPES_05B if args.draft else SHAPES_15B
     names = args.shapes.split(",") if args.shapes else list(shapes)
     print(f"torch {torch.__version__}, {args.threads} threads, {torch.backends.cpu.get_cpu_capability()}, "
-          f"{args.repeats} interleaved repeats")
+          f"{args.repeats} interleaved repeats, {'CPU' if args.cpu_time else 'wall'} time")
     with torch.inference_mode():
         for name in names:
             bench_shape(name, shapes[name], [int(r) for r in args.rows.split(",")], args.repeats, args.check,
