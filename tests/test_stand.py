@@ -128,3 +128,14 @@ def test_ranking_keeps_every_prefix_a_tree():
     assert sizes[0] == 1 and sizes[1] == pytest.approx(1.9) and sizes == sorted(sizes)
     with pytest.raises(InvalidParameterError, match="lower-ranked sibling"):
         check_paths([(0,), (0, 1)])
+
+
+def test_the_searched_shape_ships_and_is_selectable(target):
+    from verispec.drafters.branching import check_paths
+    from verispec.drafters.stand import searched_shape
+
+    shipped = searched_shape(10)
+    assert len(shipped) == 10 and check_paths(shipped) == shipped and shipped[0] == (0,)
+    assert len(make_drafter("stand:nodes=10", target).paths) == 10
+    with pytest.raises(InvalidParameterError, match="nodes=100000"):
+        make_drafter("stand:nodes=100000", target)

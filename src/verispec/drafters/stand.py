@@ -12,9 +12,13 @@ context by its token. The table lives on the `StandDrafter` and is shared by its
 grows across requests; `save`/`load` keep it on disk.
 
 Default shape k=2, depth=5, wide=1: two candidates for the next token, then a chain under each
-(10 nodes). Not searched (the seed's 625 → 80-node search is not done here); chosen from the cost
-curve in DESIGN.md §7: an fp32 target forward costs ≈2× one token up to 6 positions and ≈3× up to
-21, so wide trees only pay with bf16; the first token is where n-gram tables disagree most.
+(10 nodes). `stand:nodes=N` uses the first N nodes of the shape searched by `verispec.tree_search`
+(seed 002's method: node acceptance measured on a 780-node candidate, 5 children per node to depth
+4, nodes ranked by it; `drafters/stand_shape.json` records the command). On the development prompts
+with a fresh table, E[tokens per step] was 1.25 for the rank-0 chain of depth 4, 1.28 for 8 nodes,
+1.30 for 24 nodes and for all 780: beyond ~10 nodes nothing is gained, while every extra position
+costs verification time on this CPU (DESIGN.md §7: an fp32 forward costs ≈2× one token up to 6
+positions), so the 10-node default stays and the seed's 80-node shape is `stand:nodes=80`.
 """
 
 from __future__ import annotations
