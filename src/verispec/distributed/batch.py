@@ -101,7 +101,8 @@ class EngineActor:
         torch.set_num_threads(worker_threads(num_cpus))
         self.engine = loader()
         self.defaults, self.max_tokens = defaults, max_tokens
-        self.scheduler = Scheduler(self.engine, max_batch=batch_size, max_queue=batch_size, request_timeout=record_timeout)
+        # a call's records all wait in the queue at once (Ray Data's batches hold batch_size; any size works)
+        self.scheduler = Scheduler(self.engine, max_batch=batch_size, max_queue=max(1024, 4 * batch_size), request_timeout=record_timeout)
         self.scheduler.start()
         # the jobs' updates arrive on an event loop of our own (the calling thread may already run one)
         self.loop = asyncio.new_event_loop()
