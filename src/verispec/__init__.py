@@ -36,10 +36,11 @@ def load(
     loaded in the same precision; see `verispec.models.loading`).
     """
     from verispec.drafters import make_drafter
+    from verispec.models.linear import VERIFY_ROWS
     from verispec.models.loading import ModelCache
 
     models = ModelCache()
-    target_model = models(target, dtype)
+    target_model = models(target, dtype, pack_rows=1 if draft in (None, "none") else VERIFY_ROWS)
     drafter = make_drafter(draft, target_model, load=models)
     drafts = [name for name in models.names if name != target_model.name]
     if len(drafts) == 1:

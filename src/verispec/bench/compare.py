@@ -56,7 +56,7 @@ from verispec.control import POLICIES
 from verispec.drafters import Drafter, make_drafter
 from verispec.engine import Engine, GenerationConfig
 from verispec.errors import InvalidParameterError, VerispecError
-from verispec.models.loading import PRECISIONS, LoadedModel, load_model, parse_dtype, parse_precision, resolve_folder
+from verispec.models.loading import PRECISIONS, LoadedModel, ModelCache, parse_dtype, parse_precision, resolve_folder
 from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, SHIPPED_MODELS, gguf_path, shipped_model
 from verispec.sampling.processors import SamplingParams
 from verispec.progress import console, status
@@ -230,13 +230,15 @@ class VerispecMethod:
 
 
 class Models:
-    """Loads each model once, on first use: the verispec target (per precision), the HF target, the HF
-    assistant (in the activation dtype of --dtype: float32 for int8, which transformers does not run)."""
+    """Loads each model once, on first use: the verispec target and draft models (per precision, shared
+    by every drafter), the HF target, the HF assistant (in the activation dtype of --dtype: float32 for
+    int8, which transformers does not run)."""
 
     def __init__(self, target: str, draft: str, dtype: str, temperature: float = 0.0):
         self.target_spec, self.draft_spec, self.dtype, self.temperature = target, draft, dtype, temperature
         self._drafters: dict[tuple[str, str], Drafter | None] = {}
-        self._targets: dict[str, LoadedModel] = {}
+        self._models = ModelCache()
+        self._models.default_draft = draft  # what `tree`, `hybrid`, … draft with
 
     @property
     def target(self) -> LoadedModel:
@@ -244,10 +246,7 @@ class Models:
         return self.target_in(self.dtype)
 
     def target_in(self, precision: str) -> LoadedModel:
-        precision = parse_precision(precision).name
-        if precision not in self._targets:
-            self._targets[precision] = load_model(self.target_spec, precision)
-        return self._targets[precision]
+        return self._models(self.target_spec, precision)
 
     def _hf(self, spec: str) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
@@ -269,7 +268,7 @@ class Models:
         if spec == "model":
             spec = f"model:{self.draft_spec}"
         if (spec, precision) not in self._drafters:
-            self._drafters[spec, precision] = make_drafter(spec, self.target_in(precision))
+            self._drafters[spec, precision] = make_drafter(spec, self.target_in(precision), load=self._models)
         return self._drafters[spec, precision]
 
     def method(self, spec: MethodSpec) -> Method:

@@ -77,7 +77,7 @@ def _derived(spec: str, model: LoadedModel, options: dict[str, str], default_lay
 
 def draft_model(name: str | None, target: LoadedModel, dtype: str | None, load: ModelLoader) -> LoadedModel:
     """The named draft model (default: the loader's, else the shipped one), checked against the target's tokenizer."""
-    draft = load(name or getattr(load, "default_draft", DEFAULT_DRAFT), dtype or target.precision)
+    draft = load(name or getattr(load, "default_draft", DEFAULT_DRAFT), dtype or target.precision, pack_rows=1)
     check_compatible(target, draft)
     return draft
 
@@ -112,6 +112,8 @@ def make_derived_drafter(
         return DraftModelDrafter(draft, target.vocab_size)
     if kind == "model":
         name, options = _parse(spec, rest, VARIANT_OPTIONS, positional=True)
+        if options.get("int8") == "1":  # load it as int8 (cached once) rather than quantize a float copy
+            dtype = "int8"
         draft = _derived(spec, draft_model(name, target, dtype, load), options)
         return DraftModelDrafter(draft, target.vocab_size)
     raise InvalidParameterError(f"unknown drafter kind {kind!r} in {spec!r}")

@@ -9,6 +9,13 @@ build without oneDNN) the layer falls back to `F.linear`, and so do tiny layers 
 where oneDNN's fixed cost per call (~0.2 ms) exceeds the matmul itself. oneDNN packs bf16 weights
 only on CPUs with AVX-512 or AVX-NE-CONVERT; on an AVX2-only CPU (e.g. some AMD EPYC machines) a
 bf16 layer stays plain `F.linear`.
+
+oneDNN lays a packed weight out for an expected number of rows (`rows`), and the choice matters on
+this AVX2 CPU. Packed for 1 row, the 1.5B costs 272 ms for one position but 500–650 ms for 2–8
+(a matrix-vector kernel that falls off a cliff at the second row); packed for 4 rows it costs
+283–296 ms for one and 300–500 ms for 2–8 (BENCHMARKS.md, "Packing for the rows a forward
+carries"). So a draft, which decodes one token at a time, packs for 1 row and a target, which
+verifies γ+1 positions at once, for `VERIFY_ROWS`.
 """
 
 from __future__ import annotations
@@ -16,9 +23,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PackedLinear", "packing_available", "MIN_PACKED_WEIGHTS"]
+__all__ = ["PackedLinear", "packing_available", "MIN_PACKED_WEIGHTS", "VERIFY_ROWS"]
 
 MIN_PACKED_WEIGHTS = 1 << 16
+VERIFY_ROWS = 4  # the rows a verifying target packs for (2–16 measure alike; 1 is the cliff)
 
 
 def packing_available() -> bool:
@@ -26,9 +34,9 @@ def packing_available() -> bool:
 
 
 class PackedLinear:
-    """y = x Wᵀ + b with W [out, in] prepacked for oneDNN when on CPU."""
+    """y = x Wᵀ + b with W [out, in] prepacked for oneDNN when on CPU, laid out for `rows` rows per call."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True, rows: int = 1):
         self.out_features, self.in_features = weight.shape
         self.bias = bias.contiguous() if bias is not None else None
         big = weight.numel() >= MIN_PACKED_WEIGHTS
@@ -36,7 +44,7 @@ class PackedLinear:
         self.weight = weight.contiguous()
         if self.packed:
             try:
-                self.weight = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
+                self.weight = torch.ops.mkldnn._reorder_linear_weight(self.weight, rows)
             except RuntimeError:  # this CPU lacks the instructions oneDNN needs for this dtype
                 self.packed = False
 

@@ -28,6 +28,7 @@ import torch
 
 from verispec.errors import IncompatibleModelsError, InvalidParameterError, ModelNotFoundError
 from verispec.models.int8 import int8_available
+from verispec.models.linear import VERIFY_ROWS
 from verispec.models.registry import DEFAULT_DRAFT, SHIPPED_MODELS, cache_dir, convert_gguf, prepare_shipped_model
 from verispec.models.transformer import Transformer
 from verispec.progress import status
@@ -155,8 +156,12 @@ def load_tokenizer(folder: Path):
     return AutoTokenizer.from_pretrained(folder)
 
 
-def load_model(spec: str | Path, dtype: str | torch.dtype = "float32") -> LoadedModel:
+def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", pack_rows: int = VERIFY_ROWS) -> LoadedModel:
     """`spec` (shipped name, HF folder or .gguf) in precision `dtype` (float32, bfloat16 or int8).
+
+    pack_rows: the positions per forward the float weights are laid out for (`models/linear.py`):
+    VERIFY_ROWS for a target, which verifies several drafted positions at once; 1 for a draft model,
+    which decodes one token at a time, and for a target that only decodes plainly.
 
     int8 weights are quantized from the cached float32 conversion while loading (a few seconds for
     the 1.5B; measured in BENCHMARKS.md), so no second conversion is stored.
@@ -167,19 +172,20 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32") -> Loaded
                       RuntimeWarning, stacklevel=2)
     folder = resolve_folder(spec)
     with status(f"loading {spec} ({precision.name})"):
-        runner = Transformer.from_folder(folder, precision.dtype, quant=precision.quant)
+        runner = Transformer.from_folder(folder, precision.dtype, quant=precision.quant, pack_rows=pack_rows)
         tokenizer = load_tokenizer(folder)
     return LoadedModel(str(spec), folder, runner, tokenizer, _eos_ids(folder, tokenizer))
 
 
-ModelLoader = Callable[..., "LoadedModel"]  # (spec, dtype) -> LoadedModel, like load_model
+ModelLoader = Callable[..., "LoadedModel"]  # (spec, dtype, pack_rows=…) -> LoadedModel, like load_model
 
 
 class ModelCache:
     """`load_model` that loads each (spec, dtype) once; once `frozen`, asking for a new one is an error.
 
     `default_draft` is the draft model a drafter spec means when it names none (`tree`, `hybrid`, …):
-    the shipped default, or the draft a server loaded at start.
+    the shipped default, or the draft a server loaded at start. A model is laid out for the
+    `pack_rows` of its first load (a target's or a draft's, see `load_model`).
     """
 
     def __init__(self, *models: LoadedModel, frozen: bool = False):
@@ -191,16 +197,16 @@ class ModelCache:
     def names(self) -> list[str]:
         return list(dict.fromkeys(name for name, _ in self._models))
 
-    def __call__(self, spec: str | Path, dtype: str | torch.dtype = "float32") -> LoadedModel:
+    def __call__(self, spec: str | Path, dtype: str | torch.dtype = "float32", pack_rows: int = VERIFY_ROWS) -> LoadedModel:
         key = (str(spec), parse_precision(dtype).name)
         if key not in self._models:
             if self.frozen:
-                loaded = ", ".join(self.names) or "none"
+                loaded = ", ".join(f"{name} ({precision})" for name, precision in self._models) or "none"
                 raise InvalidParameterError(
-                    f"model {str(spec)!r} is not loaded here (loaded: {loaded}): pick a drafter that uses a loaded "
-                    "model or none (ngram, stand), or restart with --draft naming it"
+                    f"model {str(spec)!r} in {key[1]} is not loaded here (loaded: {loaded}): pick a drafter that uses "
+                    "a loaded model or none (ngram, stand), or restart with --draft naming it"
                 )
-            self._models[key] = load_model(spec, dtype)
+            self._models[key] = load_model(spec, dtype, pack_rows)
         return self._models[key]
 
 

@@ -135,10 +135,10 @@ class _Row:
     chain: bool = True  # consecutive positions with a causal mask (not a token tree)
 
 
-def _linear_factory(pack: bool, quant: str | None):
+def _linear_factory(pack: bool, quant: str | None, pack_rows: int = 1):
     """How the runner builds a linear layer from W [out, in] and b [out] (or None)."""
     if quant is None:
-        return lambda weight, bias: PackedLinear(weight, bias, pack)
+        return lambda weight, bias: PackedLinear(weight, bias, pack, pack_rows)
     if quant == "int8":
         return Int8Linear
     raise ValueError(f"unknown quantization {quant!r}: use one of {', '.join(QUANTIZATIONS)} or None")
@@ -208,16 +208,16 @@ class Transformer:
 
     def __init__(
         self, config: ModelConfig, weights: dict[str, torch.Tensor] | _Safetensors, dtype: torch.dtype,
-        pack: bool = True, quant: str | None = None,
+        pack: bool = True, quant: str | None = None, pack_rows: int = 1,
     ):
         if quant is not None and dtype != torch.float32:
             raise ValueError(f"{quant} weights run with float32 activations, not {dtype}")
         self.config = config
         self.dtype = dtype
         self.quant = quant
-        self.variant = f",{quant}" if quant else ""
+        self.variant = (f",{quant}" if quant else "") + (f",rows={pack_rows}" if pack and pack_rows != 1 else "")
         self.row_invariant = quant is not None
-        linear = _linear_factory(pack, quant)
+        linear = _linear_factory(pack, quant, pack_rows)
         weights = _Weights(weights, dtype)
         self.embed = weights["model.embed_tokens.weight"]  # [vocab, hidden]
         self.device = self.embed.device
@@ -231,7 +231,8 @@ class Transformer:
 
     @classmethod
     def from_folder(
-        cls, folder: str | Path, dtype: torch.dtype = torch.float32, pack: bool = True, quant: str | None = None
+        cls, folder: str | Path, dtype: torch.dtype = torch.float32, pack: bool = True, quant: str | None = None,
+        pack_rows: int = 1,
     ) -> Transformer:
         folder = Path(folder)
         config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
@@ -240,7 +241,7 @@ class Transformer:
             raise ModelNotFoundError(f"no *.safetensors weights in {folder}")
         with contextlib.ExitStack() as stack:
             handles = [stack.enter_context(safe_open(file, framework="pt")) for file in files]
-            return cls(config, _Safetensors(handles), dtype, pack, quant)
+            return cls(config, _Safetensors(handles), dtype, pack, quant, pack_rows)
 
     def new_cache(self, capacity: int = 1024) -> KVCache:
         return KVCache(self.config, capacity, self.dtype, self.device)
