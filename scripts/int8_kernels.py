@@ -66,7 +66,7 @@ def candidates(weight: torch.Tensor) -> dict:
         return y * absmax
 
     found["fbgemm-row"] = fbgemm_row
-    residual = Int8Linear(weight)  # verispec's layer: per-row 7-bit + 7-bit residual rows, one fbgemm call
+    residual = Int8Linear.from_float(weight)  # verispec's layer: per-row 7-bit + 7-bit residual rows, one fbgemm call
     found["int8-residual"] = residual
 
     qt = q.t().contiguous()  # [in, out]

@@ -44,6 +44,14 @@ def one_thread_for_tiny_models(request):
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def private_cache(request, tmp_path_factory, monkeypatch):
+    """Tests on tiny models keep their int8 values, measured costs and online drafts out of the user's
+    cache directory. Tests marked `real` use it: the shipped models' conversions live there."""
+    if not request.node.get_closest_marker("real"):
+        monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("tiny")

@@ -11,6 +11,7 @@ against the exact distribution enumerated from the oracle, for a draft model and
 in test_engine.py with N = 3000; this path changes only the logits, so a smaller N keeps it quick.)
 """
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -53,17 +54,55 @@ def draft8(tiny_draft):
     return load_model(tiny_draft, "int8")
 
 
+def test_int8_values_are_cached_once_and_requantized_when_the_weights_change(tmp_path, monkeypatch):
+    from verispec.models import int8_store
+
+    folder = make_tiny_model(tmp_path / "m", vocab_size=12, seed=31, layers=2)
+    root = tmp_path / "int8"
+    store = int8_store.Int8Store(folder, root)
+    assert not store.cached
+    fresh = Transformer(*_config_and_weights(folder), torch.float32, quant="int8", int8_store=store)
+    store.save()
+    assert len(list(root.glob("*.safetensors"))) == 1
+
+    def no_quantizing(weight):
+        raise AssertionError("a cached load must not quantize")
+
+    monkeypatch.setattr(int8_store, "quantize_per_channel", no_quantizing)
+    again = int8_store.Int8Store(folder, root)
+    assert again.cached
+    cached = Transformer(*_config_and_weights(folder), torch.float32, quant="int8", int8_store=again)
+    ids = torch.tensor([3, 7, 1, 9, 4])
+    logits = [runner.forward(runner.new_cache(8), ids, logits="all") for runner in (fresh, cached)]
+    assert torch.equal(logits[0], logits[1])
+
+    weights = next(folder.glob("*.safetensors"))
+    os.utime(weights, ns=(0, weights.stat().st_mtime_ns + 10**9))  # "rewritten": the fingerprint no longer matches
+    assert not int8_store.Int8Store(folder, root).cached
+
+
+def _config_and_weights(folder):
+    import json
+
+    from safetensors.torch import load_file
+
+    from verispec.models.transformer import ModelConfig
+
+    config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    return config, load_file(next(folder.glob("*.safetensors")))
+
+
 def test_int8_linear_rows_do_not_depend_on_each_other():
     torch.manual_seed(0)
     weight, bias = torch.randn(96, 64) * 0.1, torch.randn(96)
     x = torch.randn(7, 64)  # [rows, in]
-    for layer in (Int8Linear(weight, bias), Int8Linear(weight, bias, use_fbgemm=False)):
+    for layer in (Int8Linear.from_float(weight, bias), Int8Linear.from_float(weight, bias, use_fbgemm=False)):
         together = layer(x)  # [7, 96]
         alone = torch.cat([layer(x[i : i + 1]) for i in range(7)])
         assert torch.equal(together, alone)
         reference = x @ weight.T + bias
         assert float((together - reference).norm() / reference.norm()) < 0.03  # 7-bit activations, 8-bit weights
-    fast, slow = Int8Linear(weight, bias), Int8Linear(weight, bias, use_fbgemm=False)
+    fast, slow = Int8Linear.from_float(weight, bias), Int8Linear.from_float(weight, bias, use_fbgemm=False)
     torch.testing.assert_close(fast(x), slow(x), atol=1e-5, rtol=1e-5)  # same integers, float rounding apart
 
 
@@ -266,3 +305,12 @@ def test_bench_runs_int8_methods_beside_float32(tiny_text_pair, tmp_path, monkey
     assert runs["vs:model@constant[int8]"] == runs["vs:none[int8]"]  # exact on the int8 path
     methods = data["methods"]
     assert methods["vs:none[int8]"]["weights_mib"] < methods["vs:none"]["weights_mib"]
+
+
+def test_a_float32_target_drafts_in_int8_unless_the_spec_says_otherwise(tiny_target, tiny_draft):
+    target = load_model(tiny_target)
+    assert make_drafter(f"model:{tiny_draft}", target).model.precision == "int8"
+    assert make_drafter(f"model:{tiny_draft},int8=0", target).model.precision == "float32"
+    assert make_drafter(f"model:{tiny_draft},int8=1", target).model.precision == "int8"
+    bf16 = load_model(tiny_target, "bfloat16")
+    assert make_drafter(f"model:{tiny_draft}", bf16).model.precision == "bfloat16"

@@ -57,10 +57,10 @@ def test_online_is_a_drafter_spec_that_learns_across_concurrent_requests(target,
     """`online:…` from the factory (as the CLI, server and bench build it); α is recorded per request
     when it finishes, also when requests overlap as in the server's batches."""
     from verispec.drafters import make_drafter
-    from verispec.models.loading import ModelCache
+    from verispec.models.loading import ModelCache, load_model
 
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
-    models = ModelCache(draft, frozen=True)
+    models = ModelCache(load_model(draft.name, "int8"), frozen=True)  # a float32 target drafts in int8
     models.default_draft = draft.name
     drafter = make_drafter("online:rank=4,buffer_size=8,eval_requests=1", target, load=models)
     assert isinstance(drafter, OnlineDrafter) and drafter.buffer_size == 8 and drafter.head.A.shape[0] == 4

@@ -70,7 +70,7 @@ def _measure(args: argparse.Namespace) -> tuple[float, float, list[float]]:
     if args.max_new_tokens < 1:
         raise InvalidParameterError("--max-new-tokens must be ≥ 1")
     prompts = select(load_sources(args.questions), None, args.per_category)
-    target, draft = load_model(args.target, args.dtype), load_model(args.draft, args.dtype)
+    target, draft = load_model(args.target, args.dtype), load_model(args.draft, args.dtype, pack_rows=1)
     prompts_ids = [target.encode_prompt(p.text, chat=True) for p in prompts]
     m = measure_pair(target, draft, prompts_ids, args.max_new_tokens, args.temperature, args.max_gamma)
     print(f"measured on {len(prompts)} prompts, {len(m.alphas)} positions: α = {m.alpha:.4f} "

@@ -31,13 +31,13 @@ from verispec.engine import Engine, GenerationConfig
 from verispec.models.loading import PRECISIONS
 from verispec.errors import InvalidParameterError
 from verispec.measure import position_acceptance
-from verispec.models.loading import LoadedModel
+from verispec.models.loading import LoadedModel, ModelCache
 from verispec.progress import status
 
 __all__ = ["DEFAULT_CANDIDATES", "CandidateResult", "design", "format_ranking", "add_arguments", "run"]
 
-DEFAULT_CANDIDATES = ("model", "model:vocab=32768", "model:int8=1", "model:vocab=32768,int8=1", "model:layers=12",
-                      "self:layers=4", "self:layers=8", "self:layers=14")
+DEFAULT_CANDIDATES = ("model:int8=0", "model:int8=1", "model:vocab=32768,int8=0", "model:vocab=32768,int8=1",
+                      "model:layers=12,int8=1", "self:layers=4", "self:layers=8", "self:layers=14")
 
 
 @dataclass
@@ -51,8 +51,8 @@ class CandidateResult:
     speedup: float  # predicted, over plain decoding of the target
 
 
-def _draft_model(spec: str, target: LoadedModel) -> LoadedModel:
-    drafter = make_drafter(spec, target)
+def _draft_model(spec: str, target: LoadedModel, models: ModelCache) -> LoadedModel:
+    drafter = make_drafter(spec, target, load=models)
     if not isinstance(drafter, DraftModelDrafter):
         raise InvalidParameterError(f"candidate {spec!r} is not a single draft model: use model[:…] or self[:…] specs")
     return drafter.model
@@ -72,10 +72,11 @@ def design(target: LoadedModel, specs: Sequence[str], prompts_ids: Sequence[list
         continuations = [plain.generate(ids, GenerationConfig(max_new_tokens=max_new_tokens)).token_ids for ids in prompts_ids]
         target_curve = measure_verify_curve(target.runner, max_gamma + 1)  # T(n) seconds, n = 1 … γmax+1
     verify_cost = curve_verify_cost(target_curve)
+    models = ModelCache(target)  # candidates over the same draft model load it once per precision
     results = []
     for spec in specs:
         with status(f"measuring candidate {spec}"):
-            draft = _draft_model(spec, target)
+            draft = _draft_model(spec, target, models)
             alphas = []
             for ids, continuation in zip(prompts_ids, continuations):
                 overlap, matches = position_acceptance(target, draft, list(ids), list(continuation), max(temperature, 1e-6))

@@ -79,7 +79,7 @@ class Engine:
         make_gamma_policy(gamma_policy, gamma, CostModel(), max_gamma)  # validate now, not mid-request
         self.models = models if models is not None else ModelCache(target, frozen=True)
         self._drafters: dict[str, Drafter | None] = {}
-        self._costs: dict[str | None, CostModel] = {}
+        self._costs: dict[tuple[str, str] | None, CostModel] = {}
 
     @property
     def costs(self) -> CostModel:
@@ -91,7 +91,7 @@ class Engine:
         if drafter is None or gamma_policy != "analytic":
             return CostModel()
         draft_model = getattr(drafter, "model", None)  # None for model-free drafters
-        key = None if draft_model is None else draft_model.name
+        key = None if draft_model is None else (draft_model.name, draft_model.precision)
         if key not in self._costs:
             self._costs[key] = CostModel.calibrated(self.target, self.max_gamma + 1, draft_model)
         return self._costs[key]

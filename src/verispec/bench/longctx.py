@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from verispec.bench.memory import PeakMeter
 from verispec.drafters import make_drafter
 from verispec.engine import Engine, GenerationConfig
-from verispec.models.loading import LoadedModel, load_model
+from verispec.models.loading import LoadedModel, ModelCache
 from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
 
 __all__ = ["LongTask", "make_document", "make_tasks", "measure", "main"]
@@ -112,11 +112,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
     args = parser.parse_args(argv)
 
-    target = load_model(args.target)
+    models = ModelCache()  # the draft model is loaded once, for both drafters
+    target = models(args.target)
+    models.default_draft = args.draft
     drafters = {
         "plain": None,
-        "model": make_drafter(f"model:{args.draft}", target),
-        "triforce": make_drafter(args.triforce, target),
+        "model": make_drafter(f"model:{args.draft}", target, load=models),
+        "triforce": make_drafter(args.triforce, target, load=models),
     }
     kinds = set(args.tasks.split(","))
     print(f"{'len':>6} {'task':9} {'method':9} {'tok/s':>7} {'×plain':>7} {'×model':>7} {'α':>6} {'τ':>5} {'prefill s':>9} {'peak MiB':>9} same")

@@ -1,7 +1,9 @@
 """Spec strings for derived draft models and cascades (the factory hands these kinds over here).
 
-    model:[NAME][,layers=L][,vocab=N][,int8=1]   the draft model (default: the shipped 0.5B), keeping its
+    model:[NAME][,layers=L][,vocab=N][,int8=0|1] the draft model (default: the shipped 0.5B), keeping its
                                                 first L layers, scoring only token ids < N, int8 linears
+                                                (1) or the target's precision (0); by default a float32
+                                                target drafts with an int8 draft (`draft_precision`)
     self[:layers=L][,vocab=N][,int8=1]           the target's own first L layers (default: a quarter of
                                                 them) + final norm + head: self-speculation, weights shared
     cascade[:kind=vertical][,draft=NAME][,max_n=3][,inner_gamma=G]
@@ -23,11 +25,12 @@ from verispec.drafters.cascade import HorizontalCascadeDrafter, VerticalCascadeD
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.ngram import NgramDrafter
 from verispec.errors import InvalidParameterError
+from verispec.models.int8 import int8_available
 from verispec.models.loading import LoadedModel, ModelLoader, check_compatible, load_model
 from verispec.models.registry import DEFAULT_DRAFT
 from verispec.models.variants import derive_model
 
-__all__ = ["SPEC_KINDS", "draft_model", "is_derived_spec", "make_derived_drafter"]
+__all__ = ["SPEC_KINDS", "draft_model", "draft_precision", "is_derived_spec", "make_derived_drafter"]
 
 SPEC_KINDS = ("self", "cascade")
 VARIANT_OPTIONS = ("layers", "vocab", "int8")
@@ -75,9 +78,17 @@ def _derived(spec: str, model: LoadedModel, options: dict[str, str], default_lay
     return derive_model(model, layers, vocab, bool(int8))
 
 
+def draft_precision(target: LoadedModel) -> str:
+    """The precision a draft model is loaded in unless a spec says otherwise: int8 for a float32 target
+    (on the 2-core CPU the int8 0.5B drafts a token in ~56 ms against ~129 ms in float32, accepted as
+    often: BENCHMARKS.md, "fp32, quiet machine, session 3"), else the target's own."""
+    return "int8" if target.precision == "float32" and int8_available() else target.precision
+
+
 def draft_model(name: str | None, target: LoadedModel, dtype: str | None, load: ModelLoader) -> LoadedModel:
-    """The named draft model (default: the loader's, else the shipped one), checked against the target's tokenizer."""
-    draft = load(name or getattr(load, "default_draft", DEFAULT_DRAFT), dtype or target.precision, pack_rows=1)
+    """The named draft model (default: the loader's, else the shipped one) in `dtype` (default:
+    `draft_precision`), checked against the target's tokenizer."""
+    draft = load(name or getattr(load, "default_draft", DEFAULT_DRAFT), dtype or draft_precision(target), pack_rows=1)
     check_compatible(target, draft)
     return draft
 
@@ -112,8 +123,8 @@ def make_derived_drafter(
         return DraftModelDrafter(draft, target.vocab_size)
     if kind == "model":
         name, options = _parse(spec, rest, VARIANT_OPTIONS, positional=True)
-        if options.get("int8") == "1":  # load it as int8 (cached once) rather than quantize a float copy
-            dtype = "int8"
+        if options.get("int8") in ("0", "1"):  # 1: load it as int8 (cached once), not quantize a float copy
+            dtype = "int8" if options["int8"] == "1" else target.precision
         draft = _derived(spec, draft_model(name, target, dtype, load), options)
         return DraftModelDrafter(draft, target.vocab_size)
     raise InvalidParameterError(f"unknown drafter kind {kind!r} in {spec!r}")

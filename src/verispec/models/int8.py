@@ -61,26 +61,34 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 class Int8Linear:
-    """y ≈ x Wᵀ + b: int8 per-channel weights, per-row 7-bit activations, exact int32 sums."""
+    """y ≈ x Wᵀ + b: int8 per-channel weights, per-row 7-bit activations, exact int32 sums.
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, use_fbgemm: bool | None = None,
-                 residual: bool = True):
-        self.out_features, self.in_features = weight.shape
+    Built from quantized values (`weight_q` [out, in] int8, `scales` [out] float32, as
+    `quantize_per_channel` returns them, or as read back from the int8 cache), or from float weights
+    with `Int8Linear.from_float`.
+    """
+
+    def __init__(self, weight_q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+                 use_fbgemm: bool | None = None, residual: bool = True):
+        self.out_features, self.in_features = weight_q.shape
         self.residual = residual
-        weight = weight.detach().float()
         self.bias = None if bias is None else bias.detach().float().contiguous()  # [out]
         self.use_fbgemm = int8_available() if use_fbgemm is None else use_fbgemm
         if self.use_fbgemm:
-            scales = (weight.abs().amax(dim=1) / 127.0).clamp_min(1e-12)  # [out]
             zero_points = torch.zeros(self.out_features, dtype=torch.long)
             with warnings.catch_warnings():  # quantized tensor creation warns about a future deprecation
                 warnings.simplefilter("ignore")
-                quantized = torch.quantize_per_channel(weight, scales.double(), zero_points, 0, torch.qint8)
+                quantized = torch._make_per_channel_quantized_tensor(weight_q, scales.double(), zero_points, 0)
                 self.packed = torch.ops.quantized.linear_prepack(quantized, None)
             self.weight_q = self.scales = None
         else:
             self.packed = None
-            self.weight_q, self.scales = quantize_per_channel(weight)  # [out, in] int8, [out]
+            self.weight_q, self.scales = weight_q, scales.float()  # [out, in] int8, [out]
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, **options) -> Int8Linear:
+        """Quantize W [out, in] per output channel (`quantize_per_channel`) and build the layer."""
+        return cls(*quantize_per_channel(weight), bias, **options)
 
     @property
     def nbytes(self) -> int:

@@ -7,7 +7,7 @@ kernels (see `linear.py`). The weights, config and tokenizer still come from a H
 tests check the logits against the transformers implementation of the same config.
 
 With `quant="int8"` every linear layer (and the head) is an `Int8Linear` (see `int8.py`): int8
-weights quantized at load time from the float32 folder, activations quantized per row, so a row's
+weights quantized from the float32 folder once and cached (`int8_store.py`), activations quantized per row, so a row's
 logits do not depend on how many positions the forward pass holds. The rest of the layer (norms,
 RoPE, attention, the KV cache) stays float32. `variant` then carries ",int8", which keeps measured
 costs (`control/costs.py`) apart from the float model's.
@@ -27,6 +27,7 @@ from safetensors import safe_open
 
 from verispec.errors import ModelNotFoundError
 from verispec.models.int8 import Int8Linear
+from verispec.models.int8_store import Int8Store
 from verispec.models.linear import PackedLinear
 
 __all__ = ["ModelConfig", "KVCache", "Transformer"]
@@ -135,12 +136,13 @@ class _Row:
     chain: bool = True  # consecutive positions with a causal mask (not a token tree)
 
 
-def _linear_factory(pack: bool, quant: str | None, pack_rows: int = 1):
-    """How the runner builds a linear layer from W [out, in] and b [out] (or None)."""
+def _linear_factory(pack: bool, quant: str | None, pack_rows: int = 1, store: Int8Store | None = None):
+    """How the runner builds the linear layer `name` from W [out, in] (`weight()` reads it; a layer from
+    the int8 cache never does) and b [out] (or None)."""
     if quant is None:
-        return lambda weight, bias: PackedLinear(weight, bias, pack, pack_rows)
+        return lambda name, weight, bias: PackedLinear(weight(), bias, pack, pack_rows)
     if quant == "int8":
-        return Int8Linear
+        return store.linear if store is not None else lambda name, weight, bias: Int8Linear.from_float(weight(), bias)
     raise ValueError(f"unknown quantization {quant!r}: use one of {', '.join(QUANTIZATIONS)} or None")
 
 
@@ -181,18 +183,21 @@ class _Layer:
         qkv_bias = None
         if config.attention_bias:
             qkv_bias = torch.cat([b("self_attn.q_proj.bias"), b("self_attn.k_proj.bias"), b("self_attn.v_proj.bias")])
-        qkv = torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")])
-        self.qkv = linear(qkv, qkv_bias)
-        self.o = linear(w("self_attn.o_proj.weight"), b("self_attn.o_proj.bias"))
-        self.gate_up = linear(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), None)
-        self.down = linear(w("mlp.down_proj.weight"), None)
+        qkv = lambda: torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")])  # noqa: E731
+        self.qkv = linear(prefix + "qkv", qkv, qkv_bias)
+        self.o = linear(prefix + "o", lambda: w("self_attn.o_proj.weight"), b("self_attn.o_proj.bias"))
+        self.gate_up = linear(prefix + "gate_up", lambda: torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), None)
+        self.down = linear(prefix + "down", lambda: w("mlp.down_proj.weight"), None)
 
 
 class Transformer:
     """Inference-only decoder. `forward` appends tokens to a KVCache and returns logits.
 
     dtype: the dtype of activations, norms and the KV cache (and of the weights unless quantized);
-    quant: None, or "int8" for int8 linear layers (dtype must then be float32).
+    quant: None, or "int8" for int8 linear layers (dtype must then be float32);
+    pack_rows: the rows per forward the float linear layers are packed for (`linear.py`);
+    int8_store: where int8 layers come from (`from_folder` passes the folder's cache; without one
+    they are quantized from the float weights).
 
     A quantized runner is row-invariant for chains: the logits of a position do not depend on how
     many other positions the same forward pass holds, bit for bit. Its linear layers are (see
@@ -208,7 +213,7 @@ class Transformer:
 
     def __init__(
         self, config: ModelConfig, weights: dict[str, torch.Tensor] | _Safetensors, dtype: torch.dtype,
-        pack: bool = True, quant: str | None = None, pack_rows: int = 1,
+        pack: bool = True, quant: str | None = None, pack_rows: int = 1, int8_store: Int8Store | None = None,
     ):
         if quant is not None and dtype != torch.float32:
             raise ValueError(f"{quant} weights run with float32 activations, not {dtype}")
@@ -217,14 +222,14 @@ class Transformer:
         self.quant = quant
         self.variant = (f",{quant}" if quant else "") + (f",rows={pack_rows}" if pack and pack_rows != 1 else "")
         self.row_invariant = quant is not None
-        linear = _linear_factory(pack, quant, pack_rows)
+        linear = _linear_factory(pack, quant, pack_rows, int8_store)
         weights = _Weights(weights, dtype)
         self.embed = weights["model.embed_tokens.weight"]  # [vocab, hidden]
         self.device = self.embed.device
         self.layers = [_Layer(weights, f"model.layers.{i}.", config, linear) for i in range(config.num_layers)]
         self.final_norm = weights["model.norm.weight"]
-        head = self.embed if config.tie_word_embeddings else weights["lm_head.weight"]
-        self.lm_head = linear(head, None)
+        head = lambda: self.embed if config.tie_word_embeddings else weights["lm_head.weight"]  # noqa: E731
+        self.lm_head = linear("lm_head", head, None)
         self._rope_cache = torch.empty(2, 0, config.head_dim)  # [cos/sin, positions, head_dim]
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim))
         self._inv_freq = inv_freq  # [head_dim / 2]
@@ -241,7 +246,11 @@ class Transformer:
             raise ModelNotFoundError(f"no *.safetensors weights in {folder}")
         with contextlib.ExitStack() as stack:
             handles = [stack.enter_context(safe_open(file, framework="pt")) for file in files]
-            return cls(config, _Safetensors(handles), dtype, pack, quant, pack_rows)
+            store = Int8Store(folder) if quant == "int8" else None
+            runner = cls(config, _Safetensors(handles), dtype, pack, quant, pack_rows, store)
+        if store is not None:
+            store.save()
+        return runner
 
     def new_cache(self, capacity: int = 1024) -> KVCache:
         return KVCache(self.config, capacity, self.dtype, self.device)

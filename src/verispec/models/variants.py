@@ -85,7 +85,7 @@ def reduced_vocab(runner: Transformer, vocab: int, head: torch.Tensor, pack: boo
     if not 1 <= vocab <= full:
         raise InvalidParameterError(f"vocab must be in [1, {full}] for this model, got {vocab}")
     if getattr(runner, "quant", None) == "int8":
-        kept = Int8Linear(head[:vocab].float())
+        kept = Int8Linear.from_float(head[:vocab])
     else:
         kept = PackedLinear(head[:vocab], None, pack)
     lm_head = _PaddedHead(kept, vocab, full)
@@ -95,7 +95,7 @@ def reduced_vocab(runner: Transformer, vocab: int, head: torch.Tensor, pack: boo
 def _as_int8(linear) -> Int8Linear:
     if not isinstance(linear, PackedLinear) or linear.packed:
         raise InvalidParameterError("int8 needs a model loaded without prepacked weights (pack=False)")
-    return Int8Linear(linear.weight, linear.bias)
+    return Int8Linear.from_float(linear.weight, linear.bias)
 
 
 def quantized(runner: Transformer) -> Transformer:
