@@ -27,7 +27,13 @@ REPLICA_LOST_MESSAGE = (
     "Ray replaces the lost one"
 )
 logger = logging.getLogger(__name__)
-SERVE_PROXY_ENV = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": f"{__name__}.proxy_middlewares"}
+SERVE_PROXY_ENV = {
+    "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": f"{__name__}.proxy_middlewares",
+    # Serve's controller kills a proxy that misses 3 readiness checks of 5 s; on a busy 2-core machine
+    # a starting proxy missed them (and `serve.start` failed), so give it 30 s per check.
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30",
+}
 
 
 class ReplicaLossMiddleware:
