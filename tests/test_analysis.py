@@ -88,3 +88,39 @@ def test_measure_pair_on_tiny_models(tiny_text_pair, tmp_path, capsys):
             str(questions), "--max-new-tokens", "4", "--max-gamma", "3"]
     assert cli_main(args) == 0
     assert "greedy α" in capsys.readouterr().out
+
+
+def test_width_flips_counts_positions_and_catches_a_width_dependent_model(tiny_text_pair, tmp_path, capsys):
+    import dataclasses
+
+    from verispec.measure import width_flips
+    from verispec.models.loading import load_model
+
+    target = load_model(tiny_text_pair[0])
+    prompts = [[3, 4, 5], [7, 8]]
+    exact = width_flips(target, prompts, max_new_tokens=6, width=3)
+    assert 0 < exact.positions <= 12 and exact.flips == 0 and exact.median_margin > 0  # fp32: width-invariant
+
+    class WidthDependent:  # shifts every logit row of a multi-position forward towards token 9
+        def __init__(self, runner):
+            self.runner = runner
+
+        def __getattr__(self, name):
+            return getattr(self.runner, name)
+
+        def forward(self, cache, tokens, *args, **kwargs):
+            logits = self.runner.forward(cache, tokens, *args, **kwargs)
+            if logits is not None and tokens.shape[0] > 1:
+                logits[:, 9] += 100.0
+            return logits
+
+    skewed = dataclasses.replace(target, runner=WidthDependent(target.runner))
+    flipped = width_flips(skewed, prompts, max_new_tokens=6, width=3)
+    assert 0 < flipped.flips == len(flipped.flip_margins) <= flipped.positions <= 12
+    with pytest.raises(InvalidParameterError, match="width"):
+        width_flips(target, prompts, width=1)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text('{"question_id": 1, "category": "writing", "turns": ["t3 t4 t5"]}\n')
+    assert cli_main(["analyze", "--flips", "--target", str(tiny_text_pair[0]), "--questions", str(questions),
+                     "--max-new-tokens", "4", "--width", "3"]) == 0
+    assert "positions per forward at 0 (0.00%)" in capsys.readouterr().out

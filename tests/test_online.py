@@ -31,7 +31,7 @@ def test_alpha_rises_after_updates_and_output_stays_exact(target, draft, hf_targ
 def test_an_update_that_lowers_alpha_is_rolled_back(target, tmp_path, monkeypatch):
     import verispec.online as online
 
-    def harmful(head, features, target_logits, steps, lr):
+    def harmful(head, features, target_logits, steps, lr, anchors=None):
         head.B = 50.0 * torch.randn_like(head.B)  # a wild adapter: the draft turns to noise
         return 0.0
 
@@ -46,6 +46,25 @@ def test_an_update_that_lowers_alpha_is_rolled_back(target, tmp_path, monkeypatc
     _alphas(engine, 3)  # two requests on probation, then the verdict at the next start
     assert drafter.version == 0 and torch.count_nonzero(drafter.head.B) == 0, drafter.events
     assert any("rolled back" in e for e in drafter.events)
+    # the next harmful update is judged against the kept version's α (1.0), not the rejected one's
+    drafter.update()
+    _alphas(engine, 3)
+    assert drafter.version == 0 and sum("rolled back" in e for e in drafter.events) == 2, drafter.events
+
+
+def test_distillation_fixes_misses_and_keeps_the_anchored_positions(draft):
+    from verispec.online import LowRankHead, distill
+
+    head = LowRankHead(draft.runner.lm_head, rank=4)
+    torch.manual_seed(0)
+    features = torch.randn(24, head.in_features)  # [24, hidden]
+    before = head(features).argmax(-1)  # [24]
+    misses, anchors = features[:6], features[6:]
+    wanted = (before[:6] + 1) % head.out_features  # the target disagrees at the first 6
+    target_probs = torch.nn.functional.one_hot(wanted, head.out_features).float()
+    distill(head, misses, target_probs, steps=150, lr=0.05, anchors=anchors)
+    after = head(features).argmax(-1)
+    assert torch.equal(after[:6], wanted) and torch.equal(after[6:], before[6:])
 
 
 def test_update_without_misses_is_a_clear_error(target, draft, tmp_path):

@@ -63,6 +63,14 @@ def test_streaming_cache_keeps_sinks_and_window_at_their_true_positions(draft):
     torch.testing.assert_close(state.cache.keys[0, :, :18], full.keys[0, :, kept])
 
 
+def test_a_streaming_cache_that_grows_between_evictions_still_evicts(draft):
+    """window > 64: the second prefill block outgrows the cache, which grows inside a forward (inference
+    tensors); evicting afterwards, outside inference mode, must still work (a 2K-token prompt once failed)."""
+    prompt = [(5 * i + 1) % 47 + 1 for i in range(150)]
+    level1 = StreamingDraft(draft, sinks=2, window=70, prompt_ids=prompt)
+    assert (level1.state.static, level1.state.dynamic_length, level1.state.covered) == (2, 70, 149)
+
+
 @pytest.mark.parametrize("level1", ["draft", "target"])
 @pytest.mark.parametrize("gamma", [1, 4])
 def test_greedy_is_token_identical_to_the_reference(target, draft, hf_target, level1, gamma):
@@ -132,3 +140,15 @@ def test_long_context_measurement_compares_methods_on_one_task(target, draft):
     _speedups(rows)
     assert rows["plain"]["token_ids"] == rows["triforce"]["token_ids"]
     assert rows["triforce"]["speedup_vs_plain"] > 0 and 1 <= rows["plain"]["new_tokens"] <= 8
+
+
+def test_long_context_rows_are_saved_and_plotted(tmp_path):
+    import json
+
+    from verispec.bench.longctx import _save
+
+    rows = [{"length": n, "task": "question", "method": m, "prompt_tokens": n + 20, "decode_tok_s": s,
+             "peak_extra_mib": 10.0 * n} for n in (1024, 2048) for m, s in (("plain", 5.0), ("triforce", 7.5))]
+    _save(rows, {"lengths": "1024,2048"}, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "rows.json").read_text())["rows"] == rows
+    assert (tmp_path / "out" / "longctx-question.png").stat().st_size > 10_000

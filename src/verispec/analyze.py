@@ -4,6 +4,7 @@
     verispec analyze --alpha 0.8 --c 0.1 --verify-cost 1,1.07,2,2,2,3   # with measured T(n)/T(1)
     verispec analyze --plots plots/                      # the seeds' figures
     verispec analyze --measure --target NAME --draft NAME --questions own --per-category 1
+    verispec analyze --flips --target NAME --dtype bfloat16 --width 5   # 1-wide vs 5-wide argmax flips
 
 The measurement (see `verispec.measure`) reports α (probability overlap at --temperature), the greedy
 α (argmax agreement), c and the target's T(n), then the same table for each α.
@@ -28,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-gamma", type=int, default=12)
     parser.add_argument("--plots", type=Path, metavar="DIR", help="write expected_tokens.png and optimal_gamma.png")
     parser.add_argument("--measure", action="store_true", help="measure α and c of --target and --draft on prompts")
+    parser.add_argument("--flips", action="store_true",
+                        help="count the positions where --target's argmax differs between 1 and --width positions per forward")
+    parser.add_argument("--width", type=int, default=5, help="positions per forward for --flips (γ + 1; default 5)")
     parser.add_argument("--target", default=None, help="target model (shipped name, HF folder or .gguf)")
     parser.add_argument("--draft", default=None, help="draft model (shipped name, HF folder or .gguf)")
     parser.add_argument("--questions", "--prompts", dest="questions", default="own",
@@ -81,6 +85,23 @@ def _measure(args: argparse.Namespace) -> tuple[float, float, list[float]]:
     return m.alpha, m.c, m.target_curve
 
 
+def _flips(args: argparse.Namespace) -> None:
+    from verispec.bench.questions import load_sources, select
+    from verispec.errors import InvalidParameterError
+    from verispec.measure import width_flips
+    from verispec.models.loading import load_model
+
+    if not args.target:
+        raise InvalidParameterError("--flips needs --target")
+    prompts = select(load_sources(args.questions), None, args.per_category)
+    target = load_model(args.target, args.dtype)
+    f = width_flips(target, [target.encode_prompt(p.text, chat=True) for p in prompts], args.max_new_tokens, args.width)
+    gaps = ", ".join(f"{g:.3f}" for g in f.flip_margins) or "–"
+    print(f"{args.target} in {args.dtype}, {len(prompts)} prompts, {f.positions} positions: the argmax differs "
+          f"between 1 and {args.width} positions per forward at {f.flips} ({f.rate:.2%}); top-2 logit gap at those "
+          f"positions: {gaps} (median over all positions {f.median_margin:.3f})")
+
+
 def _curve(values: list[float]):
     from verispec.analysis import curve_verify_cost
 
@@ -96,6 +117,9 @@ def run(args: argparse.Namespace) -> int:
             verify_cost = _curve([float(x) for x in args.verify_cost.split(",") if x.strip()])
         except ValueError:
             raise InvalidParameterError(f"--verify-cost must be comma-separated numbers, got {args.verify_cost!r}") from None
+    if args.flips:
+        _flips(args)
+        return 0
     if args.measure:
         alpha, c, curve = _measure(args)
         verify_cost = verify_cost or _curve(curve)

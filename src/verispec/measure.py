@@ -7,6 +7,10 @@ be accepted) and a greedy match (the draft's argmax equals the target's: the gre
 c: seconds of one single-token draft forward / one single-token target forward, both after the same
 context (`verispec.control.costs.measure_verify_curve`, best of a few repeats); the target's curve
 T(n) for n = 1 … max_gamma+1 comes along, for the speedup with measured verification cost.
+Width flips: how often one model's argmax at a position differs between decoding one position per
+forward and verifying `width` positions per forward (`width_flips`). Greedy speculative decoding equals
+plain decoding exactly when this is zero; in bf16 a different matmul shape can round a near-tie the
+other way, which is the only way its output can leave the plain decoder's.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from verispec.engine import Engine, GenerationConfig
 from verispec.errors import InvalidParameterError
 from verispec.models.loading import LoadedModel, check_compatible
 
-__all__ = ["PairMeasurement", "teacher_forced_logits", "position_acceptance", "measure_pair"]
+__all__ = ["PairMeasurement", "WidthFlips", "teacher_forced_logits", "position_acceptance", "measure_pair", "width_flips"]
 
 
 @dataclass
@@ -101,3 +105,46 @@ def measure_pair(target: LoadedModel, draft: LoadedModel, prompts_ids: Sequence[
         target_curve = measure_verify_curve(target.runner, max_gamma + 1)
         draft_seconds = measure_verify_curve(draft.runner, 1)[0]
     return PairMeasurement(alphas, matches, target_curve, draft_seconds)
+
+
+@dataclass
+class WidthFlips:
+    positions: int  # continuation positions compared
+    flips: int  # positions whose argmax differs between 1-wide and `width`-wide forwards
+    flip_margins: list[float]  # the 1-wide top-2 logit gap at each flip
+    median_margin: float  # the 1-wide top-2 logit gap over all positions
+
+    @property
+    def rate(self) -> float:
+        return self.flips / self.positions if self.positions else 0.0
+
+
+def _stepped_logits(model: LoadedModel, ids: Sequence[int], start: int, width: int) -> torch.Tensor:
+    """Logits predicting ids[start:], the prefix prefilled at once, then `width` tokens per forward:
+    [len(ids) − start, vocab]."""
+    cache = model.runner.new_cache(len(ids))
+    model.runner.forward(cache, torch.tensor(ids[: start - 1]), logits="none")
+    tokens = torch.tensor(ids[start - 1 : -1])  # [n]: the inputs whose next tokens are ids[start:]
+    return torch.cat([model.runner.forward(cache, chunk, logits="all") for chunk in tokens.split(width)])
+
+
+def width_flips(model: LoadedModel, prompts_ids: Sequence[list[int]], max_new_tokens: int = 64,
+                width: int = 5) -> WidthFlips:
+    """Compare argmaxes along the model's own greedy continuations: one position per forward (as plain
+    decoding) against `width` positions per forward (as verifying γ = width − 1 draft tokens)."""
+    if width < 2:
+        raise InvalidParameterError(f"width must be ≥ 2 positions per forward, got {width}")
+    plain = Engine(model, None)
+    margins, flip_margins, positions = [], [], 0
+    with torch.inference_mode():
+        for prompt_ids in prompts_ids:
+            continuation = plain.generate(prompt_ids, GenerationConfig(max_new_tokens=max_new_tokens)).token_ids
+            ids, start = list(prompt_ids) + list(continuation), len(prompt_ids)
+            one = _stepped_logits(model, ids, start, 1)  # [n, vocab]
+            wide = _stepped_logits(model, ids, start, width)  # [n, vocab]
+            top2 = one.topk(2, dim=-1).values  # [n, 2]
+            gap = (top2[:, 0] - top2[:, 1]).tolist()
+            margins += gap
+            flip_margins += [g for g, f in zip(gap, (one.argmax(-1) != wide.argmax(-1)).tolist()) if f]
+            positions += len(gap)
+    return WidthFlips(positions, len(flip_margins), flip_margins, statistics.median(margins) if margins else 0.0)

@@ -2,14 +2,19 @@
 
 The draft model's LM head gets a low-rank adapter (logits += (h Aᵀ) Bᵀ, B starting at zero).
 While drafting, the head's inputs h (the draft's final hidden state at each drafted position) are
-tapped; when the target rejects a draft token, the pair (h at that position, the target's logits
-there) goes into a buffer; a request's α is recorded when it finishes (several may run at once, as
-in the server's batches). When a request starts, once the buffer holds `buffer_size` misses, A and B
-are trained with plain torch autograd on the forward KL(target ‖ draft) — only the adapter, on
-fixed features, so an update takes milliseconds to a few seconds. Every update is saved as a
-version under `cache_dir()/online/<draft>/`; if the measured α of the next `eval_requests`
-requests falls below the α before the update (minus `tolerance`), the previous version comes back.
-The target still verifies every token, so the output stays exactly the target's.
+tapped. Only the head changes, so h does not depend on the adapter version. When the target
+rejects a draft token, the pair (h there, the target's distribution there) is a miss; a draft
+token the target accepted leaves its h as an anchor. Both go into bounded replay windows
+(`replay` × `buffer_size` entries). A request's α is recorded when it finishes (several may run at
+once, as in the server's batches). When a request starts and `buffer_size` new misses have come
+in since the last update, A and B are trained with plain torch autograd on fixed features:
+KL(target ‖ draft) over the replayed misses plus KL(draft before ‖ draft) over the anchors, so the
+update fixes the misses without moving the draft where it already agreed. It takes milliseconds to
+a few seconds. Every update is saved as a version under `cache_dir()/online/<draft>/`; if the α of
+the next `eval_requests` requests falls below the α of the version it replaced (minus
+`tolerance`), that version comes back, and the comparison after a rollback is again against the
+kept version's α, never against the α of a rejected one. The target still verifies every token, so
+the output stays exactly the target's.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import re
+import statistics
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -48,14 +55,21 @@ class LowRankHead:
         return self.base(x) + ((x.float() @ self.A.T) @ self.B.T).to(x.dtype)
 
 
-def distill(head: LowRankHead, features: torch.Tensor, target_probs: torch.Tensor, steps: int, lr: float) -> float:
-    """Fit head.A, head.B to KL(target ‖ draft) on features [n, hidden], target_probs [n, vocab]; returns the last loss."""
+def distill(head: LowRankHead, features: torch.Tensor, target_probs: torch.Tensor, steps: int, lr: float,
+            anchors: torch.Tensor | None = None) -> float:
+    """Fit head.A, head.B to KL(target ‖ draft) on features [n, hidden], target_probs [n, vocab], plus
+    KL(draft now ‖ draft) on `anchors` [m, hidden] (positions the draft got right); returns the last loss."""
     with torch.inference_mode(False), torch.enable_grad():
         x = features.clone().float()  # [n, hidden]
         with torch.no_grad():
             base_logits = head.base(features).float().clone()  # [n, vocab], fixed
         target_probs = target_probs.clone().float()  # [n, vocab]; zeros (truncated tokens) add nothing to the KL
         target_log_probs = target_probs.clamp_min(1e-30).log()
+        if anchors is not None and len(anchors):
+            a = anchors.clone().float()  # [m, hidden]
+            with torch.no_grad():
+                anchor_base = head.base(anchors).float().clone()  # [m, vocab], fixed
+                anchor_log_probs = F.log_softmax(head(anchors).float(), dim=-1).clone()  # [m, vocab]: keep these
         A = head.A.clone().requires_grad_(True)
         B = head.B.clone().requires_grad_(True)
         optimizer = torch.optim.Adam([A, B], lr=lr)
@@ -63,6 +77,9 @@ def distill(head: LowRankHead, features: torch.Tensor, target_probs: torch.Tenso
         for _ in range(steps):
             draft_log_probs = F.log_softmax(base_logits + (x @ A.T) @ B.T, dim=-1)  # [n, vocab]
             loss = (target_probs * (target_log_probs - draft_log_probs)).sum(-1).mean()
+            if anchors is not None and len(anchors):
+                moved = F.log_softmax(anchor_base + (a @ A.T) @ B.T, dim=-1)  # [m, vocab]
+                loss = loss + (anchor_log_probs.exp() * (anchor_log_probs - moved)).sum(-1).mean()
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -75,7 +92,7 @@ class OnlineDrafter(Drafter):
 
     def __init__(
         self, draft: LoadedModel, target_vocab_size: int, rank: int = 8, buffer_size: int = 64, steps: int = 40,
-        lr: float = 0.02, eval_requests: int = 2, tolerance: float = 0.02, store: Path | None = None,
+        lr: float = 0.02, eval_requests: int = 2, tolerance: float = 0.02, replay: int = 4, store: Path | None = None,
     ):
         runner = copy.copy(draft.runner)  # shares the weights; only the head object differs
         self.head = runner.lm_head = LowRankHead(draft.runner.lm_head, rank)
@@ -85,16 +102,21 @@ class OnlineDrafter(Drafter):
         self.buffer_size, self.steps, self.lr = buffer_size, steps, lr
         self.eval_requests, self.tolerance = eval_requests, tolerance
         self.store = store or cache_dir() / "online" / re.sub(r"[^A-Za-z0-9._-]+", "_", draft.name)
-        self.buffer: list[tuple[torch.Tensor, torch.Tensor]] = []  # (hidden [hidden], target_probs [vocab])
+        self.buffer: deque[tuple[torch.Tensor, torch.Tensor]] = deque(maxlen=replay * buffer_size)  # misses:
+        # (hidden [hidden], target_probs [vocab])
+        self.anchors: deque[torch.Tensor] = deque(maxlen=replay * buffer_size)  # hidden [hidden] of accepted tokens
+        self.new_misses = 0  # misses since the last update
         self.alphas: list[float] = []  # measured α of each finished request
         self.version = 0  # 0 = the untouched draft
         self.events: list[str] = []
-        self._probation: tuple[int, float, int] | None = None  # (previous version, α before, requests at update)
+        self._probation: tuple[int, float, int] | None = None  # (previous version, its α, requests at update)
+        self._kept_since = 0  # index into alphas where the kept version's own requests begin
+        self._kept_alpha: float | None = None  # the kept version's α when it has had no requests of its own yet
 
     def start(self, prompt_ids: list[int]) -> DraftSession:
         """Between requests: judge a version on probation, distil when the buffer is full, then draft."""
         self._judge_probation()
-        if len(self.buffer) >= self.buffer_size and self._probation is None:
+        if self.new_misses >= self.buffer_size and self._probation is None:
             self.update()
         return _OnlineSession(self, self.inner.start(prompt_ids))
 
@@ -109,28 +131,35 @@ class OnlineDrafter(Drafter):
         after = self.alphas[at:]
         if len(after) < self.eval_requests:
             return
-        alpha_after = sum(after) / len(after)
+        alpha_after = statistics.fmean(after)
         self._probation = None
         if alpha_after < alpha_before - self.tolerance:
             self.load_version(previous)
+            self._kept_since, self._kept_alpha = len(self.alphas), alpha_before
             self.events.append(f"rolled back to v{previous}: α {alpha_before:.3f} → {alpha_after:.3f}")
         else:
+            self._kept_since, self._kept_alpha = at, alpha_after
             self.events.append(f"kept v{self.version}: α {alpha_before:.3f} → {alpha_after:.3f}")
 
+    def _kept_version_alpha(self) -> float:
+        """α of the version in use, from its own most recent requests (at most 2 × eval_requests)."""
+        own = self.alphas[self._kept_since :][-2 * self.eval_requests :]
+        return statistics.fmean(own) if own else (self._kept_alpha or 0.0)
+
     def update(self) -> float:
-        """Distil on the buffered misses, save a new version, start its probation; returns the loss."""
+        """Distil on the replayed misses and anchors, save a new version, start its probation; returns the loss."""
         if not self.buffer:
             raise ValueError("nothing to learn from yet: the buffer of draft misses is empty")
         features = torch.stack([h for h, _ in self.buffer])  # [n, hidden]
         target_probs = torch.stack([t for _, t in self.buffer])  # [n, vocab]
-        recent = self.alphas[-self.eval_requests :]
-        alpha_before = sum(recent) / len(recent) if recent else 0.0
-        previous = self.version
-        loss = distill(self.head, features, target_probs, self.steps, self.lr)
-        self.buffer.clear()
+        anchors = torch.stack(list(self.anchors)) if self.anchors else None  # [m, hidden]
+        alpha_before, previous = self._kept_version_alpha(), self.version
+        loss = distill(self.head, features, target_probs, self.steps, self.lr, anchors)
+        self.new_misses = 0
         self.version = self._save()
         self._probation = (previous, alpha_before, len(self.alphas))
-        self.events.append(f"v{self.version}: distilled on {len(features)} misses, loss {loss:.4f}")
+        self.events.append(f"v{self.version}: distilled on {len(features)} misses and "
+                           f"{0 if anchors is None else len(anchors)} anchors, loss {loss:.4f}")
         return loss
 
     def _path(self, version: int) -> Path:
@@ -182,6 +211,8 @@ class _OnlineSession(DraftSession):
             return
         self.accepted += accepted
         self.judged += accepted + (accepted < proposed)
+        self.drafter.anchors.extend(self.hidden[:accepted])  # where the draft agreed: keep it so
         if accepted < proposed:  # a miss: the target's distribution where the draft went wrong
             vocab = self.drafter.head.out_features
             self.drafter.buffer.append((self.hidden[accepted], target_probs[-1, :vocab].clone()))
+            self.drafter.new_misses += 1

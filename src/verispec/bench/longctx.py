@@ -5,7 +5,8 @@ composed from fixed word lists by a seeded RNG, with numbered facts ("the access
 is 4821") inserted at spread-out places; each document gets a summary prompt and a question about
 one fact. `python -m verispec.bench.longctx --lengths 1024,2048 --max-new-tokens 32` decodes each
 task with plain decoding, the draft model with a full cache, and the TriForce drafter, and prints
-decode tokens/s, speedups, α and peak memory per context length.
+decode tokens/s, speedups, α and peak memory per context length; `--out DIR` keeps the rows
+(rows.json) and plots them (longctx-<task>.png).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import json
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 from verispec.bench.memory import PeakMeter
 from verispec.drafters import make_drafter
@@ -110,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--tasks", default="question", help="summary, question or both (comma-separated)")
     parser.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
+    parser.add_argument("--out", type=Path, default=Path("bench-results/longctx"), help="where rows.json and longctx.png go")
     args = parser.parse_args(argv)
 
     models = ModelCache()  # the draft model is loaded once, for both drafters
@@ -121,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
         "triforce": make_drafter(args.triforce, target, load=models),
     }
     kinds = set(args.tasks.split(","))
+    records = []
     print(f"{'len':>6} {'task':9} {'method':9} {'tok/s':>7} {'×plain':>7} {'×model':>7} {'α':>6} {'τ':>5} {'prefill s':>9} {'peak MiB':>9} same")
     for length in (int(x) for x in args.lengths.split(",")):
         for task in make_tasks(length, target.tokenizer):
@@ -131,13 +135,26 @@ def main(argv: list[str] | None = None) -> None:
             reference = rows["plain"]["token_ids"]
             for name, row in rows.items():
                 row["same_as_plain"] = row.pop("token_ids") == reference
+                records.append({"length": length, "task": task.kind, "method": name, **row})
                 if args.json:
-                    print(json.dumps({"length": length, "task": task.kind, "method": name, **row}))
+                    print(json.dumps(records[-1]))
                 else:
                     print(f"{row['prompt_tokens']:>6} {task.kind:9} {name:9} {row['decode_tok_s']:>7.2f} "
                           f"{row.get('speedup_vs_plain', 1.0):>7.2f} {row.get('speedup_vs_model', 0.0):>7.2f} "
                           f"{row['acceptance_rate']:>6.2f} {row['tau']:>5.2f} {row['prefill_s']:>9.1f} "
                           f"{row['peak_extra_mib'] if row['peak_extra_mib'] is not None else '-':>9} {row['same_as_plain']}", flush=True)
+    _save(records, vars(args), args.out)
+
+
+def _save(records: list[dict], args: dict, folder: Path) -> None:
+    from verispec.bench.plots import long_context_plot
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "rows.json").write_text(json.dumps({"args": {k: str(v) for k, v in args.items()}, "rows": records}, indent=1))
+    if records:
+        for kind in dict.fromkeys(r["task"] for r in records):
+            long_context_plot([r for r in records if r["task"] == kind], folder / f"longctx-{kind}.png")
+    print(f"rows and plots in {folder}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ Benchmark figures, from a summary of `verispec.bench.report.summarize`:
   acceptance_by_position.png one line per verispec method: share of steps keeping draft position i;
   speedup_vs_gamma.png       per drafting method, the theory's speedup against γ from its measured α
                              and c (optimum marked) and the measured speedup at the run's mean γ.
+Long-context figure, from the rows of `python -m verispec.bench.longctx`:
+  longctx-<task>.png         decode tokens/s and extra peak memory against the prompt length, per method.
 Theory figures (the seeds' plots):
   expected_tokens.png        E[tokens per step] against γ for several α;
   optimal_gamma.png          the optimal γ over the (α, c) plane, as a heatmap.
@@ -17,7 +19,7 @@ from pathlib import Path
 
 from verispec.analysis import expected_speedup, expected_tokens, optimal_gamma
 
-__all__ = ["write_bench_plots", "write_theory_plots"]
+__all__ = ["write_bench_plots", "write_theory_plots", "long_context_plot"]
 
 MAX_GAMMA = 12
 
@@ -107,6 +109,22 @@ def write_bench_plots(summary: dict[str, dict], folder: Path) -> list[Path]:
 
 
 # --- theory -----------------------------------------------------------------------------------------
+
+
+def long_context_plot(rows: list[dict], path: Path) -> Path:
+    """Rows with `method`, `prompt_tokens`, `decode_tok_s`, `peak_extra_mib`, one line per method."""
+    fig, (speed, memory) = _pyplot().subplots(1, 2, figsize=(10, 4))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        mine = sorted((r for r in rows if r["method"] == method), key=lambda r: r["prompt_tokens"])
+        x = [r["prompt_tokens"] for r in mine]
+        speed.plot(x, [r["decode_tok_s"] for r in mine], "o-", label=method)
+        memory.plot(x, [r["peak_extra_mib"] or 0 for r in mine], "o-", label=method)
+    speed.set(xlabel="prompt tokens", ylabel="decode tokens/s", title="decode speed as the context grows")
+    memory.set(xlabel="prompt tokens", ylabel="MiB", title="peak memory above the loaded models")
+    for ax in (speed, memory):
+        ax.set_xscale("log", base=2)
+        ax.legend()
+    return _save(fig, path)
 
 
 def expected_tokens_plot(path: Path, alphas: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)) -> Path:

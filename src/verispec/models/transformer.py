@@ -100,6 +100,7 @@ class KVCache:
     def capacity(self) -> int:
         return self.keys.shape[2]
 
+    @torch.inference_mode()  # the slots are inference tensors once a forward has grown them
     def ensure(self, needed: int) -> None:
         """Grow (doubling) so that `needed` slots fit."""
         if needed <= self.capacity:
@@ -116,6 +117,7 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
         self.length = length
 
+    @torch.inference_mode()
     def keep(self, start: int, slots: torch.Tensor) -> None:
         """Keep slots `start + slots` (ascending) packed right after `start`; drop the rest."""
         src = start + slots
