@@ -4,10 +4,11 @@ The draft model's LM head gets a low-rank adapter (logits += (h Aᵀ) Bᵀ, B st
 While drafting, the head's inputs h (the draft's final hidden state at each drafted position) are
 tapped. Only the head changes, so h does not depend on the adapter version. When the target
 rejects a draft token, the pair (h there, the target's distribution there) is a miss; a draft
-token the target accepted leaves its h as an anchor. Both go into bounded replay windows
-(`replay` × `buffer_size` entries). A request's α is recorded when it finishes (several may run at
-once, as in the server's batches). When a request starts and `buffer_size` new misses have come
-in since the last update, A and B are trained with plain torch autograd on fixed features:
+token the target accepted leaves its h as an anchor. Both go into bounded replay windows (the
+last `replay` × `buffer_size` misses, four times as many anchors). A request's α is recorded when
+it finishes (several may run at once, as in the server's batches). When a request starts and
+`buffer_size` new misses have come in since the last update, A and B are trained with plain torch
+autograd on fixed features:
 KL(target ‖ draft) over the replayed misses plus KL(draft before ‖ draft) over the anchors, so the
 update fixes the misses without moving the draft where it already agreed. It takes milliseconds to
 a few seconds. Every update is saved as a version under `cache_dir()/online/<draft>/`; if the α of
@@ -104,7 +105,8 @@ class OnlineDrafter(Drafter):
         self.store = store or cache_dir() / "online" / re.sub(r"[^A-Za-z0-9._-]+", "_", draft.name)
         self.buffer: deque[tuple[torch.Tensor, torch.Tensor]] = deque(maxlen=replay * buffer_size)  # misses:
         # (hidden [hidden], target_probs [vocab])
-        self.anchors: deque[torch.Tensor] = deque(maxlen=replay * buffer_size)  # hidden [hidden] of accepted tokens
+        self.anchors: deque[torch.Tensor] = deque(maxlen=4 * replay * buffer_size)  # hidden [hidden] of accepted
+        # tokens: a good draft gets most tokens right, so it keeps more of them than of its misses
         self.new_misses = 0  # misses since the last update
         self.alphas: list[float] = []  # measured α of each finished request
         self.version = 0  # 0 = the untouched draft
