@@ -37,7 +37,7 @@ def test_an_update_that_lowers_alpha_is_rolled_back(target, tmp_path, monkeypatc
 
     monkeypatch.setattr(online, "distill", harmful)
     # the target drafting for itself: α = 1 before the update, so a harmful one must show
-    drafter = OnlineDrafter(target, target.vocab_size, buffer_size=10**6, eval_requests=2, store=tmp_path)
+    drafter = OnlineDrafter(target, target.vocab_size, buffer_size=10**6, eval_requests=2, holdout=0, store=tmp_path)
     engine = Engine(target, drafter, gamma=3, gamma_policy="constant")
     assert _alphas(engine, 2) == [1.0, 1.0]
     drafter.buffer.append((torch.zeros(drafter.head.in_features), torch.zeros(target.vocab_size)))  # no misses yet
@@ -50,6 +50,25 @@ def test_an_update_that_lowers_alpha_is_rolled_back(target, tmp_path, monkeypatc
     drafter.update()
     _alphas(engine, 3)
     assert drafter.version == 0 and sum("rolled back" in e for e in drafter.events) == 2, drafter.events
+
+
+def test_an_update_that_breaks_held_out_positions_never_serves(target, tmp_path, monkeypatch):
+    import verispec.online as online
+
+    def harmful(head, features, target_logits, steps, lr, anchors=None):
+        head.B = 50.0 * torch.randn_like(head.B)
+        return 0.0
+
+    monkeypatch.setattr(online, "distill", harmful)
+    drafter = OnlineDrafter(target, target.vocab_size, buffer_size=10**6, store=tmp_path)
+    engine = Engine(target, drafter, gamma=3, gamma_policy="constant")
+    _alphas(engine, 2)  # the target drafting itself: every drafted position becomes an anchor
+    assert len(drafter.anchors) >= 8
+    for token in range(8):
+        drafter.buffer.append((torch.randn(drafter.head.in_features), torch.eye(target.vocab_size)[token]))
+    drafter.update()
+    assert drafter.version == 0 and torch.count_nonzero(drafter.head.B) == 0 and not list(tmp_path.glob("v*.pt"))
+    assert "discarded an update" in drafter.events[-1] and "Δα -" in drafter.events[-1], drafter.events
 
 
 def test_distillation_fixes_misses_and_keeps_the_anchored_positions(draft):

@@ -11,7 +11,9 @@ it finishes (several may run at once, as in the server's batches). When a reques
 autograd on fixed features:
 KL(target ‖ draft) over the replayed misses plus KL(draft before ‖ draft) over the anchors, so the
 update fixes the misses without moving the draft where it already agreed. It takes milliseconds to
-a few seconds. Every update is saved as a version under `cache_dir()/online/<draft>/`; if the α of
+a few seconds. The newest `holdout` % of misses and anchors stay out of training and judge the
+update first: it serves only if (1 − α)·(share of held-out misses it fixes) − α·(share of held-out
+anchors it moves) > 0, the change of α it predicts. Every update is saved as a version under `cache_dir()/online/<draft>/`; if the α of
 the next `eval_requests` requests falls below the α of the version it replaced (minus
 `tolerance`), that version comes back, and the comparison after a rollback is again against the
 kept version's α, never against the α of a rejected one. The target still verifies every token, so
@@ -93,7 +95,8 @@ class OnlineDrafter(Drafter):
 
     def __init__(
         self, draft: LoadedModel, target_vocab_size: int, rank: int = 8, buffer_size: int = 64, steps: int = 40,
-        lr: float = 0.02, eval_requests: int = 2, tolerance: float = 0.02, replay: int = 4, store: Path | None = None,
+        lr: float = 0.02, eval_requests: int = 2, tolerance: float = 0.02, replay: int = 4, holdout: int = 25,
+        store: Path | None = None,
     ):
         runner = copy.copy(draft.runner)  # shares the weights; only the head object differs
         self.head = runner.lm_head = LowRankHead(draft.runner.lm_head, rank)
@@ -101,7 +104,7 @@ class OnlineDrafter(Drafter):
         self.inner = DraftModelDrafter(self.model, target_vocab_size)
         self.name = f"online:{draft.name}"
         self.buffer_size, self.steps, self.lr = buffer_size, steps, lr
-        self.eval_requests, self.tolerance = eval_requests, tolerance
+        self.eval_requests, self.tolerance, self.holdout = eval_requests, tolerance, holdout
         self.store = store or cache_dir() / "online" / re.sub(r"[^A-Za-z0-9._-]+", "_", draft.name)
         self.buffer: deque[tuple[torch.Tensor, torch.Tensor]] = deque(maxlen=replay * buffer_size)  # misses:
         # (hidden [hidden], target_probs [vocab])
@@ -149,19 +152,30 @@ class OnlineDrafter(Drafter):
         return statistics.fmean(own) if own else (self._kept_alpha or 0.0)
 
     def update(self) -> float:
-        """Distil on the replayed misses and anchors, save a new version, start its probation; returns the loss."""
+        """Distil on the replayed misses and anchors; a version that the held-out positions predict to
+        raise α is saved and put on probation, any other is discarded. Returns the training loss."""
         if not self.buffer:
             raise ValueError("nothing to learn from yet: the buffer of draft misses is empty")
-        features = torch.stack([h for h, _ in self.buffer])  # [n, hidden]
-        target_probs = torch.stack([t for _, t in self.buffer])  # [n, vocab]
-        anchors = torch.stack(list(self.anchors)) if self.anchors else None  # [m, hidden]
+        misses, held_misses = _split(list(self.buffer), self.holdout)
+        anchors, held_anchors = _split(list(self.anchors), self.holdout)
+        features = torch.stack([h for h, _ in misses])  # [n, hidden]
+        target_probs = torch.stack([t for _, t in misses])  # [n, vocab]
         alpha_before, previous = self._kept_version_alpha(), self.version
-        loss = distill(self.head, features, target_probs, self.steps, self.lr, anchors)
+        kept = self.head.A, self.head.B
+        before = _HeldOut(self.head, held_misses, held_anchors)
+        loss = distill(self.head, features, target_probs, self.steps, self.lr, torch.stack(anchors) if anchors else None)
         self.new_misses = 0
+        gain = before.predicted_gain(self.head, alpha_before)
+        trained = f"{len(features)} misses and {len(anchors)} anchors, loss {loss:.4f}"
+        if gain is not None and gain <= 0:
+            self.head.A, self.head.B = kept
+            self.events.append(f"discarded an update ({trained}): on {len(held_misses)} held-out misses and "
+                               f"{len(held_anchors)} anchors it predicted Δα {gain:+.4f}")
+            return loss
         self.version = self._save()
         self._probation = (previous, alpha_before, len(self.alphas))
-        self.events.append(f"v{self.version}: distilled on {len(features)} misses and "
-                           f"{0 if anchors is None else len(anchors)} anchors, loss {loss:.4f}")
+        self.events.append(f"v{self.version}: distilled on {trained}"
+                           + ("" if gain is None else f", held-out Δα {gain:+.4f}"))
         return loss
 
     def _path(self, version: int) -> Path:
@@ -181,6 +195,36 @@ class OnlineDrafter(Drafter):
             saved = torch.load(self._path(version))
             self.head.A, self.head.B = saved["A"], saved["B"]
         self.version = version
+
+
+def _split(items: list, percent: int) -> tuple[list, list]:
+    """(older, newest `percent` %) of a time-ordered list; nothing held out of fewer than 4 items."""
+    held = len(items) * percent // 100 if len(items) >= 4 else 0
+    return items[: len(items) - held], items[len(items) - held :]
+
+
+class _HeldOut:
+    """Positions kept out of training, to judge an update before it serves: the share of held-out
+    misses it fixes (argmax = the target's) and of held-out anchors it breaks (argmax moves)."""
+
+    def __init__(self, head: LowRankHead, misses: list, anchors: list[torch.Tensor]):
+        self.miss_features = torch.stack([h for h, _ in misses]) if misses else None  # [k, hidden]
+        self.wanted = torch.stack([t for _, t in misses]).argmax(-1) if misses else None  # [k]
+        self.anchors = torch.stack(anchors) if anchors else None  # [j, hidden]
+        self.fixed_before = self._fixed(head)
+        self.anchor_tokens = head(self.anchors).argmax(-1) if anchors else None  # [j]
+
+    def _fixed(self, head: LowRankHead) -> float:
+        if self.miss_features is None:
+            return 0.0
+        return (head(self.miss_features).argmax(-1) == self.wanted).float().mean().item()
+
+    def predicted_gain(self, head: LowRankHead, alpha: float) -> float | None:
+        """Δα ≈ (1 − α)·(more misses fixed) − α·(anchors broken); None when nothing was held out."""
+        if self.miss_features is None or self.anchors is None:
+            return None
+        broken = (head(self.anchors).argmax(-1) != self.anchor_tokens).float().mean().item()
+        return (1 - alpha) * (self._fixed(head) - self.fixed_before) - alpha * broken
 
 
 class _OnlineSession(DraftSession):
