@@ -6,18 +6,18 @@ tapped. Only the head changes, so h does not depend on the adapter version. When
 rejects a draft token, the pair (h there, the target's distribution there) is a miss; a draft
 token the target accepted leaves its h as an anchor. Both go into bounded replay windows (the
 last `replay` × `buffer_size` misses, four times as many anchors). A request's α is recorded when
-it finishes (several may run at once, as in the server's batches). When a request starts and
-`buffer_size` new misses have come in since the last update, A and B are trained with plain torch
-autograd on fixed features:
-KL(target ‖ draft) over the replayed misses plus KL(draft before ‖ draft) over the anchors, so the
-update fixes the misses without moving the draft where it already agreed. It takes milliseconds to
-a few seconds. The newest `holdout` % of misses and anchors stay out of training and judge the
-update first: it serves only if (1 − α)·(share of held-out misses it fixes) − α·(share of held-out
-anchors it moves) > 0, the change of α it predicts. Every update is saved as a version under `cache_dir()/online/<draft>/`; if the α of
-the next `eval_requests` requests falls below the α of the version it replaced (minus
-`tolerance`), that version comes back, and the comparison after a rollback is again against the
-kept version's α, never against the α of a rejected one. The target still verifies every token, so
-the output stays exactly the target's.
+it finishes (several may run at once, as in the server's batches).
+
+When a request starts and `buffer_size` new misses have come in since the last update, A and B are
+trained with plain torch autograd on fixed features: KL(target ‖ draft) over the replayed misses
+plus KL(draft before ‖ draft) over the anchors, so the update fixes the misses without moving the
+draft where it already agreed. The newest `holdout` % of misses and anchors stay out of training
+and judge the update first: it serves only if (1 − α)·(share of held-out misses it fixes) −
+α·(share of held-out anchors it moves), the change of α it predicts, is positive. A served update
+is saved as a version under `cache_dir()/online/<draft>/`; if the α of the next `eval_requests`
+requests falls below the α of the version it replaced (minus `tolerance`), that version comes
+back. A new version is always judged against the kept version's α, never a rejected one's. The
+target still verifies every token, so the output stays exactly the target's.
 """
 
 from __future__ import annotations

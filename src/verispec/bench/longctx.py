@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--tasks", default="question", help="summary, question or both (comma-separated)")
     parser.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
-    parser.add_argument("--out", type=Path, default=Path("bench-results/longctx"), help="where rows.json and longctx.png go")
+    parser.add_argument("--out", type=Path, default=Path("bench-results/longctx"), help="where rows.json and longctx-<task>.png go")
     args = parser.parse_args(argv)
 
     models = ModelCache()  # the draft model is loaded once, for both drafters
