@@ -63,8 +63,14 @@ def format_table(alpha: float, c: float, max_gamma: int, verify_cost: Callable[[
     return "\n".join(lines + ["", summary])
 
 
-def _measure(args: argparse.Namespace) -> tuple[float, float, list[float]]:
+def _prompts_ids(args: argparse.Namespace, model) -> list[list[int]]:
+    """The token ids of the chosen prompts (`--questions`, `--per-category`), chat template applied."""
     from verispec.bench.questions import load_sources, select
+
+    return [model.encode_prompt(p.text, chat=True) for p in select(load_sources(args.questions), None, args.per_category)]
+
+
+def _measure(args: argparse.Namespace) -> tuple[float, float, list[float]]:
     from verispec.errors import InvalidParameterError
     from verispec.measure import measure_pair
     from verispec.models.loading import load_model
@@ -73,11 +79,10 @@ def _measure(args: argparse.Namespace) -> tuple[float, float, list[float]]:
         raise InvalidParameterError("--measure needs --target and --draft")
     if args.max_new_tokens < 1:
         raise InvalidParameterError("--max-new-tokens must be ≥ 1")
-    prompts = select(load_sources(args.questions), None, args.per_category)
     target, draft = load_model(args.target, args.dtype), load_model(args.draft, args.dtype, pack_rows=1)
-    prompts_ids = [target.encode_prompt(p.text, chat=True) for p in prompts]
+    prompts_ids = _prompts_ids(args, target)
     m = measure_pair(target, draft, prompts_ids, args.max_new_tokens, args.temperature, args.max_gamma)
-    print(f"measured on {len(prompts)} prompts, {len(m.alphas)} positions: α = {m.alpha:.4f} "
+    print(f"measured on {len(prompts_ids)} prompts, {len(m.alphas)} positions: α = {m.alpha:.4f} "
           f"(temperature {args.temperature}), greedy α = {m.greedy_alpha:.4f}, c = {m.c:.4f} "
           f"(draft {m.draft_seconds * 1e3:.1f} ms, target {m.target_curve[0] * 1e3:.1f} ms per token)")
     print("target T(n)/T(1): " + " ".join(f"{t / m.target_curve[0]:.2f}" for t in m.target_curve) + "\n")
@@ -86,18 +91,17 @@ def _measure(args: argparse.Namespace) -> tuple[float, float, list[float]]:
 
 
 def _flips(args: argparse.Namespace) -> None:
-    from verispec.bench.questions import load_sources, select
     from verispec.errors import InvalidParameterError
     from verispec.measure import width_flips
     from verispec.models.loading import load_model
 
     if not args.target:
         raise InvalidParameterError("--flips needs --target")
-    prompts = select(load_sources(args.questions), None, args.per_category)
     target = load_model(args.target, args.dtype)
-    f = width_flips(target, [target.encode_prompt(p.text, chat=True) for p in prompts], args.max_new_tokens, args.width)
+    prompts_ids = _prompts_ids(args, target)
+    f = width_flips(target, prompts_ids, args.max_new_tokens, args.width)
     gaps = ", ".join(f"{g:.3f}" for g in f.flip_margins) or "–"
-    print(f"{args.target} in {args.dtype}, {len(prompts)} prompts, {f.positions} positions: the argmax differs "
+    print(f"{args.target} in {args.dtype}, {len(prompts_ids)} prompts, {f.positions} positions: the argmax differs "
           f"between 1 and {args.width} positions per forward at {f.flips} ({f.rate:.2%}); top-2 logit gap at those "
           f"positions: {gaps} (median over all positions {f.median_margin:.3f})")
 

@@ -119,7 +119,22 @@ class WidthFlips:
         return self.flips / self.positions if self.positions else 0.0
 
 
-def _stepped_logits(model: LoadedModel, ids: Sequence[int], start: int, width: int) -> torch.Tensor:
+def _greedy_one_at_a_time(model: LoadedModel, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """The model's greedy continuation, one position per forward after the prompt, with the logits
+    that chose each token: (tokens, [n, vocab])."""
+    cache = model.runner.new_cache(len(prompt_ids) + max_new_tokens)
+    model.runner.forward(cache, torch.tensor(prompt_ids[:-1]), logits="none")
+    token, tokens, rows = prompt_ids[-1], [], []
+    for _ in range(max_new_tokens):
+        rows.append(model.runner.forward(cache, torch.tensor([token]), logits="all"))  # [1, vocab]
+        token = int(rows[-1].argmax(-1))
+        tokens.append(token)
+        if token in model.eos_ids:
+            break
+    return tokens, torch.cat(rows)
+
+
+def _wide_logits(model: LoadedModel, ids: list[int], start: int, width: int) -> torch.Tensor:
     """Logits predicting ids[start:], the prefix prefilled at once, then `width` tokens per forward:
     [len(ids) − start, vocab]."""
     cache = model.runner.new_cache(len(ids))
@@ -134,17 +149,13 @@ def width_flips(model: LoadedModel, prompts_ids: Sequence[list[int]], max_new_to
     decoding) against `width` positions per forward (as verifying γ = width − 1 draft tokens)."""
     if width < 2:
         raise InvalidParameterError(f"width must be ≥ 2 positions per forward, got {width}")
-    plain = Engine(model, None)
-    margins, flip_margins, positions = [], [], 0
+    margins, flip_margins = [], []
     with torch.inference_mode():
         for prompt_ids in prompts_ids:
-            continuation = plain.generate(prompt_ids, GenerationConfig(max_new_tokens=max_new_tokens)).token_ids
-            ids, start = list(prompt_ids) + list(continuation), len(prompt_ids)
-            one = _stepped_logits(model, ids, start, 1)  # [n, vocab]
-            wide = _stepped_logits(model, ids, start, width)  # [n, vocab]
+            continuation, one = _greedy_one_at_a_time(model, list(prompt_ids), max_new_tokens)  # one [n, vocab]
+            wide = _wide_logits(model, list(prompt_ids) + continuation, len(prompt_ids), width)  # [n, vocab]
             top2 = one.topk(2, dim=-1).values  # [n, 2]
             gap = (top2[:, 0] - top2[:, 1]).tolist()
             margins += gap
             flip_margins += [g for g, f in zip(gap, (one.argmax(-1) != wide.argmax(-1)).tolist()) if f]
-            positions += len(gap)
-    return WidthFlips(positions, len(flip_margins), flip_margins, statistics.median(margins) if margins else 0.0)
+    return WidthFlips(len(margins), len(flip_margins), flip_margins, statistics.median(margins) if margins else 0.0)

@@ -64,15 +64,13 @@ def distill(head: LowRankHead, features: torch.Tensor, target_probs: torch.Tenso
     KL(draft now ‖ draft) on `anchors` [m, hidden] (positions the draft got right); returns the last loss."""
     with torch.inference_mode(False), torch.enable_grad():
         x = features.clone().float()  # [n, hidden]
+        a = (anchors if anchors is not None else features[:0]).clone().float()  # [m, hidden]
         with torch.no_grad():
             base_logits = head.base(features).float().clone()  # [n, vocab], fixed
+            anchor_base = head.base(a).float().clone() if len(a) else None  # [m, vocab], fixed
+            keep = F.log_softmax(anchor_base + (a @ head.A.T) @ head.B.T, dim=-1) if len(a) else None  # [m, vocab]
         target_probs = target_probs.clone().float()  # [n, vocab]; zeros (truncated tokens) add nothing to the KL
         target_log_probs = target_probs.clamp_min(1e-30).log()
-        if anchors is not None and len(anchors):
-            a = anchors.clone().float()  # [m, hidden]
-            with torch.no_grad():
-                anchor_base = head.base(anchors).float().clone()  # [m, vocab], fixed
-                anchor_log_probs = F.log_softmax(head(anchors).float(), dim=-1).clone()  # [m, vocab]: keep these
         A = head.A.clone().requires_grad_(True)
         B = head.B.clone().requires_grad_(True)
         optimizer = torch.optim.Adam([A, B], lr=lr)
@@ -80,9 +78,9 @@ def distill(head: LowRankHead, features: torch.Tensor, target_probs: torch.Tenso
         for _ in range(steps):
             draft_log_probs = F.log_softmax(base_logits + (x @ A.T) @ B.T, dim=-1)  # [n, vocab]
             loss = (target_probs * (target_log_probs - draft_log_probs)).sum(-1).mean()
-            if anchors is not None and len(anchors):
+            if keep is not None:
                 moved = F.log_softmax(anchor_base + (a @ A.T) @ B.T, dim=-1)  # [m, vocab]
-                loss = loss + (anchor_log_probs.exp() * (anchor_log_probs - moved)).sum(-1).mean()
+                loss = loss + (keep.exp() * (keep - moved)).sum(-1).mean()
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
