@@ -7,8 +7,6 @@ with a control showing the same test catches a draft level that skips its reject
 draft model's cache equals a fresh recompute of the path it claims to hold after every step.
 """
 
-import random
-
 import pytest
 import torch
 from conftest import make_tiny_model
@@ -82,22 +80,6 @@ def test_cascade_caches_hold_exactly_their_path(target, draft, mini, sampling):
             model.runner.forward(fresh, torch.tensor(held), logits="none")
             torch.testing.assert_close(cache.keys[:, :, : cache.length], fresh.keys[:, :, : cache.length])
             torch.testing.assert_close(cache.values[:, :, : cache.length], fresh.values[:, :, : cache.length])
-
-
-def test_ngram_index_survives_rollbacks():
-    """Drafting after speculative tokens and rolling them back leaves the index a fresh session would build."""
-    rng = random.Random(0)
-    drafter, params = NgramDrafter(max_n=3), SamplingParams()
-    committed = [rng.randrange(6) for _ in range(5)]
-    session = drafter.start(committed)
-    for _ in range(60):
-        speculative = committed + [rng.randrange(6) for _ in range(rng.randrange(1, 5))]
-        session.propose(speculative, 3, params, None)
-        committed = speculative[: rng.randrange(len(committed), len(speculative) + 1)] + [rng.randrange(6)]
-        session.commit(committed)
-        fresh = drafter.start(committed)
-        assert session.propose(committed, 4, params, None).tokens.tolist() == fresh.propose(committed, 4, params, None).tokens.tolist()
-        assert session.index == fresh.index
 
 
 # --- derived drafts ------------------------------------------------------------------------------

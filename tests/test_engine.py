@@ -25,12 +25,13 @@ def _drafters(target, draft):
         "model": DraftModelDrafter(draft, target.vocab_size),
         "self": DraftModelDrafter(target, target.vocab_size),  # always accepted: bonus and lagging-draft paths
         "ngram": NgramDrafter(max_n=3),
+        "ngram-oldest": NgramDrafter(max_n=3, oldest=1),
         "none": None,
     }
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 8])
-@pytest.mark.parametrize("kind", ["model", "self", "ngram", "none"])
+@pytest.mark.parametrize("kind", ["model", "self", "ngram", "ngram-oldest", "none"])
 def test_greedy_is_token_identical_to_the_reference(target, draft, hf_target, kind, gamma):
     engine = Engine(target, _drafters(target, draft)[kind], gamma=gamma, gamma_policy="constant")
     for prompt in PROMPTS:

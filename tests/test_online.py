@@ -124,3 +124,21 @@ def test_the_stream_benchmark_compares_frozen_and_online_side_by_side(target, dr
     assert [r["request"] for r in rows] == list(range(5)) and all(r["same_text"] for r in rows)
     assert rows[-1]["online_version"] >= 1 and rows[-1]["online_alpha"] > rows[0]["frozen_alpha"]
     assert plot_stream(rows, tmp_path / "alpha.png").stat().st_size > 1000
+
+
+def test_online_can_distil_the_targets_own_first_layers(target, hf_target, tmp_path, monkeypatch):
+    """`online:self_layers=L`: the draft is the target's first L layers (weights shared; the target's own
+    head untouched by the adapter); it learns and the output stays the target's."""
+    from verispec.drafters import make_drafter
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    drafter = make_drafter("online:self_layers=1,rank=4,buffer_size=8,eval_requests=1", target)
+    assert isinstance(drafter, OnlineDrafter) and drafter.model.runner.config.num_layers == 1
+    assert drafter.model.runner.layers[0] is target.runner.layers[0] and target.runner.lm_head is drafter.head.base
+    engine = Engine(target, drafter, gamma=3, gamma_policy="constant")
+    alphas = _alphas(engine, 6)
+    assert drafter.version >= 1 and alphas[-1] > alphas[0], (alphas, drafter.events)
+    expected = reference_generate(hf_target, PROMPT, 30, eos_ids=target.eos_ids)
+    assert engine.generate(PROMPT, GenerationConfig(max_new_tokens=30)).token_ids == expected
+    with pytest.raises(Exception, match="self_layers"):
+        make_drafter("online:self_layers=x", target)

@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--draft", default=DEFAULT_DRAFT)
     parser.add_argument("--online", default="online:rank=16,buffer_size=48,steps=60,eval_requests=3", help="online drafter spec")
+    parser.add_argument("--frozen", default=None, help="the frozen drafter it is compared with (default: model:DRAFT; "
+                        "for --online online:self_layers=L use self:layers=L)")
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("bench-results/online"))
     args = parser.parse_args(argv)
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     models = ModelCache()
     target = models(args.target)
     models.default_draft = args.draft
-    frozen = Engine(target, make_drafter(f"model:{args.draft}", target, load=models), args.gamma, "constant")
+    frozen = Engine(target, make_drafter(args.frozen or f"model:{args.draft}", target, load=models), args.gamma, "constant")
     online = Engine(target, make_drafter(args.online, target, load=models), args.gamma, "constant")
     prompts = [p.text for p in load_sources(args.source)][: args.requests]
     rows = run_stream(frozen, online, prompts, args.max_new_tokens)

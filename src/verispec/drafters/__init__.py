@@ -9,7 +9,8 @@ Specs (`KIND` alone uses the defaults; options are `name=integer`, comma-separat
   stand[:max_n=4,min_n=2,k=2,depth=5,wide=1]   STAND: n-gram table of the target's own distributions
   hybrid[:min_match=2,min_rate=30,max_n=4]     n-gram when its match is long enough, else the draft model
   online[:rank=8,buffer_size=64,steps=40,eval_requests=2,replay=4,holdout=25]   the draft model, distilled toward the
-                                target between requests from its misses (`verispec.online`)
+                                target between requests from its misses (`verispec.online`); with
+                                self_layers=L the target's own first L layers are the draft distilled
   triforce[:budget=512,chunk=32,…]  long prompts: draft model with a StreamingLLM cache → the target
                                 over retrieved KV chunks → the target (every option: drafters/triforce.py)
   self[:layers=L,vocab=N,int8=1]   the target's first L layers as its own draft
@@ -32,6 +33,7 @@ from verispec.drafters.stand import StandDrafter
 from verispec.drafters.tree import ExpansionDrafter, MergeDrafter
 from verispec.errors import InvalidParameterError
 from verispec.models.loading import LoadedModel, ModelLoader, load_model
+from verispec.models.variants import derive_model
 
 __all__ = [
     "Drafter", "DraftSession", "DraftModelDrafter", "NgramDrafter", "ExpansionDrafter", "MergeDrafter",
@@ -50,6 +52,12 @@ def _options(text: str) -> dict[str, int]:
             raise InvalidParameterError(f"drafter option {item!r} must look like name=integer")
         options[key.strip()] = int(value)
     return options
+
+
+def _pop_option(text: str, name: str) -> tuple[str, int | None]:
+    """(`text` without the option `name`, its value or None): for options the factory itself reads."""
+    value = _options(text).get(name)
+    return ",".join(item for item in text.split(",") if item.partition("=")[0].strip() != name), value
 
 
 def _build(factory, kind: str, text: str, args=lambda: ()) -> Drafter:
@@ -89,6 +97,9 @@ def make_drafter(
     if kind == "online":
         from verispec.online import OnlineDrafter
 
+        rest, self_layers = _pop_option(rest, "self_layers")
+        if self_layers is not None:  # distil the target's own first layers (a self-speculative draft)
+            return _build(OnlineDrafter, kind, rest, lambda: (derive_model(target, layers=self_layers), vocab))
         return _build(OnlineDrafter, kind, rest, with_model)
     if kind == "triforce":
         from verispec.drafters.triforce import make_triforce

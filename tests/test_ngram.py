@@ -1,0 +1,48 @@
+"""Prompt lookup: which earlier occurrence a match continues from, and an index that stays right
+while a cascade drafts after speculative tokens that are later rolled back."""
+
+import random
+
+import pytest
+
+from verispec import SamplingParams
+from verispec.drafters import NgramDrafter, make_drafter
+from verispec.errors import InvalidParameterError
+
+#        0  1  2  3  4  5  6  7  8  9
+TEXT = [1, 2, 7, 1, 2, 8, 3, 3, 1, 2]  # the suffix [1, 2] occurred at 0 (→ 7) and at 3 (→ 8)
+
+
+def _draft(drafter: NgramDrafter, ids: list[int], gamma: int = 2) -> list[int]:
+    return drafter.start(ids).propose(ids, gamma, SamplingParams(), None).tokens.tolist()
+
+
+def test_the_latest_longest_match_wins_and_oldest_takes_the_first_as_hf_does():
+    assert _draft(NgramDrafter(max_n=2), TEXT) == [8, 3]
+    assert _draft(NgramDrafter(max_n=2, oldest=1), TEXT) == [7, 1]
+    # a longer match beats a more recent shorter one: [4, 1, 2] at 0 (→ 5) over [2] at 5 (→ 6)
+    longer = [4, 1, 2, 5, 9, 2, 6, 4, 1, 2]
+    assert _draft(NgramDrafter(max_n=3), longer) == [5, 9]
+
+
+def test_oldest_is_a_factory_option_and_checked(target):
+    assert make_drafter("ngram:oldest=1", target).name == "ngram:max_n=3,oldest=1"
+    with pytest.raises(InvalidParameterError, match="oldest"):
+        make_drafter("ngram:oldest=2", target)
+
+
+@pytest.mark.parametrize("oldest", [0, 1])
+def test_ngram_index_survives_rollbacks(oldest):
+    """Drafting after speculative tokens and rolling them back leaves the index a fresh session would build."""
+    rng = random.Random(0)
+    drafter, params = NgramDrafter(max_n=3, oldest=oldest), SamplingParams()
+    committed = [rng.randrange(6) for _ in range(5)]
+    session = drafter.start(committed)
+    for _ in range(60):
+        speculative = committed + [rng.randrange(6) for _ in range(rng.randrange(1, 5))]
+        session.propose(speculative, 3, params, None)
+        committed = speculative[: rng.randrange(len(committed), len(speculative) + 1)] + [rng.randrange(6)]
+        session.commit(committed)
+        fresh = drafter.start(committed)
+        assert session.propose(committed, 4, params, None).tokens.tolist() == fresh.propose(committed, 4, params, None).tokens.tolist()
+        assert session.index == fresh.index
