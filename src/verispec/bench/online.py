@@ -6,6 +6,7 @@ frozen draft model and the online drafter (`verispec.online`) on the same prompt
 the other (so tokens/s are compared on the same machine state). Both must give the same greedy
 text as each other (both are the target's). It prints α and tokens/s per request, the online
 drafter's version and events, and plots α (raw and running mean) against the request index.
+`--passes 2` sends the stream twice (a stream of repeated topics).
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", default="humaneval", help="prompt source: humaneval, own or a JSONL question file")
     parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--passes", type=int, default=1,
+                        help="send the stream this many times (repeated topics: the same requests again)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--draft", default=DEFAULT_DRAFT)
@@ -94,7 +97,9 @@ def main(argv: list[str] | None = None) -> None:
     models.default_draft = args.draft
     frozen = Engine(target, make_drafter(args.frozen or f"model:{args.draft}", target, load=models), args.gamma, "constant")
     online = Engine(target, make_drafter(args.online, target, load=models), args.gamma, "constant")
-    prompts = [p.text for p in load_sources(args.source)][: args.requests]
+    if args.passes < 1 or args.requests < 1:
+        parser.error("--requests and --passes must be at least 1")
+    prompts = [p.text for p in load_sources(args.source)][: args.requests] * args.passes
     rows = run_stream(frozen, online, prompts, args.max_new_tokens)
 
     args.out.mkdir(parents=True, exist_ok=True)

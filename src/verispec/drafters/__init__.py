@@ -3,14 +3,14 @@
 Specs (`KIND` alone uses the defaults; options are `name=integer`, comma-separated):
   none                          plain decoding of the target
   model | model:NAME_OR_PATH    the default (or named) draft model; a model name/path alone also works
-  ngram[:max_n=3,min_n=1]       prompt lookup
+  ngram[:max_n=3,min_n=1,oldest=0]   prompt lookup (latest longest match; oldest=1: the first, as HF)
   tree[:k=2,depth=4,wide=1]     SpecInfer top-k expansion by the draft model (k children at `wide` depths)
   merge[:max_n=3]               the draft model's chain and the n-gram continuation merged into one tree
   stand[:max_n=4,min_n=2,k=2,depth=5,wide=1]   STAND: n-gram table of the target's own distributions
   hybrid[:min_match=2,min_rate=30,max_n=4]     n-gram when its match is long enough, else the draft model
   online[:rank=8,buffer_size=64,steps=40,eval_requests=2,replay=4,holdout=25]   the draft model, distilled toward the
-                                target between requests from its misses (`verispec.online`); with
-                                self_layers=L the target's own first L layers are the draft distilled
+                                target between requests from its misses (`verispec.online`);
+                                `self_layers=L`: distil the target's own first L layers instead
   triforce[:budget=512,chunk=32,…]  long prompts: draft model with a StreamingLLM cache → the target
                                 over retrieved KV chunks → the target (every option: drafters/triforce.py)
   self[:layers=L,vocab=N,int8=1]   the target's first L layers as its own draft

@@ -44,8 +44,11 @@ class _NgramSession(DraftSession):
         self.undo: list[list[tuple[tuple[int, ...], int | None]]] = []  # per end position: (n-gram, previous entry)
 
     def _rollback(self, ids: list[int]) -> None:
-        """Undo the entries of n-grams ending where `ids` no longer equals the indexed sequence."""
-        valid = min(common_prefix_length(self.indexed_ids, ids), len(ids) - 1)  # n-grams ending before: still valid
+        """Make `ids` the indexed sequence: undo the entries of n-grams ending where the two part."""
+        same = common_prefix_length(self.indexed_ids, ids)
+        del self.indexed_ids[same:]
+        self.indexed_ids += ids[same:]  # now equal to ids, copying only the tail
+        valid = min(same, len(ids) - 1)  # n-grams ending before: still valid
         while self.indexed_until > valid:
             self.indexed_until -= 1
             for key, previous in reversed(self.undo.pop()):
@@ -68,7 +71,6 @@ class _NgramSession(DraftSession):
                         self.index[key] = end + 1
             self.undo.append(changes)
         self.indexed_until = max(self.indexed_until, len(ids) - 1)
-        self.indexed_ids = list(ids)
 
     def lookup(self, ids: list[int], gamma: int) -> tuple[list[int], int]:
         """(up to γ continuation tokens, length n of the matched suffix); ([], 0) without a match."""

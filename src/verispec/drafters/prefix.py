@@ -12,7 +12,8 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
     it in O(n log n) C work and O(log n) Python steps (sequences usually part near their ends).
     """
     low, high = 0, min(len(a), len(b))  # a[:low] == b[:low] holds; the answer is ≤ high
-    if a[:high] == b[:high]:
+    shorter, longer = (a, b) if len(a) <= len(b) else (b, a)
+    if shorter == longer[:high]:  # the common case (one sequence extends the other): one slice, not two
         return high
     while high - low > 1:
         middle = (low + high) // 2
