@@ -35,9 +35,19 @@ def _pyplot():
 
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # keeps a legend placed outside the axes
     _pyplot().close(fig)
     return path
+
+
+def _colours(count: int) -> list:
+    """`count` distinct colours: matplotlib's 10-colour cycle repeats, so more methods take tab20."""
+    plt = _pyplot()
+    return [plt.get_cmap("tab10" if count <= 10 else "tab20")(i) for i in range(count)]
+
+
+def _legend_outside(ax) -> None:
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
 
 
 def speedup_by_category(summary: dict[str, dict], path: Path) -> Path:
@@ -46,31 +56,31 @@ def speedup_by_category(summary: dict[str, dict], path: Path) -> Path:
     methods = list(summary)
     width = 0.8 / max(len(methods), 1)
     fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(categories)), 4))
-    for i, name in enumerate(methods):
+    for i, (name, colour) in enumerate(zip(methods, _colours(len(methods)))):
         groups = summary[name]["per_category"] | {"overall": summary[name]}
         values = [(groups.get(c) or {}).get("speedup_vs_hf_plain") or 0.0 for c in categories]
-        ax.bar([x + i * width for x in range(len(categories))], values, width, label=name)
+        ax.bar([x + i * width for x in range(len(categories))], values, width, label=name, color=colour)
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
     ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(categories))], categories, rotation=20)
     ax.set_ylabel("speedup vs hf-plain (×)")
     ax.set_title("Speedup per category")
-    ax.legend(fontsize="small")
+    _legend_outside(ax)
     return _save(fig, path)
 
 
 def acceptance_by_position(summary: dict[str, dict], path: Path) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name, metrics in summary.items():
+    for (name, metrics), colour in zip(summary.items(), _colours(len(summary))):
         rates = metrics.get("per_position_acceptance") or []
         if rates:
-            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=name)
+            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=name, color=colour)
     ax.set_xlabel("draft position i")
     ax.set_ylabel("share of steps keeping position i")
     ax.set_ylim(0, 1.05)
     ax.set_title("Acceptance per draft position")
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize="small")
+        _legend_outside(ax)
     return _save(fig, path)
 
 
@@ -78,12 +88,13 @@ def speedup_vs_gamma(summary: dict[str, dict], path: Path) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     gammas = range(1, MAX_GAMMA + 1)
-    for name, m in summary.items():
+    for (name, m), colour in zip(summary.items(), _colours(len(summary))):
         alpha, c, mean_gamma = m.get("acceptance_rate"), m.get("cost_ratio"), m.get("mean_gamma")
         if alpha is None or c is None or not mean_gamma:
             continue  # not a drafting method
         alpha = min(alpha, 1.0)
-        (line,) = ax.plot(gammas, [expected_speedup(alpha, g, c) for g in gammas], label=f"{name} theory (α={alpha:.2f}, c={c:.3f})")
+        (line,) = ax.plot(gammas, [expected_speedup(alpha, g, c) for g in gammas], color=colour,
+                          label=f"{name} theory (α={alpha:.2f}, c={c:.3f})")
         best = optimal_gamma(alpha, c, MAX_GAMMA)
         ax.plot([best], [expected_speedup(alpha, best, c)], marker="*", markersize=14, color=line.get_color())
         if m.get("speedup_vs_hf_plain") is not None:
@@ -94,7 +105,7 @@ def speedup_vs_gamma(summary: dict[str, dict], path: Path) -> Path:
     ax.set_ylabel("speedup (×)")
     ax.set_title("Measured vs theoretical speedup (★ = optimal γ)")
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize="x-small")
+        ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _save(fig, path)
 
 
