@@ -31,7 +31,7 @@ def test_alpha_rises_after_updates_and_output_stays_exact(target, draft, hf_targ
 def test_an_update_that_lowers_alpha_is_rolled_back(target, tmp_path, monkeypatch):
     import verispec.online as online
 
-    def harmful(head, features, target_logits, steps, lr, anchors=None):
+    def harmful(head, *args, **kwargs):
         head.B = 50.0 * torch.randn_like(head.B)  # a wild adapter: the draft turns to noise
         return 0.0
 
@@ -40,7 +40,7 @@ def test_an_update_that_lowers_alpha_is_rolled_back(target, tmp_path, monkeypatc
     drafter = OnlineDrafter(target, target.vocab_size, buffer_size=10**6, eval_requests=2, holdout=0, store=tmp_path)
     engine = Engine(target, drafter, gamma=3, gamma_policy="constant")
     assert _alphas(engine, 2) == [1.0, 1.0]
-    drafter.buffer.append((torch.zeros(drafter.head.in_features), torch.zeros(target.vocab_size)))  # no misses yet
+    drafter.add_miss(torch.zeros(drafter.head.in_features), torch.zeros(target.vocab_size))  # no misses yet
     drafter.update()  # by hand: the buffer is too large to trigger one
     assert drafter.version == 1 and (tmp_path / "v0001.pt").exists()
     _alphas(engine, 3)  # two requests on probation, then the verdict at the next start
@@ -55,7 +55,7 @@ def test_an_update_that_lowers_alpha_is_rolled_back(target, tmp_path, monkeypatc
 def test_an_update_that_breaks_held_out_positions_never_serves(target, tmp_path, monkeypatch):
     import verispec.online as online
 
-    def harmful(head, features, target_logits, steps, lr, anchors=None):
+    def harmful(head, *args, **kwargs):
         head.B = 50.0 * torch.randn_like(head.B)
         return 0.0
 
@@ -65,7 +65,7 @@ def test_an_update_that_breaks_held_out_positions_never_serves(target, tmp_path,
     _alphas(engine, 2)  # the target drafting itself: every drafted position becomes an anchor
     assert len(drafter.anchors) >= 8
     for token in range(8):
-        drafter.buffer.append((torch.randn(drafter.head.in_features), torch.eye(target.vocab_size)[token]))
+        drafter.add_miss(torch.randn(drafter.head.in_features), torch.eye(target.vocab_size)[token])
     drafter.update()
     assert drafter.version == 0 and torch.count_nonzero(drafter.head.B) == 0 and not list(tmp_path.glob("v*.pt"))
     assert "discarded an update" in drafter.events[-1] and "Δα -" in drafter.events[-1], drafter.events
@@ -80,10 +80,32 @@ def test_distillation_fixes_misses_and_keeps_the_anchored_positions(draft):
     before = head(features).argmax(-1)  # [24]
     misses, anchors = features[:6], features[6:]
     wanted = (before[:6] + 1) % head.out_features  # the target disagrees at the first 6
-    target_probs = torch.nn.functional.one_hot(wanted, head.out_features).float()
-    distill(head, misses, target_probs, steps=150, lr=0.05, anchors=anchors)
+    target = wanted[:, None], torch.ones(6, 1)  # the target's top token per miss, with probability 1
+    distill(head, misses, target, steps=150, lr=0.05, anchors=anchors)
     after = head(features).argmax(-1)
     assert torch.equal(after[:6], wanted) and torch.equal(after[6:], before[6:])
+
+
+def test_the_loss_is_the_exact_kl_over_the_vocabulary_though_only_some_columns_train(draft):
+    """Only the misses' target tokens (and tokens B already moved) train, yet the loss is exactly
+    KL(target ‖ draft) over the full vocabulary, before and after an update."""
+    from verispec.online import LowRankHead, distill
+
+    head = LowRankHead(draft.runner.lm_head, rank=4)
+    torch.manual_seed(1)
+    features = torch.randn(5, head.in_features)  # [5, hidden]
+    probs, ids = torch.softmax(3 * torch.randn(5, head.out_features), -1).topk(3)  # the target's top 3, [5, 3]
+    truncated = torch.zeros(5, head.out_features).scatter_(1, ids, probs / probs.sum(-1, keepdim=True))  # [5, vocab]
+
+    def full_kl(rows: slice) -> float:
+        draft_log_probs = torch.log_softmax(head(features[rows]), -1)  # [r, vocab]
+        return float(torch.nn.functional.kl_div(draft_log_probs, truncated[rows], reduction="none").sum(-1).mean())
+
+    first, rest = slice(0, 2), slice(2, 5)
+    assert distill(head, features, (ids, probs), steps=1, lr=0.0) == pytest.approx(full_kl(slice(0, 5)), rel=1e-5)
+    distill(head, features[first], (ids[first], probs[first]), steps=20, lr=0.05)  # B moves on these rows' tokens
+    assert 0 < torch.count_nonzero(head.B.abs().sum(-1)) <= 6
+    assert distill(head, features[rest], (ids[rest], probs[rest]), steps=1, lr=0.0) == pytest.approx(full_kl(rest), rel=1e-5)
 
 
 def test_update_without_misses_is_a_clear_error(target, draft, tmp_path):

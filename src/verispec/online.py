@@ -11,9 +11,15 @@ it finishes (several may run at once, as in the server's batches).
 When a request starts and `buffer_size` new misses have come in since the last update, A and B are
 trained with plain torch autograd on fixed features: KL(target ‖ draft) over the replayed misses
 plus KL(draft before ‖ draft) over the anchors, so the update fixes the misses without moving the
-draft where it already agreed. The newest `holdout` % of misses and anchors stay out of training
-and judge the update first: it serves only if (1 − α)·(share of held-out misses it fixes) −
-α·(share of held-out anchors it moves), the change of α it predicts, is positive. A served update
+draft where it already agreed. A miss keeps only the target's `support` most likely tokens. Both
+KLs are exact over the full vocabulary without a 151,936-way softmax per row and Adam step (which
+made one update block its request for minutes on 2 cores): B is trained only on the columns that
+can change, the misses' target tokens and every token B already moved; all other tokens keep their
+base logits, so their log-sum-exp per row is one constant, computed in one pass before training.
+
+The newest `holdout` % of misses and anchors stay out of training and judge the update first: it
+serves only if (1 − α)·(share of held-out misses it fixes) − α·(share of held-out anchors it
+moves), the change of α it predicts, is positive. A served update
 is saved as a version under `cache_dir()/online/<draft>/`; if the α of the next `eval_requests`
 requests falls below the α of the version it replaced (minus `tolerance`), that version comes
 back. A new version is always judged against the kept version's α, never a rejected one's. The
@@ -58,34 +64,57 @@ class LowRankHead:
         return self.base(x) + ((x.float() @ self.A.T) @ self.B.T).to(x.dtype)
 
 
-def distill(head: LowRankHead, features: torch.Tensor, target_probs: torch.Tensor, steps: int, lr: float,
-            anchors: torch.Tensor | None = None) -> float:
-    """Fit head.A, head.B to KL(target ‖ draft) on features [n, hidden], target_probs [n, vocab], plus
-    KL(draft now ‖ draft) on `anchors` [m, hidden] (positions the draft got right); returns the last loss."""
+def distill(head: LowRankHead, features: torch.Tensor, target: tuple[torch.Tensor, torch.Tensor], steps: int,
+            lr: float, anchors: torch.Tensor | None = None) -> float:
+    """Fit head.A, head.B to KL(target ‖ draft) on features [n, hidden], where `target` is the target's
+    most likely tokens and their probabilities (ids [n, k], probs [n, k], renormalized), plus
+    KL(draft now ‖ draft) on `anchors` [m, hidden] (positions the draft got right). Exact over the
+    vocabulary (see the module docstring); returns the last loss."""
     with torch.inference_mode(False), torch.enable_grad():
         x = features.clone().float()  # [n, hidden]
         a = (anchors if anchors is not None else features[:0]).clone().float()  # [m, hidden]
+        ids, probs = target  # [n, k]
+        columns = torch.unique(torch.cat([ids.flatten(), head.B.abs().sum(-1).nonzero().flatten()]))  # [u], sorted
         with torch.no_grad():
-            base_logits = head.base(features).float().clone()  # [n, vocab], fixed
-            anchor_base = head.base(a).float().clone() if len(a) else None  # [m, vocab], fixed
-            keep = F.log_softmax(anchor_base + (a @ head.A.T) @ head.B.T, dim=-1) if len(a) else None  # [m, vocab]
-        target_probs = target_probs.clone().float()  # [n, vocab]; zeros (truncated tokens) add nothing to the KL
-        target_log_probs = target_probs.clamp_min(1e-30).log()
+            miss_base, miss_rest = _columns_and_rest(head.base, x, columns)  # [n, u], [n, 1]
+            anchor_base, anchor_rest = _columns_and_rest(head.base, a, columns)  # [m, u], [m, 1]
+            wanted = torch.zeros_like(miss_base).scatter_add_(1, torch.searchsorted(columns, ids), probs.float())
+            wanted = F.pad(wanted / wanted.sum(-1, keepdim=True).clamp_min(1e-30), (0, 1))  # [n, u + 1]; 0 on the rest
+            keep = _log_probs(anchor_base, anchor_rest, a @ head.A.T, head.B[columns])  # [m, u + 1]
         A = head.A.clone().requires_grad_(True)
-        B = head.B.clone().requires_grad_(True)
-        optimizer = torch.optim.Adam([A, B], lr=lr)
+        trained = head.B[columns].clone().requires_grad_(True)  # [u, rank]; B's other rows stay zero
+        optimizer = torch.optim.Adam([A, trained], lr=lr)
         loss = torch.tensor(0.0)
         for _ in range(steps):
-            draft_log_probs = F.log_softmax(base_logits + (x @ A.T) @ B.T, dim=-1)  # [n, vocab]
-            loss = (target_probs * (target_log_probs - draft_log_probs)).sum(-1).mean()
-            if keep is not None:
-                moved = F.log_softmax(anchor_base + (a @ A.T) @ B.T, dim=-1)  # [m, vocab]
+            draft_log_probs = _log_probs(miss_base, miss_rest, x @ A.T, trained)  # [n, u + 1]
+            loss = (torch.xlogy(wanted, wanted) - wanted * draft_log_probs).sum(-1).mean()
+            if len(a):
+                moved = _log_probs(anchor_base, anchor_rest, a @ A.T, trained)  # [m, u + 1]
                 loss = loss + (keep.exp() * (keep - moved)).sum(-1).mean()
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-        head.A, head.B = A.detach(), B.detach()
+        head.A, head.B = A.detach(), head.B.index_copy(0, columns, trained.detach())
     return float(loss.detach())
+
+
+def _columns_and_rest(base, x: torch.Tensor, columns: torch.Tensor, chunk: int = 256):
+    """The base head's logits of x [n, hidden] at `columns` [u], and the log-sum-exp of all its other
+    logits per row ([n, 1]; -1e4 when there are none), with full-vocabulary logits for `chunk` rows at
+    a time."""
+    at, rest = [x.new_zeros(0, len(columns))], [x.new_zeros(0, 1)]
+    for rows in range(0, len(x), chunk):
+        logits = base(x[rows : rows + chunk]).float()  # [r, vocab]
+        at.append(logits[:, columns])
+        logits[:, columns] = -torch.inf
+        rest.append(logits.logsumexp(-1, keepdim=True).clamp_min(-1e4))
+    return torch.cat(at), torch.cat(rest)
+
+
+def _log_probs(base: torch.Tensor, rest: torch.Tensor, projected: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities of the columns and, last, of all other tokens together: base [n, u], rest
+    [n, 1], projected = x Aᵀ [n, rank], B the adapter's rows of the columns [u, rank] -> [n, u + 1]."""
+    return F.log_softmax(torch.cat([base + projected @ B.T, rest], 1), -1)
 
 
 class OnlineDrafter(Drafter):
@@ -94,7 +123,7 @@ class OnlineDrafter(Drafter):
     def __init__(
         self, draft: LoadedModel, target_vocab_size: int, rank: int = 8, buffer_size: int = 64, steps: int = 40,
         lr: float = 0.02, eval_requests: int = 2, tolerance: float = 0.02, replay: int = 4, holdout: int = 25,
-        store: Path | None = None,
+        support: int = 64, store: Path | None = None,
     ):
         runner = copy.copy(draft.runner)  # shares the weights; only the head object differs
         self.head = runner.lm_head = LowRankHead(draft.runner.lm_head, rank)
@@ -102,10 +131,10 @@ class OnlineDrafter(Drafter):
         self.inner = DraftModelDrafter(self.model, target_vocab_size)
         self.name = f"online:{draft.name}"
         self.buffer_size, self.steps, self.lr = buffer_size, steps, lr
-        self.eval_requests, self.tolerance, self.holdout = eval_requests, tolerance, holdout
+        self.eval_requests, self.tolerance, self.holdout, self.support = eval_requests, tolerance, holdout, support
         self.store = store or cache_dir() / "online" / re.sub(r"[^A-Za-z0-9._-]+", "_", draft.name)
-        self.buffer: deque[tuple[torch.Tensor, torch.Tensor]] = deque(maxlen=replay * buffer_size)  # misses:
-        # (hidden [hidden], target_probs [vocab])
+        self.buffer: deque[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = deque(maxlen=replay * buffer_size)
+        # misses: (hidden [hidden], the target's `support` most likely token ids [support], their probs [support])
         self.anchors: deque[torch.Tensor] = deque(maxlen=4 * replay * buffer_size)  # hidden [hidden] of accepted
         # tokens: a good draft gets most tokens right, so it keeps more of them than of its misses
         self.new_misses = 0  # misses since the last update
@@ -122,6 +151,13 @@ class OnlineDrafter(Drafter):
         if self.new_misses >= self.buffer_size and self._probation is None:
             self.update()
         return _OnlineSession(self, self.inner.start(prompt_ids))
+
+    def add_miss(self, hidden: torch.Tensor, target_probs: torch.Tensor) -> None:
+        """Remember a position the draft got wrong: the head's input there [hidden] and the target's
+        distribution there [vocab], of which the `support` most likely tokens are kept."""
+        probs, ids = target_probs[: self.head.out_features].float().topk(min(self.support, self.head.out_features))
+        self.buffer.append((hidden, ids, probs))
+        self.new_misses += 1
 
     def _finished(self, session: _OnlineSession) -> None:
         if session.judged:
@@ -156,12 +192,12 @@ class OnlineDrafter(Drafter):
             raise ValueError("nothing to learn from yet: the buffer of draft misses is empty")
         misses, held_misses = _split(list(self.buffer), self.holdout)
         anchors, held_anchors = _split(list(self.anchors), self.holdout)
-        features = torch.stack([h for h, _ in misses])  # [n, hidden]
-        target_probs = torch.stack([t for _, t in misses])  # [n, vocab]
+        features = torch.stack([h for h, _, _ in misses])  # [n, hidden]
+        target = torch.stack([i for _, i, _ in misses]), torch.stack([p for _, _, p in misses])  # ids, probs [n, k]
         alpha_before, previous = self._kept_version_alpha(), self.version
         kept = self.head.A, self.head.B
         before = _HeldOut(self.head, held_misses, held_anchors)
-        loss = distill(self.head, features, target_probs, self.steps, self.lr, torch.stack(anchors) if anchors else None)
+        loss = distill(self.head, features, target, self.steps, self.lr, torch.stack(anchors) if anchors else None)
         self.new_misses = 0
         gain = before.predicted_gain(self.head, alpha_before)
         trained = f"{len(features)} misses and {len(anchors)} anchors, loss {loss:.4f}"
@@ -206,8 +242,8 @@ class _HeldOut:
     misses it fixes (argmax = the target's) and of held-out anchors it breaks (argmax moves)."""
 
     def __init__(self, head: LowRankHead, misses: list, anchors: list[torch.Tensor]):
-        self.miss_features = torch.stack([h for h, _ in misses]) if misses else None  # [k, hidden]
-        self.wanted = torch.stack([t for _, t in misses]).argmax(-1) if misses else None  # [k]
+        self.miss_features = torch.stack([h for h, _, _ in misses]) if misses else None  # [k, hidden]
+        self.wanted = torch.stack([ids[0] for _, ids, _ in misses]) if misses else None  # [k], the target's argmax
         self.anchors = torch.stack(anchors) if anchors else None  # [j, hidden]
         self.fixed_before = self._fixed(head)
         self.anchor_tokens = head(self.anchors).argmax(-1) if anchors else None  # [j]
@@ -257,6 +293,4 @@ class _OnlineSession(DraftSession):
         self.judged += accepted + (accepted < proposed)
         self.drafter.anchors.extend(self.hidden[:accepted])  # where the draft agreed: keep it so
         if accepted < proposed:  # a miss: the target's distribution where the draft went wrong
-            vocab = self.drafter.head.out_features
-            self.drafter.buffer.append((self.hidden[accepted], target_probs[-1, :vocab].clone()))
-            self.drafter.new_misses += 1
+            self.drafter.add_miss(self.hidden[accepted], target_probs[-1])

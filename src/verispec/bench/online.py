@@ -41,6 +41,8 @@ def run_stream(frozen: Engine, online: Engine, prompts: list[str], max_new_token
             "frozen_alpha": round(a.stats.acceptance_rate, 4), "online_alpha": round(b.stats.acceptance_rate, 4),
             "frozen_tau": round(a.stats.mean_accepted_length, 3), "online_tau": round(b.stats.mean_accepted_length, 3),
             "frozen_tok_s": round(a.stats.tokens_per_second, 3), "online_tok_s": round(b.stats.tokens_per_second, 3),
+            # the online drafter trains when a request starts, so its training time is in its prefill
+            "frozen_prefill_s": round(a.stats.prefill_seconds, 2), "online_prefill_s": round(b.stats.prefill_seconds, 2),
             "online_version": drafter.version, "same_text": a.token_ids == b.token_ids,
         })
     return rows

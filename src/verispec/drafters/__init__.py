@@ -8,7 +8,7 @@ Specs (`KIND` alone uses the defaults; options are `name=integer`, comma-separat
   merge[:max_n=3]               the draft model's chain and the n-gram continuation merged into one tree
   stand[:max_n=4,min_n=2,k=2,depth=5,wide=1]   STAND: n-gram table of the target's own distributions
   hybrid[:min_match=2,min_rate=30,max_n=4]     n-gram when its match is long enough, else the draft model
-  online[:rank=8,buffer_size=64,steps=40,eval_requests=2,replay=4,holdout=25]   the draft model, distilled toward the
+  online[:rank=8,buffer_size=64,steps=40,eval_requests=2,replay=4,holdout=25,support=64]   the draft model, distilled toward the
                                 target between requests from its misses (`verispec.online`);
                                 `self_layers=L`: distil the target's own first L layers instead
   triforce[:budget=512,chunk=32,…]  long prompts: draft model with a StreamingLLM cache → the target
