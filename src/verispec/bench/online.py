@@ -58,16 +58,20 @@ def plot_stream(rows: list[dict], path: Path, window: int = 6) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, axes = plt.subplots(2, 1, figsize=(7, 6.5), sharex=True)
     x = [r["request"] for r in rows]
-    for kind, colour in (("frozen", "tab:grey"), ("online", "tab:green")):
-        alphas = [r[f"{kind}_alpha"] for r in rows]
-        ax.plot(x, alphas, "o", color=colour, alpha=0.35, markersize=4)
-        ax.plot(x, _running_mean(alphas, window), "-", color=colour, label=f"{kind} draft (running mean of {window})")
-    ax.set_xlabel("request")
-    ax.set_ylabel("α (acceptance rate)")
-    ax.set_title("online distillation: α over a stream of same-domain requests")
-    ax.legend()
+    for ax, metric, label in ((axes[0], "alpha", "α (acceptance rate)"), (axes[1], "tok_s", "tokens/s")):
+        for kind, colour in (("frozen", "tab:grey"), ("online", "tab:green")):
+            values = [r[f"{kind}_{metric}"] for r in rows]
+            ax.plot(x, values, "o", color=colour, alpha=0.35, markersize=4)
+            ax.plot(x, _running_mean(values, window), "-", color=colour, label=f"{kind} draft (running mean of {window})")
+        ax.set_ylabel(label)
+    trained = [r["request"] for r in rows if r.get("online_prefill_s", 0) - r.get("frozen_prefill_s", 0) > 1]
+    for request in trained:  # a training makes its request start late (it runs before the prefill)
+        axes[1].axvline(request, color="tab:red", alpha=0.25, linewidth=4)
+    axes[1].set_xlabel("request" + (" (red: started with a training, over 1 s)" if trained else ""))
+    axes[0].set_title("online distillation: α and tokens/s over a stream of requests")
+    axes[0].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
