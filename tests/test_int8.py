@@ -22,7 +22,7 @@ from stats import SIGNIFICANCE, chi_square_pvalue
 from verispec import Engine, GenerationConfig, SamplingParams
 from verispec.bench.memory import runner_weights_mib
 from verispec.cli import main as cli_main
-from verispec.drafters import DraftModelDrafter, NgramDrafter, make_drafter
+from verispec.drafters import DraftModelDrafter, ExpansionDrafter, NgramDrafter, StandDrafter, make_drafter
 from verispec.errors import InvalidParameterError
 from verispec.models.int8 import Int8Linear
 from verispec.models.loading import load_model, parse_precision
@@ -124,6 +124,30 @@ def test_forward_rows_equal_single_position_decoding(target8):
     assert torch.equal(batched[0], together)
 
 
+@pytest.mark.parametrize("context", [30, 80, 100])
+def test_tree_nodes_equal_single_position_decoding_of_their_paths(target8, context):
+    """A token tree in one pass: every node's logits are bit for bit those of decoding its path one
+    token at a time, so greedy tree verification on the int8 path is exact, not exact up to rounding.
+    (One batched masked SDPA call rounds differently from single-token steps at these context lengths.)"""
+    runner = target8.runner
+    prompt, feed = (torch.arange(context) * 7) % 47 + 1, torch.tensor([4, 17, 23, 9, 31, 5])
+    parents = [-1, 0, 0, 1, 2, 2]  # two branches under the root; the second forks again
+    paths: list[list[int]] = []  # node -> the nodes from the root to it
+    for node, parent in enumerate(parents):
+        paths.append((paths[parent] if parent >= 0 else []) + [node])
+    mask = torch.zeros(len(feed), len(feed), dtype=torch.bool)  # [n, n]: ancestors and self
+    for node, path in enumerate(paths):
+        mask[node, path] = True
+    cache = runner.new_cache()
+    runner.forward(cache, prompt, logits="none")
+    depths = torch.tensor([len(path) - 1 for path in paths])
+    together = runner.forward(cache, feed, positions=context + depths, tree_mask=mask)  # [6, vocab]
+    for node, path in enumerate(paths):
+        cache.truncate(context)
+        alone = [runner.forward(cache, feed[i : i + 1]) for i in path][-1]  # [1, vocab]
+        assert torch.equal(together[node], alone[0]), f"node {node} (path {path})"
+
+
 def test_int8_model_is_close_to_float32_and_four_times_smaller(target, target8):
     ids = torch.tensor(PROMPTS[1])
     fp32 = target.runner.forward(target.runner.new_cache(), ids)
@@ -142,11 +166,13 @@ def _drafters(target8, draft8):
         "model": DraftModelDrafter(draft8, target8.vocab_size),
         "self": DraftModelDrafter(target8, target8.vocab_size),  # always accepted: bonus and lagging-draft paths
         "ngram": NgramDrafter(max_n=3),
+        "tree": ExpansionDrafter(draft8, target8.vocab_size),  # token trees from the draft model
+        "stand": StandDrafter(target8.vocab_size),  # token trees from the target's own distributions
     }
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 8])
-@pytest.mark.parametrize("kind", ["model", "self", "ngram"])
+@pytest.mark.parametrize("kind", ["model", "self", "ngram", "tree", "stand"])
 def test_greedy_speculative_equals_greedy_plain_int8(target8, draft8, kind, gamma):
     engine = Engine(target8, _drafters(target8, draft8)[kind], gamma=gamma, gamma_policy="constant")
     plain = Engine(target8, None)

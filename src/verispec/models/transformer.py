@@ -137,6 +137,12 @@ class _Row:
     mask: torch.Tensor | None  # [n, start + n] bool; None when a single token sees everything
     chain: bool = True  # consecutive positions with a causal mask (not a token tree)
 
+    def seen(self, i: int) -> slice | torch.Tensor:
+        """The cache slots new token i attends to, in the order a single-token decode step would see
+        them: a chain position's prefix, or a tree node's context then its ancestors and itself (a
+        flattened tree puts parents before children, so slot order is path order)."""
+        return slice(0, self.start + i + 1) if self.chain else self.mask[i].nonzero()[:, 0]
+
 
 def _linear_factory(pack: bool, quant: str | None, pack_rows: int = 1, store: Int8Store | None = None):
     """How the runner builds the linear layer `name` from W [out, in] (`weight()` reads it; a layer from
@@ -201,16 +207,16 @@ class Transformer:
     int8_store: where int8 layers come from (`from_folder` passes the folder's cache; without one
     they are quantized from the float weights).
 
-    A quantized runner is row-invariant for chains: the logits of a position do not depend on how
-    many other positions the same forward pass holds, bit for bit. Its linear layers are (see
-    `int8.py`), and so are embedding, norms, RoPE and the SiLU gate (elementwise or per-row
-    reductions); batched `scaled_dot_product_attention` is not (its blocking changes with the number
-    of queries), so feeds of 2..ROW_INVARIANT_POSITIONS chain positions attend one query at a time,
-    over exactly the keys a single-token step would see (one SDPA call per layer and position; its
-    cost is measured by scripts/int8_e2e.py, see BENCHMARKS.md). Longer feeds (prompt prefill) and token trees
-    use one batched call: prefill is shared by speculative and plain decoding, and tree nodes see
-    their ancestors in another slot order than sequential decoding would, so trees stay exact only
-    up to float rounding, as in float32.
+    A quantized runner is row-invariant: the logits of a position do not depend on how many other
+    positions the same forward pass holds, bit for bit. Its linear layers are (see `int8.py`), and so
+    are embedding, norms, RoPE and the SiLU gate (elementwise or per-row reductions); batched
+    `scaled_dot_product_attention` is not (its blocking changes with the number of queries), so feeds
+    of 2..ROW_INVARIANT_POSITIONS positions, chains or token trees, attend one query at a time over
+    exactly the keys, in the order, that a single-token step on that path would see (one SDPA call per
+    layer and position; a tree node's keys are gathered from its ancestors' slots; the cost is
+    measured by scripts/int8_e2e.py, see BENCHMARKS.md). Longer feeds (prompt prefill) use one
+    batched call: prefill is shared by speculative and plain decoding. Float runners batch everything
+    and are exact up to float rounding.
     """
 
     def __init__(
@@ -383,10 +389,11 @@ class Transformer:
             end = row.start + row.n
             row.cache.keys[layer, :, row.start : end] = k[:, offset : offset + row.n]
             row.cache.values[layer, :, row.start : end] = v[:, offset : offset + row.n]
-            if self.row_invariant and row.chain and 1 < row.n <= ROW_INVARIANT_POSITIONS:
+            if self.row_invariant and 1 < row.n <= ROW_INVARIANT_POSITIONS:
                 for i in range(row.n):  # each position exactly as a single-token decode step computes it
-                    keys = row.cache.keys[layer, None, :, : row.start + i + 1]  # [1, kv_heads, start+i+1, hd]
-                    values = row.cache.values[layer, None, :, : row.start + i + 1]
+                    seen = row.seen(i)
+                    keys = row.cache.keys[layer][:, seen][None]  # [1, kv_heads, seen, hd]
+                    values = row.cache.values[layer][:, seen][None]
                     outputs.append(F.scaled_dot_product_attention(
                         q[None, :, offset + i : offset + i + 1], keys, values, scale=scale, enable_gqa=True
                     )[0])  # [heads, 1, head_dim]
