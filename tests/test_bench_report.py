@@ -74,6 +74,18 @@ def test_plots_are_written(tmp_path):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_category_bars_show_tokens_per_second_when_the_run_has_no_hf_plain():
+    from verispec.bench.plots import category_bars
+
+    with_baseline = summarize(_records(), ["hf-plain", "vs:model"])
+    metric, categories, values = category_bars(with_baseline)
+    assert metric == "speedup_vs_hf_plain" and categories == ["code", "mt_bench", "overall"]
+    assert values["vs:model"] == pytest.approx([2.5, 1.5, 55 / 30])
+    without = summarize([r for r in _records() if r["method"] != "hf-plain"], ["vs:model"])
+    metric, _, values = category_bars(without)
+    assert metric == "tokens_per_second" and values["vs:model"] == pytest.approx([25.0, 30.0, 27.5])
+
+
 def test_methods_split_keeps_drafter_options():
     from verispec.bench.compare import split_methods
 

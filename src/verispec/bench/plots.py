@@ -1,7 +1,8 @@
 """PNG figures (matplotlib, no display needed) for `verispec bench --plots` and `verispec analyze --plots`.
 
 Benchmark figures, from a summary of `verispec.bench.report.summarize`:
-  speedup_by_category.png    grouped bars: speedup vs hf-plain per category, one bar per method;
+  speedup_by_category.png    grouped bars: speedup vs hf-plain per category, one bar per method
+                             (tokens/s instead when the run has no hf-plain, e.g. against llama.cpp);
   acceptance_by_position.png one line per verispec method: share of steps keeping draft position i;
   speedup_vs_gamma.png       per drafting method, the theory's speedup against γ from its measured α
                              and c (optimum marked) and the measured speedup at the run's mean γ.
@@ -50,20 +51,34 @@ def _legend_outside(ax) -> None:
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
 
 
+def category_bars(summary: dict[str, dict]) -> tuple[str, list[str], dict[str, list[float]]]:
+    """What `speedup_by_category` draws: (the metric, the categories + "overall", one value per category
+    for each method). The metric is the speedup over hf-plain, or tokens/s when no method has one."""
+    categories = list(dict.fromkeys(c for m in summary.values() for c in m["per_category"])) + ["overall"]
+    has_baseline = any(m.get("speedup_vs_hf_plain") for m in summary.values())
+    metric = "speedup_vs_hf_plain" if has_baseline else "tokens_per_second"
+    values = {}
+    for name, method in summary.items():
+        groups = method["per_category"] | {"overall": method}
+        values[name] = [(groups.get(c) or {}).get(metric) or 0.0 for c in categories]
+    return metric, categories, values
+
+
 def speedup_by_category(summary: dict[str, dict], path: Path) -> Path:
     plt = _pyplot()
-    categories = list(dict.fromkeys(c for m in summary.values() for c in m["per_category"])) + ["overall"]
-    methods = list(summary)
-    width = 0.8 / max(len(methods), 1)
+    metric, categories, values = category_bars(summary)
+    width = 0.8 / max(len(values), 1)
     fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(categories)), 4))
-    for i, (name, colour) in enumerate(zip(methods, _colours(len(methods)))):
-        groups = summary[name]["per_category"] | {"overall": summary[name]}
-        values = [(groups.get(c) or {}).get("speedup_vs_hf_plain") or 0.0 for c in categories]
-        ax.bar([x + i * width for x in range(len(categories))], values, width, label=name, color=colour)
-    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
-    ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(categories))], categories, rotation=20)
-    ax.set_ylabel("speedup vs hf-plain (×)")
-    ax.set_title("Speedup per category")
+    for i, (name, colour) in enumerate(zip(values, _colours(len(values)))):
+        ax.bar([x + i * width for x in range(len(categories))], values[name], width, label=name, color=colour)
+    ax.set_xticks([x + width * (len(values) - 1) / 2 for x in range(len(categories))], categories, rotation=20)
+    if metric == "speedup_vs_hf_plain":
+        ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+        ax.set_ylabel("speedup vs hf-plain (×)")
+        ax.set_title("Speedup per category")
+    else:
+        ax.set_ylabel("tokens/s (mean over prompts)")
+        ax.set_title("Tokens/s per category (no hf-plain in this run)")
     _legend_outside(ax)
     return _save(fig, path)
 
