@@ -43,7 +43,7 @@ def run_stream(frozen: Engine, online: Engine, prompts: list[str], max_new_token
             "frozen_tok_s": round(a.stats.tokens_per_second, 3), "online_tok_s": round(b.stats.tokens_per_second, 3),
             # the online drafter trains when a request starts, so its training time is in its prefill
             "frozen_prefill_s": round(a.stats.prefill_seconds, 2), "online_prefill_s": round(b.stats.prefill_seconds, 2),
-            "online_version": drafter.version, "same_text": a.token_ids == b.token_ids,
+            "online_version": drafter.version, "same_text": a.token_ids == b.token_ids, "new_tokens": b.stats.new_tokens,
         })
     return rows
 
