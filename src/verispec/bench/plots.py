@@ -47,8 +47,8 @@ def _colours(count: int) -> list:
     return [plt.get_cmap("tab10" if count <= 10 else "tab20")(i) for i in range(count)]
 
 
-def _legend_outside(ax) -> None:
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+def _legend_outside(ax, fontsize: str = "small") -> None:
+    ax.legend(fontsize=fontsize, loc="upper left", bbox_to_anchor=(1.01, 1.0))
 
 
 def category_bars(summary: dict[str, dict]) -> tuple[str, list[str], dict[str, list[float]]]:
@@ -120,7 +120,7 @@ def speedup_vs_gamma(summary: dict[str, dict], path: Path) -> Path:
     ax.set_ylabel("speedup (×)")
     ax.set_title("Measured vs theoretical speedup (★ = optimal γ)")
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        _legend_outside(ax, "x-small")
     return _save(fig, path)
 
 

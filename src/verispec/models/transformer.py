@@ -19,6 +19,7 @@ import contextlib
 import json
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -137,11 +138,15 @@ class _Row:
     mask: torch.Tensor | None  # [n, start + n] bool; None when a single token sees everything
     chain: bool = True  # consecutive positions with a causal mask (not a token tree)
 
-    def seen(self, i: int) -> slice | torch.Tensor:
-        """The cache slots new token i attends to, in the order a single-token decode step would see
-        them: a chain position's prefix, or a tree node's context then its ancestors and itself (a
-        flattened tree puts parents before children, so slot order is path order)."""
-        return slice(0, self.start + i + 1) if self.chain else self.mask[i].nonzero()[:, 0]
+    @cached_property
+    def seen(self) -> list[slice | torch.Tensor]:
+        """Per new token, the cache slots it attends to, in the order a single-token decode step would
+        see them: a chain position's prefix, or a tree node's context then its ancestors and itself (a
+        flattened tree puts parents before children, so slot order is path order). Computed once per
+        forward pass, not per layer."""
+        if self.chain:
+            return [slice(0, self.start + i + 1) for i in range(self.n)]
+        return [visible.nonzero()[:, 0] for visible in self.mask]  # mask [n, start + n]
 
 
 def _linear_factory(pack: bool, quant: str | None, pack_rows: int = 1, store: Int8Store | None = None):
@@ -391,7 +396,7 @@ class Transformer:
             row.cache.values[layer, :, row.start : end] = v[:, offset : offset + row.n]
             if self.row_invariant and 1 < row.n <= ROW_INVARIANT_POSITIONS:
                 for i in range(row.n):  # each position exactly as a single-token decode step computes it
-                    seen = row.seen(i)
+                    seen = row.seen[i]
                     keys = row.cache.keys[layer][:, seen][None]  # [1, kv_heads, seen, hd]
                     values = row.cache.values[layer][:, seen][None]
                     outputs.append(F.scaled_dot_product_attention(
