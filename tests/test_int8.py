@@ -106,6 +106,27 @@ def test_int8_linear_rows_do_not_depend_on_each_other():
     torch.testing.assert_close(fast(x), slow(x), atol=1e-5, rtol=1e-5)  # same integers, float rounding apart
 
 
+@pytest.mark.parametrize("residual", [True, False])
+def test_fused_kernels_give_the_same_bits_as_the_torch_code(monkeypatch, residual):
+    """`Int8Linear` runs its elementwise work in a compiled extension when one can be built; the
+    model must not change with that, so both paths are compared bit for bit."""
+    from verispec.models import int8
+    from verispec.models.kernels import extension
+
+    assert extension("int8_rows") is not None, "the C++ extension did not build (see the warning)"
+    torch.manual_seed(1)
+    for rows, width in [(1, 64), (3, 1536), (33, 256), (2, 8960)]:
+        layer = Int8Linear.from_float(torch.randn(48, width) * 0.05, torch.randn(48), residual=residual)
+        x = torch.randn(rows, width) * 10.0 ** float(torch.randn(()))  # [rows, in]
+        x[0, 5] *= 300.0  # an outlier channel, as in real activations
+        x[-1] = 0.0 if rows > 1 else x[-1]  # an all-zero row: absmax is clamped
+        fused = layer(x)
+        with monkeypatch.context() as patch:
+            patch.setattr(int8, "extension", lambda name: None)
+            plain = layer(x)
+        assert torch.equal(fused, plain), (rows, width)
+
+
 def test_forward_rows_equal_single_position_decoding(target8):
     runner = target8.runner
     prompt, feed = torch.tensor(PROMPTS[1]), torch.tensor([4, 17, 23, 9, 31])

@@ -1,0 +1,47 @@
+"""C++ extensions for the CPU hot paths, compiled once per machine on first use and cached.
+
+`extension(name)` builds `<name>.cpp` next to this file with PyTorch's `cpp_extension` (a C++
+compiler and ninja, the latter a verispec dependency) into `cache_dir()/kernels/`, and returns the
+module; later loads reuse the build (a few seconds the first time after install, then instant).
+When it cannot be built (no compiler, an unusual platform) or `VERISPEC_KERNELS=0` is set, it
+returns None and callers run their plain torch code, which computes the same bits, only slower.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from verispec.models.registry import cache_dir
+
+__all__ = ["extension"]
+
+FLAGS = ["-O3", "-ffp-contract=off"]  # no fused multiply-add: the same float ops as the torch code
+
+
+@functools.cache
+def extension(name: str) -> ModuleType | None:
+    """The compiled extension `name` (source `<name>.cpp` here), or None when it is unavailable."""
+    if os.environ.get("VERISPEC_KERNELS", "1") == "0":
+        return None
+    source = Path(__file__).with_name(f"{name}.cpp")
+    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    build = cache_dir() / "kernels" / f"{name}-torch{torch.__version__}-{digest}"
+    build.mkdir(parents=True, exist_ok=True)
+    try:
+        from torch.utils.cpp_extension import load
+
+        from verispec.progress import status
+
+        with status(f"loading the {name} kernels (compiled on first use)"):
+            return load(f"verispec_{name}", [str(source)], extra_cflags=FLAGS, build_directory=str(build))
+    except Exception as error:  # noqa: BLE001 -- any build failure means: use the torch code
+        warnings.warn(f"could not build verispec's {name} kernels ({type(error).__name__}: {str(error)[:300]}); "
+                      "using the slower torch code, which gives the same results", stacklevel=2)
+        return None
