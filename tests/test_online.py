@@ -145,6 +145,9 @@ def test_the_stream_benchmark_compares_frozen_and_online_side_by_side(target, dr
     rows = run_stream(frozen, online, [PROMPT] * 5, max_new_tokens=20)
     assert [r["request"] for r in rows] == list(range(5)) and all(r["same_text"] for r in rows)
     assert rows[-1]["online_version"] >= 1 and rows[-1]["online_alpha"] > rows[0]["frozen_alpha"]
+    # a request is flagged when it started with an update, kept or discarded
+    assert [r["request"] for r in rows if r["trained"]] and not rows[0]["trained"]
+    assert sum(r["trained"] for r in rows) == online.drafter.trainings
     assert plot_stream(rows, tmp_path / "alpha.png").stat().st_size > 1000
 
 

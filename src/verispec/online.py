@@ -140,6 +140,7 @@ class OnlineDrafter(Drafter):
         self.new_misses = 0  # misses since the last update
         self.alphas: list[float] = []  # measured α of each finished request
         self.version = 0  # 0 = the untouched draft
+        self.trainings = 0  # updates run (kept or discarded)
         self.events: list[str] = []
         self._probation: tuple[int, float, int] | None = None  # (previous version, its α, requests at update)
         self._kept_since = 0  # index into alphas where the kept version's own requests begin
@@ -199,6 +200,7 @@ class OnlineDrafter(Drafter):
         before = _HeldOut(self.head, held_misses, held_anchors)
         loss = distill(self.head, features, target, self.steps, self.lr, torch.stack(anchors) if anchors else None)
         self.new_misses = 0
+        self.trainings += 1
         gain = before.predicted_gain(self.head, alpha_before)
         trained = f"{len(features)} misses and {len(anchors)} anchors, loss {loss:.4f}"
         if gain is not None and gain <= 0:
