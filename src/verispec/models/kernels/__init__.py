@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import platform
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -27,13 +28,23 @@ __all__ = ["extension"]
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
 
 
+def _cpu() -> str:
+    """What a -march=native build depends on: the CPU's instruction-set flags (a cache directory shared
+    by machines with different CPUs keeps one build per CPU kind)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return next((line for line in lines if line.startswith("flags")), platform.processor())
+    except OSError:
+        return platform.processor()
+
+
 @functools.cache
 def extension(name: str) -> ModuleType | None:
     """The compiled extension `name` (source `<name>.cpp` here), or None when it is unavailable."""
     if os.environ.get("VERISPEC_KERNELS", "1") == "0":
         return None
     source = Path(__file__).with_name(f"{name}.cpp")
-    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(source.read_bytes() + " ".join([*FLAGS, _cpu()]).encode()).hexdigest()[:12]
     build = cache_dir() / "kernels" / f"{name}-torch{torch.__version__}-{digest}"
     build.mkdir(parents=True, exist_ok=True)
     try:
