@@ -128,6 +128,32 @@ def test_fused_kernels_give_the_same_bits_as_the_torch_code(monkeypatch, residua
         assert torch.equal(fused, plain), (rows, width)
 
 
+def test_the_compiled_decoder_stack_gives_the_same_bits_as_the_python_loop(target8, monkeypatch):
+    """An int8 runner decodes and verifies chains through `Int8Layers` (C++, one call per forward);
+    prefill, token trees and server batches run the Python loop. Both must be the same model."""
+    import copy
+
+    from verispec.models.transformer import Transformer
+
+    runner = target8.runner
+    assert runner._compiled_layers() is not None
+
+    def decode(feeds: list[list[int]]) -> list[torch.Tensor]:
+        cache = runner.new_cache()
+        runner.forward(cache, torch.tensor(PROMPTS[1]), logits="none")
+        return [runner.forward(cache, torch.tensor(feed)) for feed in feeds]
+
+    feeds = [[5], [7, 9, 11, 13], [17], list(range(1, 9))]  # decode steps and verification passes
+    compiled = decode(feeds)
+    with monkeypatch.context() as patch:
+        patch.setattr(Transformer, "_compiled_layers", lambda self: None)
+        python = decode(feeds)
+    assert all(torch.equal(a, b) for a, b in zip(compiled, python, strict=True))
+    fewer = copy.copy(runner)  # as `self:layers=L` derives a draft: its own stack, of its own layers
+    fewer.layers = runner.layers[:1]
+    assert fewer._compiled_layers() is not runner._compiled_layers() is not None
+
+
 def test_forward_rows_equal_single_position_decoding(target8):
     runner = target8.runner
     prompt, feed = torch.tensor(PROMPTS[1]), torch.tensor([4, 17, 23, 9, 31])

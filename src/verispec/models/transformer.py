@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from verispec.errors import ModelNotFoundError
+from verispec.models import kernels
 from verispec.models.int8 import Int8Linear
 from verispec.models.int8_store import Int8Store
 from verispec.models.linear import PackedLinear
@@ -235,6 +236,7 @@ class Transformer:
         self.quant = quant
         self.variant = (f",{quant}" if quant else "") + (f",rows={pack_rows}" if pack and pack_rows != 1 else "")
         self.row_invariant = quant is not None
+        self._compiled: tuple = (None, None)  # (ids of the layers it was built from, `Int8Layers` or None)
         linear = _linear_factory(pack, quant, pack_rows, int8_store)
         weights = _Weights(weights, dtype)
         self.embed = weights["model.embed_tokens.weight"]  # [vocab, hidden]
@@ -363,13 +365,24 @@ class Transformer:
 
     def _run(self, tokens: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
         """The decoder stack over tokens [N] (the rows' new tokens, concatenated) -> hidden [N, hidden]."""
-        cfg = self.config
-        total = tokens.shape[0]
         cos, sin = self._rope(torch.cat([row.positions for row in rows]))
         cos, sin = cos[None], sin[None]  # [1, N, head_dim]
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-
         x = F.embedding(tokens, self.embed)  # [N, hidden]
+        one_chain = len(rows) == 1 and rows[0].chain and rows[0].n <= ROW_INVARIANT_POSITIONS
+        compiled = self._compiled_layers() if one_chain else None
+        if compiled is not None:  # the same operations as `_layers`, in one C++ call
+            x = compiled.forward(x, rows[0].cache.keys, rows[0].cache.values, rows[0].start, cos, sin)
+        else:
+            x = self._layers(x, rows, cos, sin)
+        for row in rows:
+            row.cache.length = row.start + row.n
+        return x
+
+    def _layers(self, x: torch.Tensor, rows: list[_Row], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [N, hidden] through every decoder layer, keys and values appended to the rows' caches."""
+        cfg = self.config
+        total = x.shape[0]
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(h)  # [N, q_size + 2 kv_size]
@@ -382,9 +395,25 @@ class Transformer:
             h = self._rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
-        for row in rows:
-            row.cache.length = row.start + row.n
         return x
+
+    def _compiled_layers(self):
+        """The decoder stack as one C++ object (`kernels/int8_rows.cpp`, `Int8Layers`) for an int8 runner
+        whose layers all run fbgemm with the residual row; None otherwise or without the extension. Built
+        once per list of layers (a runner copied with fewer layers, as `self:layers=L` does, gets its own)."""
+        if self.quant != "int8":
+            return None
+        key = tuple(map(id, self.layers))
+        if self._compiled[0] != key:
+            extension = kernels.extension("int8_rows")
+            linears = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            usable = extension is not None and all(m.use_fbgemm and m.residual for m in linears)
+            layers = [(layer.input_norm, layer.post_norm, layer.qkv.packed, layer.qkv.bias, layer.o.packed,
+                       layer.o.bias, layer.gate_up.packed, layer.down.packed) for layer in self.layers]
+            cfg = self.config
+            compiled = extension.Int8Layers(layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps) if usable else None
+            self._compiled = key, compiled
+        return self._compiled[1]
 
     def _attend_rows(self, layer: int, rows: list[_Row], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store each row's keys/values in its cache and attend over it: q [heads, N, hd] -> [heads, N, hd]."""
