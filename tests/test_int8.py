@@ -113,7 +113,7 @@ def test_fused_kernels_give_the_same_bits_as_the_torch_code(monkeypatch, residua
     from verispec.models import int8
     from verispec.models.kernels import extension
 
-    assert extension("int8_rows") is not None, "the C++ extension did not build (see the warning)"
+    assert extension("int8") is not None, "the C++ extension did not build (see the warning)"
     torch.manual_seed(1)
     for rows, width in [(1, 64), (3, 1536), (33, 256), (2, 8960)]:
         layer = Int8Linear.from_float(torch.randn(48, width) * 0.05, torch.randn(48), residual=residual)
@@ -126,6 +126,15 @@ def test_fused_kernels_give_the_same_bits_as_the_torch_code(monkeypatch, residua
             patch.setattr(int8, "extension", lambda name: None)
             plain = layer(x)
         assert torch.equal(fused, plain), (rows, width)
+
+
+def test_a_kernel_that_cannot_be_built_means_the_torch_code_with_a_warning(monkeypatch):
+    from verispec.models import kernels
+
+    with pytest.warns(UserWarning, match="could not build verispec's no_such kernels"):
+        assert kernels.extension.__wrapped__("no_such") is None  # no no_such.cpp
+    monkeypatch.setenv("VERISPEC_KERNELS", "0")
+    assert kernels.extension.__wrapped__("int8") is None
 
 
 def test_the_compiled_decoder_stack_gives_the_same_bits_as_the_python_loop(target8, monkeypatch):

@@ -27,7 +27,7 @@ kernel costs 0.2–0.35× packed fp32 (`PackedLinear`) for the 1.5B's shapes at 
 the per-tensor dynamic kernel; `torch._int_mm` and `torch._weight_int8pack_mm` were 4–40× SLOWER
 than packed fp32 on this CPU (no tuned small-batch AVX2 kernels), and oneDNN's `qlinear_pointwise`
 about as fast as fp32. The elementwise work around the matmul (absmax, scaling, rounding, the
-residual rows, scaling back) runs in a small C++ extension (`kernels/int8_rows.cpp`) when it can be
+residual rows, scaling back) runs in a small C++ extension (`kernels/int8.cpp`) when it can be
 built: the same float operations in the same order, so the same bits, at a third of the cost of
 ~15 separate torch operations (0.6 → 0.2 ms per layer of the 1.5B). Where fbgemm is missing
 (another CPU architecture), the same arithmetic runs in float64, where integer sums of this size
@@ -109,7 +109,7 @@ class Int8Linear:
         return (F.linear(q.double(), self.weight_q.double()) * self.scales.double()).float()  # exact sums in float64
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [rows, in] float32 -> [rows, out] float32
-        fused = extension("int8_rows")
+        fused = extension("int8")
         if fused is not None:  # the same arithmetic as below, in two C++ calls instead of ~15 torch ops
             q, absmax = fused.split_rows(x, self.residual)  # [2·rows or rows, in], [rows, 1]
             return fused.join_rows(self._integer_matmul(q), absmax, self.bias, self.residual)

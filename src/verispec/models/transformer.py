@@ -10,7 +10,9 @@ With `quant="int8"` every linear layer (and the head) is an `Int8Linear` (see `i
 weights quantized from the float32 folder once and cached (`int8_store.py`), activations quantized per row, so a row's
 logits do not depend on how many positions the forward pass holds. The rest of the layer (norms,
 RoPE, attention, the KV cache) stays float32. `variant` then carries ",int8", which keeps measured
-costs (`control/costs.py`) apart from the float model's.
+costs (`control/costs.py`) apart from the float model's. An int8 runner decodes and verifies chains
+through `Int8Layers` (`kernels/int8.cpp`): the same operations as `_layers`, in one C++ call
+per forward instead of ~70 Python-level operations per layer (1.18× on the 1.5B, 1.32× on the 0.5B).
 """
 
 from __future__ import annotations
@@ -398,14 +400,14 @@ class Transformer:
         return x
 
     def _compiled_layers(self):
-        """The decoder stack as one C++ object (`kernels/int8_rows.cpp`, `Int8Layers`) for an int8 runner
+        """The decoder stack as one C++ object (`kernels/int8.cpp`, `Int8Layers`) for an int8 runner
         whose layers all run fbgemm with the residual row; None otherwise or without the extension. Built
         once per list of layers (a runner copied with fewer layers, as `self:layers=L` does, gets its own)."""
         if self.quant != "int8":
             return None
         key = tuple(map(id, self.layers))
         if self._compiled[0] != key:
-            extension = kernels.extension("int8_rows")
+            extension = kernels.extension("int8")
             linears = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             usable = extension is not None and all(m.use_fbgemm and m.residual for m in linears)
             layers = [(layer.input_norm, layer.post_norm, layer.qkv.packed, layer.qkv.bias, layer.o.packed,

@@ -43,18 +43,18 @@ def extension(name: str) -> ModuleType | None:
     """The compiled extension `name` (source `<name>.cpp` here), or None when it is unavailable."""
     if os.environ.get("VERISPEC_KERNELS", "1") == "0":
         return None
-    source = Path(__file__).with_name(f"{name}.cpp")
-    digest = hashlib.sha256(source.read_bytes() + " ".join([*FLAGS, _cpu()]).encode()).hexdigest()[:12]
-    build = cache_dir() / "kernels" / f"{name}-torch{torch.__version__}-{digest}"
-    build.mkdir(parents=True, exist_ok=True)
-    try:
+    try:  # any failure (no compiler, a read-only cache directory, …) means: use the torch code
         from torch.utils.cpp_extension import load
 
         from verispec.progress import status
 
+        source = Path(__file__).with_name(f"{name}.cpp")
+        digest = hashlib.sha256(source.read_bytes() + " ".join([*FLAGS, _cpu()]).encode()).hexdigest()[:12]
+        build = cache_dir() / "kernels" / f"{name}-torch{torch.__version__}-{digest}"
+        build.mkdir(parents=True, exist_ok=True)
         with status(f"loading the {name} kernels (compiled on first use)"):
             return load(f"verispec_{name}", [str(source)], extra_cflags=FLAGS, build_directory=str(build))
-    except Exception as error:  # noqa: BLE001 -- any build failure means: use the torch code
+    except Exception as error:  # noqa: BLE001
         warnings.warn(f"could not build verispec's {name} kernels ({type(error).__name__}: {str(error)[:300]}); "
                       "using the slower torch code, which gives the same results", stacklevel=2)
         return None
