@@ -7,7 +7,7 @@
 // and in float32 (built with -ffp-contract=off, so no multiply-add is fused).
 //
 // `Int8Layers`: a whole int8 decoder stack for one chain of up to 32 new positions (decoding and
-// verification), calling the same ATen operations in the same order as `Transformer._run`, so a model
+// verification), calling the same ATen operations in the same order as `Transformer._layers`, so a model
 // gives the same bits with or without this extension, without the Python interpreter in between.
 
 #include <torch/extension.h>
@@ -114,7 +114,7 @@ struct Layer {
 }  // namespace
 
 // The decoder layers of an int8 `Transformer` for one chain of n ≤ 32 new positions, as one C++ call:
-// the same ATen operations, in the same order, as `Transformer._run` and `_attend_rows` (so the same
+// the same ATen operations, in the same order, as `Transformer._layers` and `_attend_rows` (so the same
 // bits), without the Python interpreter between them.
 class Int8Layers {
  public:
@@ -166,14 +166,14 @@ class Int8Layers {
     const int64_t n = q.size(1), end = start + n;
     keys.slice(1, start, end).copy_(k);
     values.slice(1, start, end).copy_(v);
-    auto one = [&](int64_t first, int64_t count, int64_t seen) {
-      return at::scaled_dot_product_attention(q.unsqueeze(0).slice(2, first, first + count),
+    auto one = [&](int64_t position, int64_t seen) {  // one query over the first `seen` slots
+      return at::scaled_dot_product_attention(q.unsqueeze(0).slice(2, position, position + 1),
                                               keys.slice(1, 0, seen).unsqueeze(0), values.slice(1, 0, seen).unsqueeze(0),
                                               c10::nullopt, 0.0, false, scale_, true).select(0, 0);
     };
-    if (n == 1) return one(0, 1, end);
+    if (n == 1) return one(0, end);
     std::vector<at::Tensor> outputs;
-    for (int64_t j = 0; j < n; ++j) outputs.push_back(one(j, 1, start + j + 1));
+    for (int64_t j = 0; j < n; ++j) outputs.push_back(one(j, start + j + 1));
     return at::cat(outputs, 1);
   }
 
