@@ -5,7 +5,9 @@ precision, ~0.6 of int8's bytes) with a kernel whose verification of a few posit
 cost of one? `kquant_probe.cpp` computes y = x Wᵀ with W in the K-quant formats (activations int8
 per group of 32, every row computed alone, so rows do not depend on each other) and is checked here
 against a float reference. It is timed interleaved against verispec's int8 layer (`Int8Linear`,
-fbgemm) for the 1.5B's shapes and 1–16 rows; random weights, since speed does not depend on values.
+fbgemm) and PyTorch's own 4-bit CPU kernel (`_weight_int4pack_mm_for_cpu`, bf16 activations,
+groups of 32) for the 1.5B's shapes and 1–16 rows; random weights, since speed does not depend on
+values.
 
     python scripts/kquant_probe.py [--repeats 9] [--rows 1,2,4,8,16]
 
@@ -57,6 +59,18 @@ def dequantize_q4k(qs, sc, mn, d, dmin) -> torch.Tensor:
     return scale * nibbles.float() - low
 
 
+def torch_int4(q4):
+    """The same 4-bit numbers for `_weight_int4pack_mm_for_cpu`: packed nibbles and bf16 (scale, zero)
+    per group of 32, with W = (q − 8)·scale + zero, i.e. zero = 8·scale − min."""
+    qs, sc, mn, d, dmin = q4
+    n = qs.shape[0]
+    nibbles = torch.stack([qs & 15, qs >> 4], dim=1).view(n, 2, -1, 16).permute(0, 2, 1, 3).reshape(n, -1)  # [n, k]
+    scale = d.repeat_interleave(8, 1) * sc.float()  # [n, k/32]
+    zero = 8 * scale - dmin.repeat_interleave(8, 1) * mn.float()
+    packed = torch._convert_weight_to_int4pack_for_cpu(nibbles.int(), 1)
+    return packed, torch.stack([scale.T, zero.T], dim=-1).contiguous().bfloat16()  # [k/32, n, 2]
+
+
 def dequantize_q6k(q, sc, d) -> torch.Tensor:
     return (d.repeat_interleave(16, 1) * sc.float()).repeat_interleave(16, 1) * q.float()
 
@@ -70,14 +84,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     kernel = build()
     rows = [int(r) for r in args.rows.split(",")]
-    print(f"{'shape':8} {'rows':>4}  " + "  ".join(f"{name:>9}" for name in ("q4k ms", "q6k ms", "int8 ms", "q4k/int8")))
+    print(f"{'shape':8} {'rows':>4}  " + "  ".join(f"{name:>9}" for name in ("q4k ms", "q6k ms", "int8 ms", "int4pack", "q4k/int8")))
     for name, (n, k) in SHAPES.items():
         q4, q6 = random_q4k(n, k), random_q6k(n, k)
         layer = Int8Linear.from_float(dequantize_q4k(*q4))
+        int4, scales_and_zeros = torch_int4(q4)
         candidates = {
             "q4k": lambda x: kernel.q4k_matmul(*kernel.quantize_rows(x), *q4),
             "q6k": lambda x: kernel.q6k_matmul(*kernel.quantize_rows(x), *q6),
             "int8": layer,
+            "int4pack": lambda x: torch._weight_int4pack_mm_for_cpu(x.bfloat16(), int4, 32, scales_and_zeros),
         }
         x = torch.randn(3, k)
         for label, weight in (("q4k", dequantize_q4k(*q4)), ("q6k", dequantize_q6k(*q6))):
@@ -94,7 +110,8 @@ def main() -> None:
                     run(x)
                     times[label].append(time.perf_counter() - start)
             ms = {label: statistics.median(t) * 1e3 for label, t in times.items()}
-            print(f"{name:8} {m:>4}  {ms['q4k']:9.2f}  {ms['q6k']:9.2f}  {ms['int8']:9.2f}  {ms['q4k'] / ms['int8']:9.2f}")
+            print(f"{name:8} {m:>4}  {ms['q4k']:9.2f}  {ms['q6k']:9.2f}  {ms['int8']:9.2f}  {ms['int4pack']:9.2f}"
+                  f"  {ms['q4k'] / ms['int8']:9.2f}")
 
 
 if __name__ == "__main__":

@@ -54,14 +54,6 @@ def _running_mean(values: list[float], window: int) -> list[float]:
     return [sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
 
 
-def _trained(row: dict) -> bool:
-    """Whether the request started with an update; rows written before the flag existed (session 6)
-    are judged by their prefill, which holds the training: over 1 s longer than the frozen one's."""
-    if "trained" in row:
-        return row["trained"]
-    return row.get("online_prefill_s", 0) - row.get("frozen_prefill_s", 0) > 1
-
-
 def plot_stream(rows: list[dict], path: Path, window: int = 6) -> Path:
     import matplotlib
 
@@ -76,7 +68,7 @@ def plot_stream(rows: list[dict], path: Path, window: int = 6) -> Path:
             ax.plot(x, values, "o", color=colour, alpha=0.35, markersize=4)
             ax.plot(x, _running_mean(values, window), "-", color=colour, label=f"{kind} draft (running mean of {window})")
         ax.set_ylabel(label)
-    trained = [r["request"] for r in rows if _trained(r)]
+    trained = [r["request"] for r in rows if r["trained"]]
     for request in trained:  # a training makes its request start late (it runs before the prefill)
         axes[1].axvline(request, color="tab:red", alpha=0.25, linewidth=4)
     axes[1].set_xlabel("request" + (" (red: started with a training)" if trained else ""))

@@ -12,7 +12,8 @@ logits do not depend on how many positions the forward pass holds. The rest of t
 RoPE, attention, the KV cache) stays float32. `variant` then carries ",int8", which keeps measured
 costs (`control/costs.py`) apart from the float model's. An int8 runner decodes and verifies chains
 through `Int8Layers` (`kernels/int8.cpp`): the same operations as `_layers`, in one C++ call
-per forward instead of ~70 Python-level operations per layer (1.18× on the 1.5B, 1.32× on the 0.5B).
+per forward instead of ~70 Python-level operations per layer (a step 1.15–1.19× faster than the Python
+loop on the 1.5B, 1.25–1.29× on the 0.5B: `scripts/int8_overhead.py`).
 """
 
 from __future__ import annotations
@@ -238,7 +239,7 @@ class Transformer:
         self.quant = quant
         self.variant = (f",{quant}" if quant else "") + (f",rows={pack_rows}" if pack and pack_rows != 1 else "")
         self.row_invariant = quant is not None
-        self._compiled: tuple = (None, None)  # (ids of the layers it was built from, `Int8Layers` or None)
+        self._compiled: tuple = (None, None)  # (the layers it was built from, `Int8Layers` or None)
         linear = _linear_factory(pack, quant, pack_rows, int8_store)
         weights = _Weights(weights, dtype)
         self.embed = weights["model.embed_tokens.weight"]  # [vocab, hidden]
@@ -405,7 +406,7 @@ class Transformer:
         once per list of layers (a runner copied with fewer layers, as `self:layers=L` does, gets its own)."""
         if self.quant != "int8":
             return None
-        key = tuple(map(id, self.layers))
+        key = tuple(self.layers)  # the layer objects themselves (compared by identity, kept alive)
         if self._compiled[0] != key:
             extension = kernels.extension("int8")
             linears = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
