@@ -20,7 +20,7 @@ from conftest import make_tiny_model
 from stats import SIGNIFICANCE, chi_square_pvalue
 
 from verispec import Engine, GenerationConfig, SamplingParams
-from verispec.bench.memory import runner_weights_mib
+from verispec.bench.memory import runner_linear_bytes, runner_weights_mib
 from verispec.cli import main as cli_main
 from verispec.drafters import DraftModelDrafter, ExpansionDrafter, NgramDrafter, StandDrafter, make_drafter
 from verispec.errors import InvalidParameterError
@@ -213,9 +213,8 @@ def test_int8_model_is_close_to_float32_and_four_times_smaller(target, target8):
     kl = torch.nn.functional.kl_div(int8.log_softmax(-1), fp32.log_softmax(-1), log_target=True, reduction="batchmean")
     assert float(kl) < 0.05
     assert target8.precision == "int8" and target.precision == "float32"
-    linear_fp32 = runner_weights_mib(target.runner) - target.runner.embed.numel() * 4 / 2**20
-    linear_int8 = runner_weights_mib(target8.runner) - target8.runner.embed.numel() * 4 / 2**20
-    assert linear_int8 < 0.4 * linear_fp32
+    assert runner_linear_bytes(target8.runner) < 0.4 * runner_linear_bytes(target.runner)
+    assert runner_weights_mib(target8.runner) < runner_weights_mib(target.runner)
 
 
 def _drafters(target8, draft8):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["PeakMeter", "process_peak_rss_mib", "hf_weights_mib", "runner_weights_mib"]
+__all__ = ["PeakMeter", "process_peak_rss_mib", "hf_weights_mib", "runner_linear_bytes", "runner_weights_mib"]
 
 MIB = 1 << 20
 _STATUS = Path("/proc/self/status")
@@ -69,9 +69,9 @@ def hf_weights_mib(model: torch.nn.Module) -> float:
     return sum(seen.values()) / MIB
 
 
-def runner_weights_mib(runner) -> float:
-    """Bytes of a verispec `Transformer`'s weights (packed linear layers counted by their shape; int8
-    layers by their int8 values, scales and bias)."""
+def runner_linear_bytes(runner) -> int:
+    """Bytes of a verispec `Transformer`'s linear layers, the weights every decode token reads (packed
+    linear layers counted by their shape; int8 layers by their int8 values, scales and bias)."""
     itemsize = torch.empty((), dtype=runner.dtype).element_size()
     linears = [runner.lm_head] + [lin for layer in runner.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     total = 0
@@ -82,6 +82,12 @@ def runner_weights_mib(runner) -> float:
         else:
             bias = lin.bias.numel() if getattr(lin, "bias", None) is not None else 0
             total += (lin.out_features * lin.in_features + bias) * itemsize
+    return total
+
+
+def runner_weights_mib(runner) -> float:
+    """Bytes of a verispec `Transformer`'s weights: its linear layers, the embedding and the norms."""
+    itemsize = torch.empty((), dtype=runner.dtype).element_size()
     numel = runner.embed.numel() + runner.final_norm.numel()
     numel += sum(layer.input_norm.numel() + layer.post_norm.numel() for layer in runner.layers)
-    return (total + numel * itemsize) / MIB
+    return (runner_linear_bytes(runner) + numel * itemsize) / MIB
