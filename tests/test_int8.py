@@ -163,6 +163,23 @@ def test_the_compiled_decoder_stack_gives_the_same_bits_as_the_python_loop(targe
     assert fewer._compiled_layers() is not runner._compiled_layers() is not None
 
 
+def test_verification_costs_are_measured_apart_for_the_compiled_stack(target8, monkeypatch):
+    """The γ policy's cached T(n) curve of an int8 target depends on whether the C++ stack runs: a curve
+    measured with the Python loop must not stand in for the compiled one, nor the reverse."""
+    import json
+
+    from verispec.control.costs import CostModel
+    from verispec.models.registry import cache_dir
+
+    assert target8.runner.compiled
+    CostModel.calibrated(target8, 2)
+    with monkeypatch.context() as patch:
+        patch.setattr(Transformer, "_compiled_layers", lambda self: None)
+        CostModel.calibrated(target8, 2)
+    keys = [key for key in json.loads((cache_dir() / "verify_costs.json").read_text()) if str(target8.folder) in key]
+    assert sorted(",compiled|" in key for key in keys) == [False, True], keys
+
+
 def test_forward_rows_equal_single_position_decoding(target8):
     runner = target8.runner
     prompt, feed = torch.tensor(PROMPTS[1]), torch.tensor([4, 17, 23, 9, 31])

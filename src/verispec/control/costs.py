@@ -1,8 +1,8 @@
 """Measured costs that the analytic γ policy needs: T(n)/T(1) of the target and c of the drafter.
 
-Both are measured once per (model folder, dtype, threads) and kept in the cache directory: the
-target's verification curve T(n) (seconds for a forward over n new positions; far from flat on a
-CPU in some dtypes) and the draft model's seconds per token. They are not re-measured during a
+Both are measured once per (model folder and variant, dtype, threads, whether the C++ decoder stack
+runs) and kept in the cache directory: the target's verification curve T(n) (seconds for a forward
+over n new positions; far from flat on a CPU in some dtypes) and the draft model's seconds per token. They are not re-measured during a
 generation on purpose: γ then depends only on acceptance, so a seed reproduces an output exactly.
 A model-free drafter (n-gram) counts as free (c = 0).
 """
@@ -40,6 +40,8 @@ def measure_verify_curve(runner: Transformer, max_positions: int, context: int =
 
 def _cached_curve(runner: Transformer, folder: str, max_positions: int) -> list[float]:
     variant = getattr(runner, "variant", "")  # a derived draft (fewer layers, int8, …) is timed on its own
+    if getattr(runner, "compiled", False):  # the C++ decoder stack changes the curve: timed apart
+        variant += ",compiled"
     key = f"{folder}{variant}|{runner.dtype}|threads={torch.get_num_threads()}"
     file = cache_dir() / "verify_costs.json"
     table = json.loads(file.read_text()) if file.exists() else {}

@@ -400,6 +400,11 @@ class Transformer:
             x = x + layer.down(F.silu(gate) * up)
         return x
 
+    @property
+    def compiled(self) -> bool:
+        """Whether decode steps and chain verifications run the C++ decoder stack (`_compiled_layers`)."""
+        return self._compiled_layers() is not None
+
     def _compiled_layers(self):
         """The decoder stack as one C++ object (`kernels/int8.cpp`, `Int8Layers`) for an int8 runner
         whose layers all run fbgemm with the residual row; None otherwise or without the extension. Built
