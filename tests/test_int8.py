@@ -256,6 +256,25 @@ def test_greedy_speculative_equals_greedy_plain_int8(target8, draft8, kind, gamm
         assert engine.generate(prompt, GenerationConfig(max_new_tokens=20)).token_ids == expected
 
 
+@pytest.mark.parametrize("kind", ["self", "tree"])
+def test_an_int8_step_never_verifies_more_positions_than_it_scores_exactly(target8, draft8, kind, monkeypatch):
+    """Past ROW_INVARIANT_POSITIONS a forward attends in one batched call, whose rounding depends on
+    the number of queries, so on an int8 target the engine drafts at most that many − 1 tokens a step:
+    γ 40 is capped (an always-accepted chain) and a 126-node tree keeps its first 31 nodes."""
+    from verispec.models.transformer import ROW_INVARIANT_POSITIONS
+
+    drafter = (DraftModelDrafter(target8, target8.vocab_size) if kind == "self"
+               else ExpansionDrafter(draft8, target8.vocab_size, k=2, depth=6, wide=6))
+    config = GenerationConfig(max_new_tokens=70)
+    expected = Engine(target8, None).generate(PROMPTS[1], config).token_ids
+    sizes, forward = [], target8.runner.forward
+    monkeypatch.setattr(target8.runner, "forward", lambda cache, tokens, *args, **kwargs: sizes.append(len(tokens))
+                        or forward(cache, tokens, *args, **kwargs))
+    result = Engine(target8, drafter, gamma=40, gamma_policy="constant").generate(PROMPTS[1], config)
+    assert max(sizes) == ROW_INVARIANT_POSITIONS, sizes
+    assert result.token_ids == expected
+
+
 def test_factory_loads_the_draft_in_the_targets_precision(target8, tiny_draft):
     drafter = make_drafter(str(tiny_draft), target8)
     assert drafter.model.precision == "int8"

@@ -14,6 +14,10 @@ Token trees: a drafter may return a tree (`Draft.parents`). The step then feeds 
 token plus every node in one forward, with positions prefix + depth and a tree attention mask (a
 node sees the committed prefix, its ancestors and itself); after verification `KVCache.keep` packs
 the accepted path's keys/values right after the prefix, so nothing is recomputed. γ caps the depth.
+
+On a row-invariant target (int8) a verification pass is exact only up to ROW_INVARIANT_POSITIONS
+positions (longer feeds use batched attention, whose rounding changes with the number of queries), so
+there a step drafts at most that many − 1 tokens: γ is capped, and a tree keeps its first nodes.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from verispec.control import CostModel, make_gamma_policy
 from verispec.drafters.base import Drafter
 from verispec.errors import InvalidParameterError, PromptError, VerispecError
 from verispec.models.loading import LoadedModel, ModelCache
+from verispec.models.transformer import ROW_INVARIANT_POSITIONS
 from verispec.sampling.processors import SamplingParams, greedy_tokens, seen_mask, to_probs
 from verispec.tokentree import ancestor_mask, check_parents, depths, is_chain, keep_nodes, tree_attention_mask
 from verispec.types import Draft, GenerationResult, GenerationStats, Origin, StepRecord, TokenEvent, Verdict
@@ -204,6 +209,8 @@ class Generation:
         self.finish_reason: str | None = None
         self._closed = False
         self._detok = _Detokenizer(self.target.tokenizer)
+        # the most draft tokens one verification may hold and still score each like a decode step
+        self.max_draft_nodes = ROW_INVARIANT_POSITIONS - 1 if self.target.runner.row_invariant else None
 
         # building a drafter and measuring costs happen once per engine: not part of this request's time
         try:
@@ -228,11 +235,16 @@ class Generation:
     def _draft(self, gamma: int) -> Draft:
         if self.session is None or gamma <= 0:
             return Draft(torch.zeros(0, dtype=torch.long))
+        if self.max_draft_nodes is not None:
+            gamma = min(gamma, self.max_draft_nodes)
         draft = self.session.propose(self.ids, gamma, self.params, self.generator)
         if draft.parents is None or is_chain(draft.parents):
             return Draft(draft.tokens[:gamma], None if draft.probs is None else draft.probs[:gamma])
         check_parents(draft.parents)
-        index, parents = keep_nodes(draft.parents, depths(draft.parents) <= gamma)  # γ caps the depth
+        keep = depths(draft.parents) <= gamma  # γ caps the depth
+        if self.max_draft_nodes is not None:  # the first nodes (parents come first: a subtree)
+            keep &= keep.cumsum(0) <= self.max_draft_nodes
+        index, parents = keep_nodes(draft.parents, keep)
         return Draft(draft.tokens[index], None if draft.probs is None else draft.probs[index], parents)
 
     def plan(self) -> StepPlan:
