@@ -396,10 +396,11 @@ def test_bench_methods_take_a_precision_and_llama_cpp_is_optional(monkeypatch):
 
 
 def test_llama_cpp_needs_a_gguf_target(tiny_target):
-    from verispec.bench.compare import gguf_for
+    from verispec.errors import ModelNotFoundError
+    from verispec.models.registry import gguf_file
 
-    with pytest.raises(InvalidParameterError, match="shipped model name or a .gguf file"):
-        gguf_for(str(tiny_target))
+    with pytest.raises(ModelNotFoundError, match="shipped model name or a .gguf file"):
+        gguf_file(str(tiny_target))
 
 
 def test_bench_runs_int8_methods_beside_float32(tiny_text_pair, tmp_path, monkeypatch, capsys):

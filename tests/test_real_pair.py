@@ -67,10 +67,13 @@ def target_int8():
     return load_model(DEFAULT_TARGET, "int8")
 
 
-@pytest.mark.parametrize("draft", ["model", "ngram"])
+@pytest.mark.parametrize("draft", ["model", "ngram", "gguf"])
 def test_int8_speculative_greedy_equals_int8_plain_greedy(target_int8, draft):
     """On the int8 path the oracle is plain greedy decoding of the same int8 model (the draft model is
-    loaded in int8 too): token-identical, because the int8 runner's rows do not depend on each other."""
+    loaded in int8 too, or run by llama.cpp from its GGUF): token-identical, because the int8 runner's
+    rows do not depend on each other."""
+    if draft == "gguf":
+        pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: pip install 'verispec[llama-cpp]'")
     engine = Engine(target_int8, make_drafter(draft, target_int8), gamma=4, gamma_policy="constant")
     plain = Engine(target_int8, None)
     config = GenerationConfig(max_new_tokens=16)
@@ -78,5 +81,11 @@ def test_int8_speculative_greedy_equals_int8_plain_greedy(target_int8, draft):
         ids = target_int8.encode_prompt(prompt)
         result = engine.generate(ids, config)
         assert result.token_ids == plain.generate(ids, config).token_ids
-        if draft == "model":
+        if draft in ("model", "gguf"):
             assert result.stats.mean_accepted_length > 1.5
+
+
+def test_a_gguf_draft_of_another_family_is_refused(target_int8):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: pip install 'verispec[llama-cpp]'")
+    with pytest.raises(IncompatibleModelsError, match="does not share the tokenizer"):
+        make_drafter("gguf:smollm2-135m-instruct", target_int8)

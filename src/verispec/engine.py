@@ -96,9 +96,14 @@ class Engine:
         if drafter is None or gamma_policy != "analytic":
             return CostModel()
         draft_model = getattr(drafter, "model", None)  # None for model-free drafters
-        key = None if draft_model is None else (draft_model.name, draft_model.precision)
+        timed = drafter if hasattr(drafter, "cost_key") else None  # a drafter that times itself (llama.cpp)
+        key = None
+        if draft_model is not None:
+            key = (draft_model.name, draft_model.precision)
+        elif timed is not None:
+            key = (timed.cost_key, "timed")
         if key not in self._costs:
-            self._costs[key] = CostModel.calibrated(self.target, self.max_gamma + 1, draft_model)
+            self._costs[key] = CostModel.calibrated(self.target, self.max_gamma + 1, draft_model, timed)
         return self._costs[key]
 
     def drafter_for(self, spec: str | None) -> Drafter | None:

