@@ -2,8 +2,9 @@
 
 Both are measured once per (model folder and variant, dtype, threads, whether the C++ decoder stack
 runs) and kept in the cache directory: the target's verification curve T(n) (seconds for a forward
-over n new positions; far from flat on a CPU in some dtypes) and the draft model's seconds per token. They are not re-measured during a
-generation on purpose: γ then depends only on acceptance, so a seed reproduces an output exactly.
+over n new positions; far from flat on a CPU in some dtypes) and the draft model's seconds per
+token. They are not re-measured during a generation on purpose: γ then depends only on acceptance,
+so a seed reproduces an output exactly.
 A model-free drafter (n-gram) counts as free (c = 0); a drafter that runs outside verispec (llama.cpp)
 times itself (`TimedDrafter`), cached the same way.
 """
