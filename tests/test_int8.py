@@ -391,8 +391,9 @@ def test_bench_methods_take_a_precision_and_llama_cpp_is_optional(monkeypatch):
     assert compare.split_methods("hf-plain,llama-cpp,vs:stand:k=2,depth=5[int8]") == [
         "hf-plain", "llama-cpp", "vs:stand:k=2,depth=5[int8]"]
     monkeypatch.setattr(compare, "llama_cpp_available", lambda: False)
-    kept, notes = compare.drop_unavailable([compare.parse_method(m) for m in ("llama-cpp", "vs:none")])
+    kept, notes = compare.drop_unavailable([compare.parse_method(m) for m in ("llama-cpp", "vs:none", "vs:gguf[int8]")])
     assert [s.name for s in kept] == ["vs:none"] and "llama-cpp-python package is not installed" in notes[0]
+    assert "llama-cpp, vs:gguf[int8]" in notes[0]
 
 
 def test_llama_cpp_needs_a_gguf_target(tiny_target):

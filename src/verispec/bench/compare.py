@@ -89,6 +89,11 @@ class MethodSpec:
     def is_llama_cpp(self) -> bool:
         return self.name == LLAMA_CPP
 
+    @property
+    def needs_llama_cpp(self) -> bool:
+        """llama.cpp's plain decoding, or a verispec method drafting with llama.cpp (`gguf`)."""
+        return self.is_llama_cpp or (self.drafter or "").partition(":")[0].strip() == "gguf"
+
 
 def parse_method(name: str) -> MethodSpec:
     name = name.strip()
@@ -111,17 +116,18 @@ def parse_method(name: str) -> MethodSpec:
 
 
 def llama_cpp_available() -> bool:
-    """Whether the optional llama-cpp-python package is importable (the llama-cpp method needs it)."""
+    """Whether the optional llama-cpp-python package is importable (llama-cpp and vs:gguf need it)."""
     return importlib.util.find_spec("llama_cpp") is not None
 
 
 def drop_unavailable(specs: list[MethodSpec]) -> tuple[list[MethodSpec], list[str]]:
-    """(the methods that can run here, a note for each one skipped)."""
-    if llama_cpp_available() or not any(s.is_llama_cpp for s in specs):
+    """(the methods that can run here, a note naming those skipped)."""
+    skipped = [s.name for s in specs if s.needs_llama_cpp]
+    if llama_cpp_available() or not skipped:
         return specs, []
-    note = (f"skipping {LLAMA_CPP}: the optional llama-cpp-python package is not installed "
-            "(pip install llama-cpp-python to compare against llama.cpp)")
-    return [s for s in specs if not s.is_llama_cpp], [note]
+    note = (f"skipping {', '.join(skipped)}: the optional llama-cpp-python package is not installed "
+            "(CMAKE_ARGS=\"-DGGML_NATIVE=ON\" pip install 'verispec[llama-cpp]' to run llama.cpp)")
+    return [s for s in specs if not s.needs_llama_cpp], [note]
 
 
 @dataclass
