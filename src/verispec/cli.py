@@ -25,7 +25,7 @@ ORIGIN_STYLES = {Origin.ACCEPTED: "green", Origin.RECOVERED: "yellow", Origin.BO
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="shipped model name, HF folder or .gguf path")
-    parser.add_argument("--draft", default="model", help="drafter: none | model[:NAME] | NAME/PATH | ngram[:max_n=3] | tree[:k=2,depth=4] | merge | stand[:max_n=4,k=2,depth=5] | hybrid[:min_match=2] | online[:rank=8] | cascade[:kind=vertical] | self[:layers=7] | triforce (all: verispec.drafters)")
+    parser.add_argument("--draft", default="model", help="drafter: none | model[:NAME] | NAME/PATH | gguf[:NAME] | ngram[:max_n=3] | tree[:k=2,depth=4] | merge | stand[:max_n=4,k=2,depth=5] | hybrid[:min_match=2] | online[:rank=8] | cascade[:kind=vertical] | self[:layers=7] | triforce (all: verispec.drafters)")
     parser.add_argument("--dtype", default="float32", choices=PRECISIONS,
                         help="float32 | bfloat16 | int8 (int8 weights, batch-invariant: see verispec.models.int8)")
     parser.add_argument("--gamma", type=int, default=4, help="draft length γ (the starting value for adaptive policies)")
