@@ -91,3 +91,24 @@ def test_methods_split_keeps_drafter_options():
 
     assert split_methods("hf-plain, vs:stand:k=2,depth=5@constant,vs:none,hf-pld") == [
         "hf-plain", "vs:stand:k=2,depth=5@constant", "vs:none", "hf-pld"]
+
+
+def test_warm_up_runs_on_a_prompt_outside_the_measured_set():
+    """A drafter that learns across requests (STAND, online) must not meet a measured prompt untimed."""
+    from verispec.bench.compare import Output, run
+    from verispec.bench.prompts import Prompt
+
+    class Recorder:
+        def __init__(self, name):
+            self.name, self.seen = name, []
+
+        def generate(self, prompt_ids, max_new_tokens, seed):
+            self.seen.append(list(prompt_ids))
+            return Output([3], 0.1)
+
+    methods = [Recorder("a"), Recorder("b")]
+    prompts = [Prompt("code", "p0", "x"), Prompt("chat", "p1", "y")]
+    records: list[dict] = []
+    run(methods, prompts, [[1, 2], [4, 5]], [9, 9], 4, frozenset({3}), records, lambda label: None)
+    assert all(method.seen[0] == [9, 9] and [9, 9] not in method.seen[1:] for method in methods)
+    assert len(records) == 4

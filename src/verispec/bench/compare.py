@@ -19,8 +19,9 @@ MT-bench's eight categories form one group, `mt_bench`); --per-category N keeps 
 
 Protocol: every method gets the same chat-templated token ids, the same dtype, the same decoding
 (greedy; or, with --temperature T > 0, sampling at T with no other truncation and the same seed per
-prompt for every method), at most --max-new-tokens tokens and the same stop ids. Each method first runs one untimed warm-up generation;
-then prompts are run one at a time, every method on that prompt before the next (the method order
+prompt for every method), at most --max-new-tokens tokens and the same stop ids. Each method first runs one untimed warm-up generation
+on a prompt outside the measured set (drafters that learn across requests, STAND and online, so see no
+measured prompt before it is measured); then prompts are run one at a time, every method on that prompt before the next (the method order
 rotates from prompt to prompt so none always runs first). Time is the wall time of the whole generate
 call, prefill included; new tokens count up to and including the first stop id.
 
@@ -64,6 +65,7 @@ from verispec.progress import console, status
 __all__ = ["main", "parse_method", "summarize", "markdown_report", "BASELINE", "drop_unavailable"]
 
 HF_METHODS = ("hf-plain", "hf-assisted", "hf-pld")
+WARMUP_PROMPT = "In two sentences, what does a thermostat do?"  # not in any question set
 LLAMA_CPP = "llama-cpp"
 PLD_TOKENS = 10
 DEFAULT_METHODS = "hf-plain,hf-assisted,vs:none,vs:model"
@@ -319,14 +321,14 @@ def rotated(items: Sequence, shift: int) -> list:
 
 
 def run(
-    methods: list[Method], prompts: list[Prompt], prompt_ids: list[list[int]], max_new_tokens: int,
-    eos_ids: frozenset[int], records: list[dict], tick: Callable[[str], None],
+    methods: list[Method], prompts: list[Prompt], prompt_ids: list[list[int]], warmup_ids: list[int],
+    max_new_tokens: int, eos_ids: frozenset[int], records: list[dict], tick: Callable[[str], None],
 ) -> None:
-    """Warm up every method once, then measure every (prompt, method), appending to `records`."""
+    """Warm up every method once on `warmup_ids`, then measure every (prompt, method), appending to `records`."""
     with torch.inference_mode():
         for method in methods:
             tick(f"warm-up {method.name}")
-            method.generate(prompt_ids[0], max_new_tokens, 0)
+            method.generate(warmup_ids, max_new_tokens, 0)
         for i, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
             for method in rotated(methods, i):  # the seed is the prompt's index: the same for every method
                 tick(f"{prompt.name} · {method.name}")
@@ -404,7 +406,7 @@ def run_config(args: argparse.Namespace, prompts: list[Prompt], specs: list[Meth
         "greedy": args.temperature == 0, "temperature": args.temperature,
         "seeds": "prompt index (sampled runs only)",
         "memory": "weights_mib: measured weight bytes; peak_extra_mib: RSS rise during a generation (VmHWM)",
-        "warmup": "one untimed generation per method on the first prompt", "order": "per prompt, rotating method order",
+        "warmup": f"one untimed generation per method on a prompt outside the measured set: {WARMUP_PROMPT!r}", "order": "per prompt, rotating method order",
         "pld_tokens": PLD_TOKENS, "torch": torch.__version__, "transformers": transformers.__version__,
         "threads": torch.get_num_threads(), "machine": platform.machine(), "python": platform.python_version(),
     }
@@ -425,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         config = run_config(args, prompts, specs)
         models = Models(args.target, args.draft, args.dtype, args.temperature)
         prompt_ids = [models.target.encode_prompt(p.text, chat=True) for p in prompts]
+        warmup_ids = models.target.encode_prompt(WARMUP_PROMPT, chat=True)
         methods = [models.method(s) for s in specs]
     except VerispecError as e:
         console.print(f"[red]error:[/red] {e}", highlight=False)
@@ -434,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     config["interrupted"] = False
     try:
         with ProgressTicker(len(methods) * (len(prompts) + 1)) as tick:
-            run(methods, prompts, prompt_ids, args.max_new_tokens, models.target.eos_ids, records, tick)
+            run(methods, prompts, prompt_ids, warmup_ids, args.max_new_tokens, models.target.eos_ids, records, tick)
     except KeyboardInterrupt:
         config["interrupted"] = True
 
