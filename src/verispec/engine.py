@@ -15,9 +15,10 @@ token plus every node in one forward, with positions prefix + depth and a tree a
 node sees the committed prefix, its ancestors and itself); after verification `KVCache.keep` packs
 the accepted path's keys/values right after the prefix, so nothing is recomputed. γ caps the depth.
 
-On a row-invariant target (int8) a verification pass is exact only up to ROW_INVARIANT_POSITIONS
-positions (longer feeds use batched attention, whose rounding changes with the number of queries), so
-there a step drafts at most that many − 1 tokens: γ is capped, and a tree keeps its first nodes.
+On a row-invariant target (int8) a verification pass is exact only up to the runner's
+`exact_positions` (longer feeds use batched attention, whose rounding changes with the number of
+queries), so there a step drafts at most that many − 1 tokens: γ is capped, and a tree keeps its first
+nodes.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from verispec.control import CostModel, make_gamma_policy
 from verispec.drafters.base import Drafter
 from verispec.errors import InvalidParameterError, PromptError, VerispecError
 from verispec.models.loading import LoadedModel, ModelCache
-from verispec.models.transformer import ROW_INVARIANT_POSITIONS
 from verispec.sampling.processors import SamplingParams, greedy_tokens, seen_mask, to_probs
 from verispec.tokentree import ancestor_mask, check_parents, depths, is_chain, keep_nodes, tree_attention_mask
 from verispec.types import Draft, GenerationResult, GenerationStats, Origin, StepRecord, TokenEvent, Verdict
@@ -215,7 +215,8 @@ class Generation:
         self._closed = False
         self._detok = _Detokenizer(self.target.tokenizer)
         # the most draft tokens one verification may hold and still score each like a decode step
-        self.max_draft_nodes = ROW_INVARIANT_POSITIONS - 1 if self.target.runner.row_invariant else None
+        exact = self.target.runner.exact_positions
+        self.max_draft_nodes = exact - 1 if exact is not None else None
 
         # building a drafter and measuring costs happen once per engine: not part of this request's time
         try:

@@ -18,7 +18,7 @@ from verispec.sampling.processors import SamplingParams, greedy_tokens, seen_mas
 from verispec.sampling.samplers import multinomial
 from verispec.types import Draft
 
-__all__ = ["DraftModelDrafter", "kept_length", "sample_chain"]
+__all__ = ["DraftModelDrafter", "sample_chain"]
 
 
 def sample_chain(
@@ -56,7 +56,7 @@ def sample_chain(
     return Draft(torch.tensor(tokens, dtype=torch.long), draft_probs)
 
 
-def kept_length(ids: list[int], base: int, drafted: list[int]) -> int:
+def _kept_length(ids: list[int], base: int, drafted: list[int]) -> int:
     """How much of a draft's context stays valid after verification: the committed sequence `ids` up
     to where it stops agreeing with the tokens `drafted` after position `base` (in a merged tree
     another branch may have been accepted), and never its last token, which the draft has not seen."""
@@ -93,5 +93,5 @@ class _DraftModelSession(DraftSession):
         return draft
 
     def commit(self, ids):
-        self.cache.truncate(min(self.cache.length, kept_length(ids, self.base, self.drafted)))
+        self.cache.truncate(min(self.cache.length, _kept_length(ids, self.base, self.drafted)))
         self.base, self.drafted = len(ids), []

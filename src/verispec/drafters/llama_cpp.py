@@ -5,8 +5,8 @@ engine that shares the target's tokenizer; the output stays exactly the target's
 llama.cpp drafts much faster than verispec's own runner (a CPU without fbgemm runs verispec's int8 in
 a float64 fallback). On the 2-core AVX2 CPU of BENCHMARKS.md ("Session 8") it does not: one token
 costs 22 ms against the int8 draft's 28, but the step after a fully accepted draft feeds two tokens,
-which llama.cpp's kernels charge ~1.9× one (verispec's int8 runner ~1.05×), so c came out 0.48
-against 0.43.
+which llama.cpp's kernels charge ~1.9× one (`scripts/llama_cpp_verify_probe.py`; verispec's int8
+runner ~1.05×, `scripts/int8_overhead.py`), so c came out 0.48 against 0.43.
 
 The session keeps llama.cpp's context a prefix of the committed sequence, as the draft-model session
 does with its KV cache: after verification it is cut back to the accepted part (the next evaluation
@@ -21,7 +21,7 @@ import time
 import torch
 
 from verispec.drafters.base import Drafter, DraftSession
-from verispec.drafters.draft_model import kept_length, sample_chain
+from verispec.drafters.draft_model import sample_chain
 from verispec.errors import IncompatibleModelsError, InvalidParameterError
 from verispec.models.loading import LoadedModel
 from verispec.models.registry import gguf_file
@@ -38,7 +38,11 @@ class LlamaCppContext:
     prefill computes logits for its last token only)."""
 
     def __init__(self, llm):
+        import llama_cpp
+        import numpy as np
+
         self.llm = llm
+        self._logits_ith, self._as_array = llama_cpp.llama_get_logits_ith, np.ctypeslib.as_array
 
     @property
     def length(self) -> int:
@@ -57,12 +61,9 @@ class LlamaCppContext:
 
     def eval(self, tokens: list[int]) -> torch.Tensor:
         """Append `tokens`; the logits [1, vocab] after the last one."""
-        import llama_cpp
-        import numpy as np
-
         self.llm.eval(tokens)
-        row = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)  # float* into llama.cpp's buffer
-        return torch.from_numpy(np.ctypeslib.as_array(row, shape=(self.llm.n_vocab(),)).copy())[None]
+        row = self._logits_ith(self.llm.ctx, -1)  # float* into llama.cpp's buffer
+        return torch.from_numpy(self._as_array(row, shape=(self.llm.n_vocab(),)).copy())[None]
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.llm.tokenize(text.encode(), add_bos=False, special=False))
@@ -122,7 +123,6 @@ class LlamaCppDrafter(Drafter):
 class _LlamaCppSession(DraftSession):
     def __init__(self, drafter: LlamaCppDrafter, prompt_ids: list[int]):
         self.drafter, self.context = drafter, drafter.context
-        self.base, self.drafted = 0, []  # last proposal: committed length then, and the tokens drafted
         self._own()
         if 1 < len(prompt_ids) <= self.context.window:
             self.context.eval(prompt_ids[:-1])  # the prompt's prefill, as the target's
@@ -138,15 +138,14 @@ class _LlamaCppSession(DraftSession):
             return Draft(torch.zeros(0, dtype=torch.long))
         self._own()
         logits = self.context.eval(ids[self.context.length :])
-        draft = sample_chain(logits, lambda token: self.context.eval([token]), ids, gamma, params, generator,
-                             self.drafter.target_vocab_size)
-        self.base, self.drafted = len(ids), draft.tokens.tolist()
-        return draft
+        return sample_chain(logits, lambda token: self.context.eval([token]), ids, gamma, params, generator,
+                            self.drafter.target_vocab_size)
 
     def commit(self, ids):
+        # a chain is accepted up to a prefix and the target adds a token the draft has not seen: the
+        # context stays valid up to the committed sequence minus its last token
         if self.drafter.owner is self:
-            self.context.truncate(kept_length(ids, self.base, self.drafted))
-        self.base, self.drafted = len(ids), []
+            self.context.truncate(len(ids) - 1)
 
     def finish(self):
         if self.drafter.owner is self:

@@ -401,6 +401,13 @@ class Transformer:
         return x
 
     @property
+    def exact_positions(self) -> int | None:
+        """The most new positions one forward scores bit for bit as single-token steps would (a
+        row-invariant runner: longer feeds attend in one batched call), or None when no bound applies
+        (float runners are exact only up to rounding at any width)."""
+        return ROW_INVARIANT_POSITIONS if self.row_invariant else None
+
+    @property
     def compiled(self) -> bool:
         """Whether decode steps and chain verifications run the C++ decoder stack (`_compiled_layers`)."""
         return self._compiled_layers() is not None
