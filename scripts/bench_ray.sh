@@ -12,8 +12,8 @@ model=(--target smollm2-135m-instruct --draft ngram)
 log() { echo "== $(date +%T) load average $(cut -d' ' -f1-3 /proc/loadavg) :: $*"; }
 
 # the 17 prompts of the `own` set, twice: 34 records; the serving prompt is one of them
-$py -c "import json; from verispec.bench.prompts import PROMPTS; print('\n'.join(json.dumps({'id': f'{p.name}-{k}', 'prompt': p.text}) for k in range(2) for p in PROMPTS))" > "$out/own34.jsonl"
-prompt="$($py -c 'from verispec.bench.prompts import PROMPTS; print(next(p.text for p in PROMPTS if p.name == "sum-lighthouse"))')"
+$py -c "import json; from verispec.tools.bench.prompts import PROMPTS; print('\n'.join(json.dumps({'id': f'{p.name}-{k}', 'prompt': p.text}) for k in range(2) for p in PROMPTS))" > "$out/own34.jsonl"
+prompt="$($py -c 'from verispec.tools.bench.prompts import PROMPTS; print(next(p.text for p in PROMPTS if p.name == "sum-lighthouse"))')"
 
 serve_levels() {  # label, then extra `verispec serve` options
     local label=$1; shift
@@ -21,7 +21,7 @@ serve_levels() {  # label, then extra `verispec serve` options
     $py -m verispec.cli serve --port 8731 "${model[@]}" --max-batch 8 "$@" > "$out/serve-$label.log" 2>&1 &
     local pid=$!
     for _ in $(seq 300); do $py -c "import httpx; httpx.get('http://127.0.0.1:8731/health').raise_for_status()" 2>/dev/null && break; sleep 1; done
-    $py -m verispec.server.loadtest --url http://127.0.0.1:8731 --clients 1,4,16 --requests 16 --max-tokens 64 --chat --prompt "$prompt"
+    $py -m verispec.serving.http.loadtest --url http://127.0.0.1:8731 --clients 1,4,16 --requests 16 --max-tokens 64 --chat --prompt "$prompt"
     kill -TERM $pid && wait $pid || true
 }
 serve_levels plain

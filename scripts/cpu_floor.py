@@ -11,7 +11,7 @@ time. This script measures, in one process:
 
 and prints each step's floor (bytes / bandwidth) next to its measured time, the speedup speculation
 must bring for the int8 target to tie llama.cpp's plain decode, and the best speedup the theory
-(`verispec.analysis`, with the measured verification curve) gives a draft model with this cost at
+(`verispec.control.theory`, with the measured verification curve) gives a draft model with this cost at
 the --alphas acceptance rates (an n-gram table's c is ≈ 0), with the measured verification curve
 and, as an upper bound, with verification as cheap as one position.
 
@@ -28,8 +28,8 @@ import time
 import gguf
 import torch
 
-from verispec.analysis import curve_verify_cost, expected_speedup, optimal_gamma
-from verispec.bench.memory import runner_linear_bytes
+from verispec.control.theory import curve_verify_cost, expected_speedup, optimal_gamma
+from verispec.tools.bench.memory import runner_linear_bytes
 from verispec.models.loading import load_model
 from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, gguf_path, shipped_model
 

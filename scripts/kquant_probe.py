@@ -26,7 +26,7 @@ import torch
 from torch.utils.cpp_extension import load
 
 from verispec.models.int8 import Int8Linear
-from verispec.models.registry import cache_dir
+from verispec.paths import cache_dir
 
 SHAPES = {"qkv": (2048, 1536), "gate_up": (17920, 1536), "down": (1536, 8960), "head": (151936, 1536)}
 

@@ -15,8 +15,8 @@ from transformers import PreTrainedTokenizerFast
 from verispec import Engine, GenerationConfig, SamplingParams
 from verispec.drafters import DraftModelDrafter, ExpansionDrafter, NgramDrafter
 from verispec.models.loading import load_model
-from verispec.server.app import chat_prompt_ids
-from verispec.server.schemas import ChatMessage
+from verispec.serving.request import chat_prompt_ids
+from verispec.serving.http.schemas import ChatMessage
 
 MODEL = "tiny"
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # words are tokens "t0".."t47"

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from verispec.analysis import (acceptance_rate, curve_verify_cost, expected_speedup, expected_tokens, optimal_gamma,
+from verispec.control.theory import (acceptance_rate, curve_verify_cost, expected_speedup, expected_tokens, optimal_gamma,
                                speedup_table)
 from verispec.cli import main as cli_main
 from verispec.errors import InvalidParameterError
@@ -70,7 +70,7 @@ def test_analyze_command_needs_both_alpha_and_c(capsys):
 
 
 def test_measure_pair_on_tiny_models(tiny_text_pair, tmp_path, capsys):
-    from verispec.measure import measure_pair
+    from verispec.tools.measure import measure_pair
     from verispec.models.loading import load_model
 
     tiny_target, tiny_draft = tiny_text_pair
@@ -93,7 +93,7 @@ def test_measure_pair_on_tiny_models(tiny_text_pair, tmp_path, capsys):
 def test_width_flips_counts_positions_and_catches_a_width_dependent_model(tiny_text_pair, tmp_path, capsys):
     import dataclasses
 
-    from verispec.measure import width_flips
+    from verispec.tools.measure import width_flips
     from verispec.models.loading import load_model
 
     target = load_model(tiny_text_pair[0])

@@ -9,7 +9,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from verispec.errors import InvalidParameterError, PromptError
 from verispec.models.loading import LoadedModel
 from verispec.models.transformer import Transformer
-from verispec.sampling.beam import beam_search
+from verispec.engine.beam import beam_search
 
 VOCAB, EOS = 64, 3
 

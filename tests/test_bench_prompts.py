@@ -2,8 +2,8 @@
 
 import pytest
 
-from verispec.bench.compare import cut_at_eos, parse_method, summarize
-from verispec.bench.prompts import CATEGORIES, PROMPTS, select_prompts
+from verispec.tools.bench.compare import cut_at_eos, parse_method, summarize
+from verispec.tools.bench.prompts import CATEGORIES, PROMPTS, select_prompts
 from verispec.errors import InvalidParameterError
 
 

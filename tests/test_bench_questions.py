@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from verispec.bench.prompts import CATEGORIES, PROMPTS
-from verispec.bench.questions import HUMANEVAL_INSTRUCTION, load_humaneval, load_questions, load_sources, select
+from verispec.tools.bench.prompts import CATEGORIES, PROMPTS
+from verispec.tools.bench.questions import HUMANEVAL_INSTRUCTION, load_humaneval, load_questions, load_sources, select
 from verispec.errors import InvalidParameterError
 
 

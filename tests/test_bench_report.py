@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from verispec.analysis import expected_speedup
-from verispec.bench.plots import write_bench_plots
-from verispec.bench.report import markdown_report, summarize, write_json
+from verispec.control.theory import expected_speedup
+from verispec.tools.bench.plots import write_bench_plots
+from verispec.tools.bench.report import markdown_report, summarize, write_json
 
 
 def _stats(accepted: list[int], proposed: int, c: float) -> dict:
@@ -75,7 +75,7 @@ def test_plots_are_written(tmp_path):
 
 
 def test_category_bars_show_tokens_per_second_when_the_run_has_no_hf_plain():
-    from verispec.bench.plots import category_bars
+    from verispec.tools.bench.plots import category_bars
 
     with_baseline = summarize(_records(), ["hf-plain", "vs:model"])
     metric, categories, values = category_bars(with_baseline)
@@ -87,7 +87,7 @@ def test_category_bars_show_tokens_per_second_when_the_run_has_no_hf_plain():
 
 
 def test_methods_split_keeps_drafter_options():
-    from verispec.bench.compare import split_methods
+    from verispec.tools.bench.compare import split_methods
 
     assert split_methods("hf-plain, vs:stand:k=2,depth=5@constant,vs:none,hf-pld") == [
         "hf-plain", "vs:stand:k=2,depth=5@constant", "vs:none", "hf-pld"]
@@ -95,8 +95,8 @@ def test_methods_split_keeps_drafter_options():
 
 def test_warm_up_runs_on_a_prompt_outside_the_measured_set():
     """A drafter that learns across requests (STAND, online) must not meet a measured prompt untimed."""
-    from verispec.bench.compare import Output, run
-    from verispec.bench.prompts import Prompt
+    from verispec.tools.bench.compare import Output, run
+    from verispec.tools.bench.prompts import Prompt
 
     class Recorder:
         def __init__(self, name):

@@ -19,7 +19,7 @@ from verispec.drafters.cascade import HorizontalCascadeDrafter, VerticalCascadeD
 from verispec.errors import InvalidParameterError
 from verispec.models.loading import load_model
 from verispec.models.variants import derive_model, truncated
-from verispec.reference import reference_generate, sequence_distribution
+from verispec.testing.reference import reference_generate, sequence_distribution
 
 PROMPTS = [[5, 9, 2, 7], [11, 3, 3, 3, 8, 1, 30, 12, 5, 3, 3, 8], [40]]
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from verispec.draft_design import design, format_ranking
+from verispec.tools.design import design, format_ranking
 from verispec.errors import InvalidParameterError
 from verispec.models.loading import load_model
 

@@ -15,7 +15,7 @@ from verispec import Engine, GenerationConfig, SamplingParams, load
 from verispec.drafters import DraftModelDrafter, NgramDrafter, make_drafter
 from verispec.errors import IncompatibleModelsError, InvalidParameterError, ModelNotFoundError, PromptError
 from verispec.models.loading import load_model
-from verispec.reference import reference_generate, sequence_distribution
+from verispec.testing.reference import reference_generate, sequence_distribution
 
 PROMPTS = [[5, 9, 2, 7], [11, 3, 3, 3, 8, 1, 30, 12, 5], [40]]
 
@@ -117,7 +117,7 @@ def test_sampled_ngram_drafts_are_lossless(small_pair):
 
 def test_the_end_to_end_test_catches_a_wrong_rule(small_pair, monkeypatch):
     """Accepting every draft token (no rejection) must be detected by the same test."""
-    import verispec.engine as engine_module
+    import verispec.engine.loop as engine_module
     from verispec.types import Origin, Verdict
 
     def accept_all(draft_tokens, draft_probs, target_probs, generator):

@@ -20,20 +20,20 @@ from conftest import make_tiny_model
 from stats import SIGNIFICANCE, chi_square_pvalue
 
 from verispec import Engine, GenerationConfig, SamplingParams
-from verispec.bench.memory import runner_linear_bytes, runner_weights_mib
+from verispec.tools.bench.memory import runner_linear_bytes, runner_weights_mib
 from verispec.cli import main as cli_main
 from verispec.drafters import DraftModelDrafter, ExpansionDrafter, NgramDrafter, StandDrafter, make_drafter
 from verispec.errors import InvalidParameterError
 from verispec.models.int8 import Int8Linear
 from verispec.models.loading import load_model, parse_precision
 from verispec.models.transformer import Transformer
-from verispec.reference import reference_generate, sequence_distribution
+from verispec.testing.reference import reference_generate, sequence_distribution
 
 PROMPTS = [[5, 9, 2, 7], [11, 3, 3, 3, 8, 1, 30, 12, 5], [40]]
 
 
 class WholeSequenceOracle:
-    """`model(ids).logits` like a transformers model (the interface of `verispec.reference`), computed
+    """`model(ids).logits` like a transformers model (the interface of `verispec.testing.reference`), computed
     by a verispec runner over the whole sequence in ONE forward pass with a fresh cache."""
 
     def __init__(self, runner: Transformer):
@@ -169,7 +169,7 @@ def test_verification_costs_are_measured_apart_for_the_compiled_stack(target8, m
     import json
 
     from verispec.control.costs import CostModel
-    from verispec.models.registry import cache_dir
+    from verispec.paths import cache_dir
 
     assert target8.runner.compiled
     CostModel.calibrated(target8, 2)
@@ -379,7 +379,7 @@ def test_quality_report_compares_int8_with_float32(tiny_text_pair, tmp_path, cap
 
 
 def test_bench_methods_take_a_precision_and_llama_cpp_is_optional(monkeypatch):
-    from verispec.bench import compare
+    from verispec.tools.bench import compare
 
     assert compare.parse_method("vs:none[int8]").precision == "int8"
     spec = compare.parse_method("vs:model@constant[fp32]")
@@ -407,7 +407,7 @@ def test_llama_cpp_needs_a_gguf_target(tiny_target):
 def test_bench_runs_int8_methods_beside_float32(tiny_text_pair, tmp_path, monkeypatch, capsys):
     import json
 
-    from verispec.bench import compare
+    from verispec.tools.bench import compare
 
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(compare, "llama_cpp_available", lambda: False)

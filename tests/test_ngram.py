@@ -49,7 +49,7 @@ def test_ngram_index_survives_rollbacks(oldest):
 
 
 def test_the_lookup_benchmark_times_both_methods_at_every_length():
-    from verispec.bench.lookup import time_lookups
+    from verispec.tools.bench.lookup import time_lookups
 
     rows = time_lookups([5, 6, 7, 8, 9] * 40, [100, 150], steps=5, gamma=4)
     assert [(r["length"], r["method"].split()[0]) for r in rows] == [(100, "verispec"), (100, "HF"), (150, "verispec"), (150, "HF")]

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from verispec import Engine, GenerationConfig
-from verispec.online import OnlineDrafter
-from verispec.reference import reference_generate
+from verispec.drafters.online import OnlineDrafter
+from verispec.testing.reference import reference_generate
 
 PROMPT = [11, 3, 3, 3, 8, 1, 30, 12, 5]
 
@@ -29,7 +29,7 @@ def test_alpha_rises_after_updates_and_output_stays_exact(target, draft, hf_targ
 
 
 def test_an_update_that_lowers_alpha_is_rolled_back(target, tmp_path, monkeypatch):
-    import verispec.online as online
+    import verispec.drafters.online as online
 
     def harmful(head, *args, **kwargs):
         head.B = 50.0 * torch.randn_like(head.B)  # a wild adapter: the draft turns to noise
@@ -53,7 +53,7 @@ def test_an_update_that_lowers_alpha_is_rolled_back(target, tmp_path, monkeypatc
 
 
 def test_an_update_that_breaks_held_out_positions_never_serves(target, tmp_path, monkeypatch):
-    import verispec.online as online
+    import verispec.drafters.online as online
 
     def harmful(head, *args, **kwargs):
         head.B = 50.0 * torch.randn_like(head.B)
@@ -72,7 +72,7 @@ def test_an_update_that_breaks_held_out_positions_never_serves(target, tmp_path,
 
 
 def test_distillation_fixes_misses_and_keeps_the_anchored_positions(draft):
-    from verispec.online import LowRankHead, distill
+    from verispec.drafters.online import LowRankHead, distill
 
     head = LowRankHead(draft.runner.lm_head, rank=4)
     torch.manual_seed(0)
@@ -89,7 +89,7 @@ def test_distillation_fixes_misses_and_keeps_the_anchored_positions(draft):
 def test_the_loss_is_the_exact_kl_over_the_vocabulary_though_only_some_columns_train(draft):
     """Only the misses' target tokens (and tokens B already moved) train, yet the loss is exactly
     KL(target ‖ draft) over the full vocabulary, before and after an update."""
-    from verispec.online import LowRankHead, distill
+    from verispec.drafters.online import LowRankHead, distill
 
     head = LowRankHead(draft.runner.lm_head, rank=4)
     torch.manual_seed(1)
@@ -137,7 +137,7 @@ def test_online_is_a_drafter_spec_that_learns_across_concurrent_requests(target,
 
 
 def test_the_stream_benchmark_compares_frozen_and_online_side_by_side(target, draft, tmp_path):
-    from verispec.bench.online import plot_stream, run_stream
+    from verispec.tools.bench.online import plot_stream, run_stream
     from verispec.drafters import DraftModelDrafter
 
     frozen = Engine(target, DraftModelDrafter(draft, target.vocab_size), gamma=3, gamma_policy="constant")

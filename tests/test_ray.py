@@ -31,11 +31,11 @@ from server_helpers import MODEL, TinyLoader, _free_port, expected_text, tiny_en
 
 import verispec
 from verispec.cli import main
-from verispec.distributed.batch_io import check_ids, read_input, written_ids
-from verispec.distributed.metrics_mirror import parse_prometheus
-from verispec.distributed.proxy import REPLICA_LOST_CODE, SERVE_PROXY_ENV
+from verispec.serving.cluster.batch_io import check_ids, read_input, written_ids
+from verispec.serving.cluster.metrics_mirror import parse_prometheus
+from verispec.serving.cluster.proxy import REPLICA_LOST_CODE, SERVE_PROXY_ENV
 from verispec.errors import VerispecError
-from verispec.server.metrics import Metrics
+from verispec.serving.http.metrics import Metrics
 
 PROMPTS = ["t5 t9 t2 t7", "t22 t3 t3 t3 t8 t2 t30 t42 t5", "t20 t21 t22 t20 t21", "t7 t7 t7", "t33 t2", "t40"]
 
@@ -71,7 +71,7 @@ def cluster():
 # ---- without a cluster ---------------------------------------------------------------------------
 
 def test_missing_ray_says_how_to_install(monkeypatch):
-    from verispec.distributed.cluster import require_ray
+    from verispec.serving.cluster.cluster import require_ray
 
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray → ImportError
     with pytest.raises(VerispecError, match=r"pip install 'verispec\[ray\]'"):
@@ -120,7 +120,7 @@ def test_batch_runs_locally_without_ray_and_resumes(tiny_text_pair, tmp_path, mo
 
 
 def test_serve_options_refuse_half_an_autoscaling_range():
-    from verispec.distributed.serve import ServeOptions
+    from verispec.serving.cluster.serve import ServeOptions
 
     with pytest.raises(VerispecError, match="both --min-replicas and --max-replicas"):
         ServeOptions(min_replicas=1)
@@ -132,7 +132,7 @@ def test_serve_options_refuse_half_an_autoscaling_range():
 
 def test_serve_run_builder_takes_string_arguments():
     pytest.importorskip("ray", reason="Ray is not installed: pip install 'verispec[ray]'")
-    from verispec.distributed.serve import build_app
+    from verispec.serving.cluster.serve import build_app
 
     app = build_app({"target": "some-model", "draft": "ngram", "gamma": "3", "min_replicas": "1", "max_replicas": "3", "replica_cpus": "2"})
     deployment = app._bound_deployment  # (no public accessor for what an Application is bound to)
@@ -147,7 +147,7 @@ def test_serve_run_builder_takes_string_arguments():
 
 def test_cli_serve_ray_comes_up_answers_and_cleans_up(cluster, tiny_target):
     """`verispec serve --ray --ray-address …` joins the cluster, serves, and on SIGTERM removes what it started."""
-    from verispec.distributed.serve import serve_running
+    from verispec.serving.cluster.serve import serve_running
 
     if serve_running():
         pytest.skip("Serve is already running on this cluster: this test must run before the others start it")
@@ -185,7 +185,7 @@ def served(cluster, tiny_target):
     """Two replicas of the tiny engine on Serve; each target pass sleeps 30 ms so that requests overlap."""
     from ray import serve
 
-    from verispec.distributed.serve import ServeOptions, deploy
+    from verispec.serving.cluster.serve import ServeOptions, deploy
 
     options = ServeOptions(replicas=2, replica_cpus=0.5, port=_free_port(), model_name=MODEL, max_batch=4, max_queue=16)
     url = deploy(TinyLoader(str(tiny_target), delay=0.03), options)

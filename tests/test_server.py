@@ -18,7 +18,7 @@ import pytest
 from server_helpers import MODEL, LocalServer, expected_text, slow, tiny_engine
 
 from verispec import GenerationConfig, SamplingParams
-from verispec.server import create_app
+from verispec.serving.http import create_app
 
 PROMPTS = ["t5 t9 t2 t7", "t22 t3 t3 t3 t8 t2 t30 t42 t5", "t40", "t20 t21 t22 t20 t21", "t7 t7 t7", "t33 t2"]  # no word starts with "t1": the unknown token "t1" is matched inside words
 
@@ -144,7 +144,7 @@ def test_scheduler_batches_ragged_rows_identically_to_solo(tiny_target, tiny_dra
     draft accepted, bonus tokens), a random draft (mostly rejected), and token trees from the target
     itself (tree masks and positions per row). Greedy and seeded sampled rows batched together give
     the tokens of solo decoding."""
-    from verispec.server.scheduler import Scheduler
+    from verispec.serving.http.scheduler import Scheduler
 
     draft = {"self": tiny_target, "model": tiny_draft, "tree": ("tree", tiny_target)}[draft]
     engine = tiny_engine(tiny_target, draft=draft)
@@ -177,7 +177,7 @@ def test_scheduler_batches_ragged_rows_identically_to_solo(tiny_target, tiny_dra
 
 def test_worker_survives_a_failure_outside_any_request(tiny_target):
     """A bug in the step loop itself fails the requests of that step; the worker keeps serving."""
-    from verispec.server.scheduler import Scheduler
+    from verispec.serving.http.scheduler import Scheduler
 
     scheduler = Scheduler(tiny_engine(tiny_target))
     record_step, calls = scheduler.metrics.record_step, []
@@ -417,7 +417,7 @@ def test_playground_streams_coloured_tokens(server, reference, tmp_path):
 
 
 def test_loadtest_is_bounded_and_reports(server):
-    from verispec.server.loadtest import run_level
+    from verispec.serving.http.loadtest import run_level
 
     body = {"prompt": PROMPTS[3], "max_tokens": 8, "temperature": 0}
     rows = [asyncio.run(run_level(server.url, MODEL, clients, 6, body)) for clients in (1, 3)]

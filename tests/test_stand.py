@@ -100,8 +100,8 @@ def test_replay_counts_exactly_what_the_engine_accepts(target):
     same accepted tokens (so its per-node acceptance is what the engine would see)."""
     from verispec import Engine, GenerationConfig
     from verispec.drafters.branching import level_paths
-    from verispec.measure import teacher_forced_logits
-    from verispec.tree_search import replay
+    from verispec.tools.measure import teacher_forced_logits
+    from verispec.tools.tree_search import replay
 
     prompt, shape = [5, 9, 2, 7, 5, 9, 2, 7, 11, 5, 9], level_paths(2, 3, 2)
     engine = Engine(target, StandDrafter(target.vocab_size, max_n=3, paths=shape), gamma=3, gamma_policy="constant")
@@ -116,7 +116,7 @@ def test_ranking_keeps_every_prefix_a_tree():
     from collections import Counter
 
     from verispec.drafters.branching import check_paths, level_paths
-    from verispec.tree_search import expected_tokens_by_size, rank_nodes
+    from verispec.tools.tree_search import expected_tokens_by_size, rank_nodes
 
     candidates = level_paths(3, 3, 3)
     counts = Counter({(0,): 9, (1,): 2, (2,): 5, (0, 0): 7, (0, 1): 8, (2, 0): 4})  # (2,) beats (1,): must wait for it

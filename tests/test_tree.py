@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from verispec import Engine, GenerationConfig, SamplingParams
 from verispec.drafters.tree import ExpansionDrafter, MergeDrafter
 from verispec.models.loading import load_model
-from verispec.reference import reference_generate, sequence_distribution
+from verispec.testing.reference import reference_generate, sequence_distribution
 from verispec.tokentree import ancestor_mask, path_to, tree_attention_mask
 
 PROMPTS = [[5, 9, 2, 7], [11, 3, 3, 3, 8, 1, 30, 12, 5, 11, 3, 3], [40]]

@@ -15,7 +15,7 @@ from verispec.drafters.triforce import StreamingDraft, TriForceDrafter, make_tri
 from verispec.errors import InvalidParameterError
 from verispec.models.loading import load_model
 from verispec.models.retrieval_cache import build_retrieval_cache, chunk_scores, select_chunks
-from verispec.reference import reference_generate, sequence_distribution
+from verispec.testing.reference import reference_generate, sequence_distribution
 
 LONG_PROMPT = [(7 * i + 3) % 47 + 1 for i in range(100)]
 SMALL = dict(budget=16, chunk=4, recent=8, sinks=2, window=16, gamma1=2)
@@ -121,7 +121,7 @@ def test_bad_options_raise_clear_errors(target, draft):
 
 
 def test_long_context_tasks_are_deterministic_and_hold_their_facts(target):
-    from verispec.bench.longctx import make_document, make_tasks
+    from verispec.tools.bench.longctx import make_document, make_tasks
 
     document, codes = make_document(300, target.tokenizer, seed=3)
     assert make_document(300, target.tokenizer, seed=3) == (document, codes)
@@ -132,7 +132,7 @@ def test_long_context_tasks_are_deterministic_and_hold_their_facts(target):
 
 
 def test_long_context_measurement_compares_methods_on_one_task(target, draft):
-    from verispec.bench.longctx import LongTask, _speedups, measure
+    from verispec.tools.bench.longctx import LongTask, _speedups, measure
 
     task = LongTask("question", " ".join(f"t{t}" for t in LONG_PROMPT[:80]), None)
     drafters = {"plain": None, "triforce": TriForceDrafter(target, draft, **SMALL)}
@@ -145,7 +145,7 @@ def test_long_context_measurement_compares_methods_on_one_task(target, draft):
 def test_long_context_rows_are_saved_and_plotted(tmp_path):
     import json
 
-    from verispec.bench.longctx import _save
+    from verispec.tools.bench.longctx import _save
 
     rows = [{"length": n, "task": "question", "method": m, "prompt_tokens": n + 20, "decode_tok_s": s,
              "peak_extra_mib": 10.0 * n} for n in (1024, 2048) for m, s in (("plain", 5.0), ("triforce", 7.5))]

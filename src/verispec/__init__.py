@@ -3,47 +3,42 @@
     from verispec import load
     engine = load()                      # Qwen2.5-Coder 1.5B target + 0.5B draft, shipped via PyPI
     print(engine.generate("Write a haiku about caches.").text)
+
+The names below are imported on first use (PEP 562), so `import verispec.verify` or
+`import verispec.sampling` pulls in only what those need (torch), not the model loaders.
 """
 
-from verispec.engine import Engine, Generation, GenerationConfig
-from verispec.errors import (
-    IncompatibleModelsError,
-    InvalidParameterError,
-    ModelNotFoundError,
-    PromptError,
-    VerispecError,
-)
-from verispec.sampling import SamplingParams
-from verispec.types import GenerationResult, GenerationStats, Origin, TokenEvent
+from __future__ import annotations
 
-__all__ = [
-    "load", "Engine", "Generation", "GenerationConfig", "SamplingParams", "GenerationResult", "GenerationStats",
-    "Origin", "TokenEvent", "VerispecError", "ModelNotFoundError", "IncompatibleModelsError",
-    "InvalidParameterError", "PromptError",
-]
+import importlib
+
+_EXPORTS = {
+    "load": "verispec.engine.build",
+    "Engine": "verispec.engine.loop",
+    "Generation": "verispec.engine.loop",
+    "GenerationConfig": "verispec.engine.loop",
+    "SamplingParams": "verispec.sampling.processors",
+    "GenerationResult": "verispec.types",
+    "GenerationStats": "verispec.types",
+    "Origin": "verispec.types",
+    "TokenEvent": "verispec.types",
+    "VerispecError": "verispec.errors",
+    "ModelNotFoundError": "verispec.errors",
+    "IncompatibleModelsError": "verispec.errors",
+    "InvalidParameterError": "verispec.errors",
+    "PromptError": "verispec.errors",
+}
+
+__all__ = list(_EXPORTS)
 
 
-def load(
-    target: str = "qwen2.5-coder-1.5b-instruct",
-    draft: str | None = "model",
-    dtype: str = "float32",
-    gamma: int = 4,
-    gamma_policy: str = "analytic",
-) -> Engine:
-    """Load a target and a drafter (spec as in `verispec.drafters.make_drafter`) into an Engine.
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'verispec' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
 
-    dtype: "float32", "bfloat16" or "int8" (int8 weights, float32 activations; the draft model is
-    loaded in the same precision; see `verispec.models.loading`).
-    """
-    from verispec.drafters import make_drafter
-    from verispec.models.linear import VERIFY_ROWS
-    from verispec.models.loading import ModelCache
 
-    models = ModelCache()
-    target_model = models(target, dtype, pack_rows=1 if draft in (None, "none") else VERIFY_ROWS)
-    drafter = make_drafter(draft, target_model, load=models)
-    drafts = [name for name in models.names if name != target_model.name]
-    if len(drafts) == 1:
-        models.default_draft = drafts[0]  # what a request's `tree`, `hybrid`, … will draft with
-    models.frozen = True  # a request may pick another drafter over these models, never load new ones
-    return Engine(target_model, drafter, gamma, gamma_policy, drafter_spec=draft, models=models)
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

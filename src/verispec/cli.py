@@ -88,7 +88,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _beam(args: argparse.Namespace, config) -> int:
     from verispec.models.loading import load_model
-    from verispec.sampling.beam import beam_search
+    from verispec.engine.beam import beam_search
 
     if not config.sampling.greedy:
         Console(stderr=True).print("[yellow]note:[/yellow] beam search is deterministic; sampling options are ignored")
@@ -105,7 +105,8 @@ def _beam(args: argparse.Namespace, config) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from verispec.models.registry import SHIPPED_MODELS, cache_dir, prepare_shipped_model
+    from verispec.models.registry import SHIPPED_MODELS, prepare_shipped_model
+    from verispec.paths import cache_dir
 
     if args.pull:
         for name in args.pull:
@@ -118,7 +119,7 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _engine_spec(args: argparse.Namespace):
-    from verispec.distributed.cluster import EngineSpec
+    from verispec.serving.cluster.cluster import EngineSpec
 
     return EngineSpec(args.target, args.draft, args.dtype, args.gamma, args.gamma_policy)
 
@@ -129,7 +130,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from verispec import load
-    from verispec.server import create_app
+    from verispec.serving.http import create_app
 
     engine = load(args.target, args.draft, args.dtype, args.gamma, args.gamma_policy)  # once, before serving
     app = create_app(engine, model_name=args.model_name, max_batch=args.max_batch, max_queue=args.max_queue,
@@ -141,7 +142,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _serve_on_ray(args: argparse.Namespace) -> int:
-    from verispec.distributed.serve import ServeOptions, run_cli
+    from verispec.serving.cluster.serve import ServeOptions, run_cli
 
     options = ServeOptions(
         replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas, replica_cpus=args.replica_cpus,
@@ -155,8 +156,8 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
 def _batch(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from verispec.distributed.batch import BatchOptions, print_report, run_batch
-    from verispec.distributed.cluster import ray_session
+    from verispec.serving.cluster.batch import BatchOptions, print_report, run_batch
+    from verispec.serving.cluster.cluster import ray_session
 
     options = BatchOptions(actors=args.actors, actor_cpus=args.actor_cpus, batch_size=args.batch_size,
                            max_tokens=args.max_new_tokens, temperature=args.temperature, output_format=args.output_format,
@@ -174,13 +175,13 @@ def _batch(args: argparse.Namespace) -> int:
 
 
 def _bench(argv: list[str]) -> int:
-    from verispec.bench.compare import main as bench_main
+    from verispec.tools.bench.compare import main as bench_main
 
     return bench_main(argv)
 
 
 def _analyze(args: argparse.Namespace) -> int:
-    from verispec.analyze import run
+    from verispec.tools.analyze import run
 
     return run(args)
 
@@ -198,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="list shipped models, or --pull NAME to install and convert")
     models.add_argument("--pull", nargs="*", metavar="NAME")
     models.set_defaults(func=_models)
-    from verispec.analyze import add_arguments as add_analyze_arguments
+    from verispec.tools.analyze import add_arguments as add_analyze_arguments
 
     analyze = sub.add_parser("analyze", help="expected speedup over γ from α and c, given or measured; --plots")
     add_analyze_arguments(analyze)
@@ -239,13 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_ray_address(batch)
     _add_model_options(batch)
     batch.set_defaults(func=_batch)
-    from verispec.bench import quality
+    from verispec.tools.bench import quality
 
     quality_parser = sub.add_parser("quality", help="how close one precision is to another (int8 vs float32): "
                                     "greedy agreement and mean KL of next-token distributions")
     quality.add_arguments(quality_parser)
     quality_parser.set_defaults(func=quality.run)
-    from verispec import draft_design
+    from verispec.tools import design as draft_design
 
     design = sub.add_parser("design", help="measure candidate drafts (α, latency) and rank them by predicted speedup")
     draft_design.add_arguments(design)

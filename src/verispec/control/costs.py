@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 
 from verispec.models.loading import LoadedModel
-from verispec.models.registry import cache_dir
+from verispec.paths import cache_dir
 from verispec.models.transformer import Transformer
 from verispec.progress import status
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from verispec.analysis import optimal_gamma
+from verispec.control.theory import optimal_gamma
 from verispec.control.costs import CostModel
 from verispec.errors import InvalidParameterError
 

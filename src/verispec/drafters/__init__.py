@@ -11,7 +11,7 @@ Specs (`KIND` alone uses the defaults; options are `name=integer`, comma-separat
   stand[:max_n=4,min_n=2,k=2,depth=5,wide=1]   STAND: n-gram table of the target's own distributions
   hybrid[:min_match=2,min_rate=30,max_n=4]     n-gram when its match is long enough, else the draft model
   online[:rank=8,buffer_size=64,steps=40,eval_requests=2,replay=4,holdout=25,support=64]   the draft model, distilled toward the
-                                target between requests from its misses (`verispec.online`);
+                                target between requests from its misses (`verispec.drafters.online`);
                                 `self_layers=L`: distil the target's own first L layers instead
   triforce[:budget=512,chunk=32,…]  long prompts: draft model with a StreamingLLM cache → the target
                                 over retrieved KV chunks → the target (every option: drafters/triforce.py)
@@ -30,6 +30,7 @@ from verispec.drafters.base import Drafter, DraftSession
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.hybrid import HybridDrafter
 from verispec.drafters.ngram import NgramDrafter
+from verispec.drafters.online import OnlineDrafter
 from verispec.drafters.specs import SPEC_KINDS, draft_model, is_derived_spec, make_derived_drafter
 from verispec.drafters.stand import StandDrafter
 from verispec.drafters.tree import ExpansionDrafter, MergeDrafter
@@ -98,8 +99,6 @@ def make_drafter(
     if kind == "hybrid":
         return _build(HybridDrafter, kind, rest, with_model)
     if kind == "online":
-        from verispec.online import OnlineDrafter
-
         rest, self_layers = _pop_option(rest, "self_layers")
         if self_layers is not None:  # distil the target's own first layers (a self-speculative draft)
             return _build(OnlineDrafter, kind, rest, lambda: (derive_model(target, layers=self_layers), vocab))

@@ -5,7 +5,7 @@ Children of a node come from its draft distribution [vocab]: the top-k under gre
 the exact distribution it was drawn from (the node's distribution minus the earlier siblings), which
 is what tree verification needs to stay lossless. A static tree shape is either a child count per
 depth (`static_shape`) or any prefix-closed set of rank paths (`fanouts` reads it), such as the one
-`verispec.tree_search` keeps from measured acceptance.
+`verispec.tools.tree_search` keeps from measured acceptance.
 """
 
 from __future__ import annotations

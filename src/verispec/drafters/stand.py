@@ -12,7 +12,7 @@ context by its token. The table lives on the `StandDrafter` and is shared by its
 grows across requests; `save`/`load` keep it on disk.
 
 Default shape k=2, depth=5, wide=1: two candidates for the next token, then a chain under each
-(10 nodes). `stand:nodes=N` uses the first N nodes of the shape searched by `verispec.tree_search`
+(10 nodes). `stand:nodes=N` uses the first N nodes of the shape searched by `verispec.tools.tree_search`
 (seed 002's method: node acceptance measured on a 780-node candidate, 5 children per node to depth
 4, nodes ranked by it; `drafters/stand_shape.json` records the command). On the development prompts
 with a fresh table, E[tokens per step] was 1.25 for the rank-0 chain of depth 4, 1.28 for 8 nodes,
@@ -101,7 +101,7 @@ class StandTable:
 
 class StandDrafter(Drafter):
     """STAND drafting; the tree shape is k children at the first `wide` of `depth` levels, or the
-    `nodes` most useful nodes of the searched shape (`SEARCHED_SHAPE`, see `verispec.tree_search`)."""
+    `nodes` most useful nodes of the searched shape (`SEARCHED_SHAPE`, see `verispec.tools.tree_search`)."""
 
     def __init__(self, vocab_size: int, max_n: int = 4, min_n: int = 2, k: int = 2, depth: int = 5, wide: int = 1,
                  nodes: int = 0, table: StandTable | None = None, paths=None):

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from verispec.models.int8 import Int8Linear, quantize_per_channel
-from verispec.models.registry import cache_dir
+from verispec.paths import cache_dir
 
 __all__ = ["Int8Store", "FORMAT"]
 

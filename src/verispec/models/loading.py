@@ -29,8 +29,9 @@ import torch
 from verispec.errors import IncompatibleModelsError, InvalidParameterError, ModelNotFoundError
 from verispec.models.int8 import int8_available
 from verispec.models.linear import VERIFY_ROWS
-from verispec.models.registry import DEFAULT_DRAFT, SHIPPED_MODELS, cache_dir, convert_gguf, prepare_shipped_model
+from verispec.models.registry import DEFAULT_DRAFT, SHIPPED_MODELS, convert_gguf, prepare_shipped_model
 from verispec.models.transformer import Transformer
+from verispec.paths import cache_dir
 from verispec.progress import status
 
 __all__ = [

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from verispec.errors import ModelNotFoundError
+from verispec.paths import cache_dir
 from verispec.progress import byte_progress, status
 
-__all__ = ["ShippedModel", "SHIPPED_MODELS", "cache_dir", "gguf_file", "gguf_path", "prepare_shipped_model", "shipped_model"]
+__all__ = ["ShippedModel", "SHIPPED_MODELS", "gguf_file", "gguf_path", "prepare_shipped_model", "shipped_model"]
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -105,13 +106,6 @@ def shipped_model(name: str) -> ShippedModel:
             "a local Hugging Face model folder, or a path to a .gguf file"
         ) from None
 
-
-def cache_dir() -> Path:
-    """Where converted weights live: $VERISPEC_CACHE, else $XDG_CACHE_HOME/verispec, else ~/.cache/verispec."""
-    if env := os.environ.get("VERISPEC_CACHE"):
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "verispec"
 
 
 def _install_missing(model: ShippedModel) -> None:

@@ -19,7 +19,7 @@ from types import ModuleType
 
 import torch
 
-from verispec.models.registry import cache_dir
+from verispec.paths import cache_dir
 
 __all__ = ["extension"]
 

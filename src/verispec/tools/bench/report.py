@@ -1,0 +1,161 @@
+"""Benchmark records → summary metrics → Markdown tables and a JSON document.
+
+A record is one timed generation (see `verispec.tools.bench.compare.measure`). Per method, overall and per
+category:
+  tokens_per_second        mean over prompts (median alongside);
+  speedup_vs_hf_plain      mean tokens/s over the prompts hf-plain also ran, divided by hf-plain's mean
+                           over them (Spec-Bench's definition); speedup_median_ratio: median per prompt;
+  identical_to_hf_plain    share of outputs token-for-token equal to hf-plain's (None when sampled:
+                           two correct samplers need not agree);
+  mean_accepted_length τ, acceptance_rate α, per_position_acceptance, cost_ratio c, mean_gamma γ̄:
+                           means over the verispec generations;
+  predicted_speedup        the theory's E[tokens](α, γ̄)/(γ̄·c + 1) from the run's own α, γ̄ and c: the
+                           speedup over the target decoding alone, verification and prefill taken as free;
+  weights_mib, peak_extra_mib, memory_mib: see `verispec.tools.bench.memory`.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+
+from verispec.control.theory import expected_speedup
+
+__all__ = ["BASELINE", "summarize", "group_metrics", "markdown_report", "write_json"]
+
+BASELINE = "hf-plain"
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _mean_per_position(rows: list[list[float]]) -> list[float]:
+    """Elementwise mean of ragged lists (position i over the rows that reach it)."""
+    longest = max((len(r) for r in rows), default=0)
+    return [statistics.fmean(r[i] for r in rows if len(r) > i) for i in range(longest)]
+
+
+def _draft_metrics(stats: list[dict]) -> dict:
+    """τ, α, acceptance per position, c, γ̄ and the predicted speedup over verispec generations' stats."""
+    alpha = _mean([s["acceptance_rate"] for s in stats])
+    c = _mean([s["cost_ratio"] for s in stats])
+    gammas = [s["proposed_tokens"] / s["steps"] for s in stats if s.get("steps") and "proposed_tokens" in s]
+    gamma = _mean(gammas)
+    return {
+        "mean_accepted_length": _mean([s["mean_accepted_length"] for s in stats]),
+        "acceptance_rate": alpha,
+        "per_position_acceptance": _mean_per_position([s["per_position_acceptance"] for s in stats]),
+        "cost_ratio": c,
+        "mean_gamma": gamma,
+        "predicted_speedup": expected_speedup(min(alpha, 1.0), gamma, c) if gamma is not None else None,
+    }
+
+
+def group_metrics(records: list[dict], baseline: dict[str, dict], sampled: bool = False) -> dict:
+    """Metrics over one method's `records`; `baseline` maps prompt name → the hf-plain record."""
+    tps = [r["tokens_per_second"] for r in records]
+    paired = [(r, baseline[r["prompt"]]) for r in records if r["prompt"] in baseline]
+    base_mean = _mean([b["tokens_per_second"] for _, b in paired])
+    extra = [r["peak_extra_mib"] for r in records if r.get("peak_extra_mib") is not None]
+    metrics = {
+        "n": len(records),
+        "tokens_per_second": _mean(tps),
+        "tokens_per_second_median": _median(tps),
+        "speedup_vs_hf_plain": _mean([r["tokens_per_second"] for r, _ in paired]) / base_mean if base_mean else None,
+        "speedup_median_ratio": _median([r["tokens_per_second"] / b["tokens_per_second"]
+                                         for r, b in paired if b["tokens_per_second"]]),
+        "identical_to_hf_plain": None if sampled else _mean([float(r["token_ids"] == b["token_ids"]) for r, b in paired]),
+        "new_tokens_mean": _mean([r["new_tokens"] for r in records]),
+        "peak_extra_mib": max(extra) if extra else None,
+    }
+    stats = [r["stats"] for r in records if "stats" in r]
+    if stats:
+        metrics |= _draft_metrics(stats)
+    return metrics
+
+
+def summarize(records: list[dict], method_names: list[str], sampled: bool = False,
+              weights_mib: dict[str, float] | None = None) -> dict[str, dict]:
+    """Per method: overall metrics, memory, and `per_category`, for the methods that have records."""
+    baseline = {r["prompt"]: r for r in records if r["method"] == BASELINE}
+    summary = {}
+    for name in method_names:
+        mine = [r for r in records if r["method"] == name]
+        if not mine:
+            continue
+        categories = dict.fromkeys(r["category"] for r in mine)
+        metrics = group_metrics(mine, baseline, sampled)
+        weights = (weights_mib or {}).get(name)
+        metrics["weights_mib"] = weights
+        metrics["memory_mib"] = weights + (metrics["peak_extra_mib"] or 0.0) if weights is not None else None
+        metrics["per_category"] = {c: group_metrics([r for r in mine if r["category"] == c], baseline, sampled)
+                                   for c in categories}
+        summary[name] = metrics
+    return summary
+
+
+# --- Markdown ---------------------------------------------------------------------------------------
+
+COLUMNS = [  # (header, metric key, format)
+    ("n", "n", "{:d}"),
+    ("tok/s median", "tokens_per_second_median", "{:.2f}"),
+    ("tok/s mean", "tokens_per_second", "{:.2f}"),
+    ("speedup", "speedup_vs_hf_plain", "{:.2f}×"),
+    ("speedup (median ratio)", "speedup_median_ratio", "{:.2f}×"),
+    ("predicted", "predicted_speedup", "{:.2f}×"),
+    ("identical", "identical_to_hf_plain", "{:.0%}"),
+    ("τ", "mean_accepted_length", "{:.2f}"),
+    ("α", "acceptance_rate", "{:.2f}"),
+    ("c", "cost_ratio", "{:.3f}"),
+    ("γ̄", "mean_gamma", "{:.2f}"),
+    ("memory MiB", "memory_mib", "{:.0f}"),
+    ("per-position acceptance", "per_position_acceptance", None),
+]
+
+
+def _cell(value, fmt: str | None, missing: str = "–") -> str:
+    if value is None:
+        return missing
+    if fmt is None:
+        return " ".join(f"{x:.2f}" for x in value) or "–"
+    return fmt.format(value)
+
+
+def _table(rows: list[tuple[list[str], dict]], key_headers: list[str], sampled: bool) -> str:
+    headers = key_headers + [h for h, _, _ in COLUMNS]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    for keys, metrics in rows:
+        cells = keys + [_cell(metrics.get(key), fmt, "n/a" if sampled and key == "identical_to_hf_plain" else "–")
+                        for _, key, fmt in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def markdown_report(summary: dict[str, dict], config: dict) -> str:
+    temperature = config.get("temperature", 0.0)
+    sampled = temperature > 0
+    mode = f"sampled at temperature {temperature}" if sampled else "greedy"
+    head = (f"target {config['target']}, draft {config['draft']}, {config['dtype']}, {mode}, "
+            f"≤{config['max_new_tokens']} new tokens, {config['measured_prompts']} prompts")
+    if config.get("process_peak_rss_mib") is not None:
+        head += f", process peak RSS {config['process_peak_rss_mib']:.0f} MiB"
+    if config.get("interrupted"):
+        head += " — INTERRUPTED: partial results"
+    overall = _table([([name], m) for name, m in summary.items()], ["method"], sampled)
+    per_category = _table(
+        [([name, cat], m) for name, s in summary.items() for cat, m in s["per_category"].items()],
+        ["method", "category"], sampled,
+    )
+    return f"{head}\n\n## Overall\n\n{overall}\n\n## Per category\n\n{per_category}\n"
+
+
+def write_json(path: Path, config: dict, summary: dict[str, dict], records: list[dict]) -> None:
+    """{"config": …, "methods": {name: metrics with per_category}, "runs": [every record]}."""
+    path.write_text(json.dumps({"config": config, "methods": summary, "runs": records}, indent=1, ensure_ascii=False))
