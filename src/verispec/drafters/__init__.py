@@ -3,8 +3,8 @@
 Specs (`KIND` alone uses the defaults; options are `name=integer`, comma-separated):
   none                          plain decoding of the target
   model | model:NAME_OR_PATH    the default (or named) draft model; a model name/path alone also works
-  gguf | gguf:NAME_OR_GGUF      the same draft model run by llama.cpp from its GGUF file (needs the
-                                optional llama-cpp-python: `verispec[llama-cpp]`)
+  gguf | gguf:NAME_OR_GGUF      the draft model run by llama.cpp from its GGUF file, whatever runs the
+                                target (`model:NAME` in precision gguf)
   ngram[:max_n=3,min_n=1,oldest=0]   prompt lookup (latest longest match; oldest=1: the first, as HF)
   tree[:k=2,depth=4,wide=1]     SpecInfer top-k expansion by the draft model (k children at `wide` depths)
   merge[:max_n=3]               the draft model's chain and the n-gram continuation merged into one tree
@@ -36,7 +36,6 @@ from verispec.drafters.stand import StandDrafter
 from verispec.drafters.tree import ExpansionDrafter, MergeDrafter
 from verispec.errors import InvalidParameterError
 from verispec.models.loading import LoadedModel, ModelLoader, load_model
-from verispec.models.registry import DEFAULT_DRAFT
 from verispec.models.variants import derive_model
 
 __all__ = [
@@ -103,11 +102,8 @@ def make_drafter(
         if self_layers is not None:  # distil the target's own first layers (a self-speculative draft)
             return _build(OnlineDrafter, kind, rest, lambda: (derive_model(target, layers=self_layers), vocab))
         return _build(OnlineDrafter, kind, rest, with_model)
-    if kind == "gguf":
-        from verispec.drafters.llama_cpp import LlamaCppDrafter
-
-        name = rest or getattr(load, "default_draft", DEFAULT_DRAFT)
-        return LlamaCppDrafter.load(name, target)
+    if kind == "gguf":  # the draft model on the llama.cpp backend
+        return DraftModelDrafter(draft_model(rest or None, target, "gguf", load), vocab)
     if kind == "triforce":
         from verispec.drafters.triforce import make_triforce
 

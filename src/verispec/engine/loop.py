@@ -362,10 +362,14 @@ class Generation:
         self.close()
 
     def close(self) -> None:
-        """Tell the drafter's session the request is over (done or abandoned), once."""
-        if self.session is not None and not self._closed:
-            self._closed = True
+        """Tell the drafter's session the request is over (done or abandoned) and free the target's
+        cache, once."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.session is not None:
             self.session.finish()
+        self.cache.release()
 
     def result(self) -> GenerationResult:
         return GenerationResult(self.text, list(self.output_ids), self.finish_reason or "length", self.stats, list(self.origins))

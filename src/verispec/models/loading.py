@@ -8,6 +8,9 @@ drafter built from the models already in memory, never make it read new weights.
 Precisions (the `dtype` argument everywhere: API, CLI, server, benchmark):
   float32 (fp32)    the default: weights and activations in float32, weights prepacked for oneDNN;
   bfloat16 (bf16)   weights and activations in bfloat16 (fast only on CPUs with AMX / AVX-512 bf16);
+  gguf              the model's GGUF file as it is, run by llama.cpp (`models/llama_cpp.py`): ggml's
+                    CPU kernels, any architecture llama.cpp supports, no conversion; a shipped name
+                    or a .gguf path (a Hugging Face folder has no GGUF to run);
   int8              int8 weights (per output channel), quantized when loading from the float32
                     folder, activations quantized per row inside each linear layer and float32
                     elsewhere (`models/int8.py`): a quarter of the weight bytes, and greedy
@@ -29,7 +32,10 @@ import torch
 from verispec.errors import IncompatibleModelsError, InvalidParameterError, ModelNotFoundError
 from verispec.models.int8 import int8_available
 from verispec.models.linear import VERIFY_ROWS
-from verispec.models.registry import DEFAULT_DRAFT, SHIPPED_MODELS, convert_gguf, prepare_shipped_model
+from verispec.models.registry import (
+    DEFAULT_DRAFT, SHIPPED_MODELS, convert_gguf, gguf_file, gguf_tokenizer_folder, prepare_shipped_model,
+)
+from verispec.models.runner import Runner
 from verispec.models.transformer import Transformer
 from verispec.paths import cache_dir
 from verispec.progress import status
@@ -39,7 +45,7 @@ __all__ = [
     "parse_precision", "Precision", "PRECISIONS",
 ]
 
-PRECISIONS = ("float32", "bfloat16", "int8")  # the names the CLI, server and benchmark offer
+PRECISIONS = ("float32", "bfloat16", "int8", "gguf")  # the names the CLI, server and benchmark offer
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,7 @@ _PRECISIONS = {
     "float32": Precision("float32", torch.float32), "fp32": Precision("float32", torch.float32),
     "bfloat16": Precision("bfloat16", torch.bfloat16), "bf16": Precision("bfloat16", torch.bfloat16),
     "int8": Precision("int8", torch.float32, "int8"),
+    "gguf": Precision("gguf", torch.float32, "gguf"), "llama.cpp": Precision("gguf", torch.float32, "gguf"),
 }
 
 
@@ -100,7 +107,7 @@ def resolve_folder(spec: str | Path) -> Path:
 class LoadedModel:
     name: str
     folder: Path
-    runner: Transformer
+    runner: Runner  # verispec's Transformer or llama.cpp (`models/runner.py`)
     tokenizer: object  # a transformers PreTrainedTokenizerFast
     eos_ids: frozenset[int]
 
@@ -119,7 +126,8 @@ class LoadedModel:
     @property
     def precision(self) -> str:
         """'float32', 'bfloat16' or 'int8': what a draft for this model is loaded in by default."""
-        return "int8" if getattr(self.runner, "quant", None) == "int8" else parse_precision(self.runner.dtype).name
+        quant = getattr(self.runner, "quant", None)
+        return quant if quant in ("int8", "gguf") else parse_precision(self.runner.dtype).name
 
     def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
         """Token ids for `prompt`, wrapped in the chat template when the model has one and chat=True."""
@@ -168,6 +176,8 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", pack_rows
     the 1.5B; measured in BENCHMARKS.md), so no second conversion is stored.
     """
     precision = parse_precision(dtype)
+    if precision.quant == "gguf":
+        return _load_gguf(spec)
     if precision.quant == "int8" and not int8_available():
         warnings.warn("this torch build has no fbgemm int8 kernel: int8 runs a slow (exact) float64 fallback",
                       RuntimeWarning, stacklevel=2)
@@ -176,6 +186,18 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", pack_rows
         runner = Transformer.from_folder(folder, precision.dtype, quant=precision.quant, pack_rows=pack_rows)
         tokenizer = load_tokenizer(folder)
     return LoadedModel(str(spec), folder, runner, tokenizer, _eos_ids(folder, tokenizer))
+
+
+def _load_gguf(spec: str | Path) -> LoadedModel:
+    """`spec`'s GGUF file in llama.cpp, with the tokenizer read from the same file."""
+    from verispec.models.llama_cpp import LlamaCppRunner
+
+    gguf = gguf_file(str(spec))
+    folder = gguf_tokenizer_folder(gguf)
+    with status(f"loading {spec} into llama.cpp"):
+        runner = LlamaCppRunner(gguf)
+        tokenizer = load_tokenizer(folder)
+    return LoadedModel(str(spec), gguf, runner, tokenizer, _eos_ids(folder, tokenizer) | runner.eos_ids)
 
 
 ModelLoader = Callable[..., "LoadedModel"]  # (spec, dtype, pack_rows=…) -> LoadedModel, like load_model

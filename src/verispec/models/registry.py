@@ -22,7 +22,7 @@ from verispec.errors import ModelNotFoundError
 from verispec.paths import cache_dir
 from verispec.progress import byte_progress, status
 
-__all__ = ["ShippedModel", "SHIPPED_MODELS", "gguf_file", "gguf_path", "prepare_shipped_model", "shipped_model"]
+__all__ = ["ShippedModel", "SHIPPED_MODELS", "gguf_file", "gguf_path", "gguf_tokenizer_folder", "prepare_shipped_model", "shipped_model"]
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -209,6 +209,28 @@ def convert_gguf(gguf: Path, out: Path, label: str) -> Path:
             del model.config.quantization_config
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def gguf_tokenizer_folder(gguf: Path) -> Path:
+    """A small folder with the tokenizer (and config, for the stop ids) read from a GGUF file, made once:
+    what the llama.cpp backend needs beside the GGUF itself (no weights are converted)."""
+    key = hashlib.sha256(str(gguf.resolve()).encode()).hexdigest()[:12]
+    out = cache_dir() / "tokenizers" / f"{gguf.stem}-{key}"
+    if (out / "tokenizer_config.json").exists():
+        return out
+    from transformers import AutoConfig, AutoTokenizer
+
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with status(f"reading the tokenizer of {gguf.name} (once)"):
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        try:
+            AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        except (ValueError, KeyError):  # an architecture transformers cannot describe: stop ids come from llama.cpp
+            pass
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out

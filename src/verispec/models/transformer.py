@@ -117,6 +117,9 @@ class KVCache:
             grown[:, :, : self.length] = old[:, :, : self.length]
             setattr(self, name, grown)
 
+    def release(self) -> None:
+        """Nothing to give back: the storage goes with the object (a llama.cpp cache frees its sequence)."""
+
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
