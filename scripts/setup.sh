@@ -25,6 +25,28 @@ if ! $py -c "import torch" 2>/dev/null; then
     echo "installing torch==2.13.0 (CPU wheel where one is available)" >&2
     $py -m pip install --quiet "torch==2.13.0"
 fi
+# llama.cpp (llama-cpp-python, the gguf backend) compiles from source for this CPU (-march=native,
+# about 8 minutes on 2 cores). A native build crashes on a CPU without the same instructions, so the
+# wheel is kept under a key of this CPU's instruction-set flags: a machine of another CPU kind that
+# shares the cache builds its own, and pip's own wheel cache is bypassed.
+llama_version=0.3.36
+cpu_key=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | sha256sum | cut -c1-12)
+wheels="${VERISPEC_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/verispec}/wheels/llama-cpp-$llama_version-$cpu_key"
+marker=.venv/llama-cpp-cpu-key
+if [[ "$(cat "$marker" 2>/dev/null)" != "$cpu_key" ]] || ! $py -c "import llama_cpp" 2>/dev/null; then
+    if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+        echo "building llama.cpp for this CPU (once per CPU kind; about 8 minutes on 2 cores)" >&2
+        mkdir -p "$wheels"
+        CMAKE_ARGS="-DGGML_NATIVE=ON" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+            $py -m pip wheel --no-deps --no-cache-dir --verbose -w "$wheels" "llama-cpp-python==$llama_version" 2>&1 \
+            | grep --line-buffered -oE '^ *\[[0-9]+/[0-9]+\]' | while read -r step; do printf '\r  compiling %s' "$step" >&2; done || true
+        echo >&2
+        ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1 || { echo "llama-cpp-python failed to build" >&2; exit 1; }
+    fi
+    $py -m pip install --quiet --force-reinstall --no-deps "$wheels"/llama_cpp_python-*.whl
+    $py -m pip install --quiet "diskcache>=5.6.1" "jinja2>=2.11.3" "typing-extensions>=4.5.0"
+    echo "$cpu_key" > "$marker"
+fi
 $py -m pip install --quiet -e ".${extras}"
 if [[ -n "$extras" ]] && ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [[ $EUID -eq 0 ]]; then
     echo "installing Debian's chromium for the playground test (skipped by that test when absent)" >&2
