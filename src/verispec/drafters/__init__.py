@@ -20,6 +20,16 @@ Specs (`KIND` alone uses the defaults; options are `name=integer`, comma-separat
   cascade[:kind=vertical,max_n=3]  the draft model's own drafts come from prompt lookup (vertical), or
   cascade:kind=horizontal,strong=2  the draft model for the first positions, n-gram after
                                 (derived and cascade syntax: `verispec.drafters.specs`)
+
+Option ranges (checked when the spec is parsed, before any model loads; `specs.OPTION_RANGES`), so
+that one step's work and one drafter's memory stay bounded:
+  max_n, min_n, min_match 1…16 · oldest, int8 0…1 · min_rate 0…100 (percent)
+  k 1…8 · depth 1…12 · wide 0…12 · a tree (tree, stand) holds at most 256 nodes · stand nodes 0…256
+  gamma1, strong, inner_gamma 1…32 · gamma2 0…32 (γ itself: at most 32, `specs.MAX_GAMMA`)
+  online: rank 1…64 · buffer_size, support 1…1024 · steps 1…500 · eval_requests 1…64 · replay 1…16 ·
+          holdout 0…90 · self_layers 1…256
+  triforce: budget, recent, window 1…8192 · chunk 1…1024 · sinks 0…256
+  self/model: layers 1…256 · vocab 1…1048576
 """
 
 from __future__ import annotations
@@ -31,7 +41,9 @@ from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.hybrid import HybridDrafter
 from verispec.drafters.ngram import NgramDrafter
 from verispec.drafters.online import OnlineDrafter
-from verispec.drafters.specs import SPEC_KINDS, draft_model, is_derived_spec, make_derived_drafter
+from verispec.drafters.specs import (
+    MAX_TREE_NODES, SPEC_KINDS, draft_model, integer_option, is_derived_spec, make_derived_drafter, tree_nodes,
+)
 from verispec.drafters.stand import StandDrafter
 from verispec.drafters.tree import ExpansionDrafter, MergeDrafter
 from verispec.errors import InvalidParameterError
@@ -47,13 +59,14 @@ DRAFTER_KINDS = ("none", "model", "gguf", "ngram", "tree", "merge", "stand", "hy
 _NOT_OPTIONS = {"self", "model", "draft", "target_vocab_size", "vocab_size", "table", "paths", "lr", "tolerance", "store"}
 
 
-def _options(text: str) -> dict[str, int]:
+def _options(text: str, kind: str = "") -> dict[str, int]:
+    """{name: value} of `name=integer,…`, each value within its range (`specs.OPTION_RANGES`)."""
     options = {}
     for item in filter(None, text.split(",")):
         key, sep, value = item.partition("=")
-        if not sep or not value.strip().isdigit():
+        if not sep or not (value.strip().isascii() and value.strip().isdigit()):
             raise InvalidParameterError(f"drafter option {item!r} must look like name=integer")
-        options[key.strip()] = int(value)
+        options[key.strip()] = integer_option(f"{kind}:{text}" if kind else text, key.strip(), value)
     return options
 
 
@@ -66,11 +79,18 @@ def _pop_option(text: str, name: str) -> tuple[str, int | None]:
 def _build(factory, kind: str, text: str, args=lambda: ()) -> Drafter:
     """`factory(*args(), **options)`, every option name checked against its signature first (so a typo
     fails before a draft model is loaded)."""
-    options = _options(text)
-    allowed = [name for name in inspect.signature(factory).parameters if name not in _NOT_OPTIONS]
-    for name in options:
-        if name not in allowed:
+    parameters = inspect.signature(factory).parameters
+    allowed = [name for name in parameters if name not in _NOT_OPTIONS]
+    for item in filter(None, text.split(",")):
+        if (name := item.partition("=")[0].strip()) not in allowed:
             raise InvalidParameterError(f"unknown {kind} drafter option {name!r}: use {', '.join(allowed)}")
+    options = _options(text, kind)
+    if {"k", "depth", "wide"} <= set(parameters) and not options.get("nodes"):
+        shape = {name: options.get(name, parameters[name].default) for name in ("k", "depth", "wide")}
+        if (nodes := tree_nodes(**shape)) > MAX_TREE_NODES:
+            raise InvalidParameterError(
+                f"{kind} drafter option {text!r}: a tree of k={shape['k']}, depth={shape['depth']}, wide={shape['wide']} "
+                f"holds {nodes} nodes, more than {MAX_TREE_NODES}: lower k, depth or wide")
     return factory(*args(), **options)
 
 
@@ -107,5 +127,6 @@ def make_drafter(
     if kind == "triforce":
         from verispec.drafters.triforce import make_triforce
 
-        return make_triforce(target, draft_model(None, target, dtype, load), _options(rest))
+        options = _options(rest, kind)  # ranges checked before the draft model loads
+        return make_triforce(target, draft_model(None, target, dtype, load), options)
     return DraftModelDrafter(draft_model((rest or None) if kind == "model" else spec, target, dtype, load), vocab)

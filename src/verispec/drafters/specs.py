@@ -13,9 +13,10 @@
                                                 horizontal: the draft model for the first `strong`
                                                 positions of each block, the n-gram table for the rest
 
-Options are comma-separated name=value; an unknown or malformed option is an InvalidParameterError
-that names it. Specs without commas (`self:layers=8`, `cascade:kind=horizontal`) also fit the
-benchmark's comma-separated --methods list.
+Options are comma-separated name=value; an unknown or malformed option, or an integer outside its
+range (`OPTION_RANGES`, shared by every drafter kind), is an InvalidParameterError that names it.
+Specs without commas (`self:layers=8`, `cascade:kind=horizontal`) also fit the benchmark's
+comma-separated --methods list.
 """
 
 from __future__ import annotations
@@ -30,7 +31,24 @@ from verispec.models.loading import LoadedModel, ModelLoader, check_compatible, 
 from verispec.models.registry import DEFAULT_DRAFT
 from verispec.models.variants import derive_model
 
-__all__ = ["SPEC_KINDS", "draft_model", "draft_precision", "is_derived_spec", "make_derived_drafter"]
+__all__ = [
+    "SPEC_KINDS", "MAX_GAMMA", "MAX_TREE_NODES", "OPTION_RANGES", "draft_model", "draft_precision", "integer_option",
+    "is_derived_spec", "make_derived_drafter", "tree_nodes",
+]
+
+MAX_GAMMA = 32  # the longest draft (γ) any option or request may ask for
+MAX_TREE_NODES = 256  # draft tokens one token tree may hold (the target scores them all in one pass)
+# Every integer drafter option, whatever the kind: (lowest, highest) accepted. The highs bound the work
+# of one step (tree sizes, n-gram lengths, draft lengths) and the memory of one drafter (tables, caches).
+OPTION_RANGES: dict[str, tuple[int, int]] = {
+    "max_n": (1, 16), "min_n": (1, 16), "oldest": (0, 1), "min_match": (1, 16), "min_rate": (0, 100),
+    "k": (1, 8), "depth": (1, 12), "wide": (0, 12), "nodes": (0, MAX_TREE_NODES),
+    "rank": (1, 64), "buffer_size": (1, 1024), "steps": (1, 500), "eval_requests": (1, 64), "replay": (1, 16),
+    "holdout": (0, 90), "support": (1, 1024), "self_layers": (1, 256),
+    "budget": (1, 8192), "chunk": (1, 1024), "recent": (1, 8192), "sinks": (0, 256), "window": (1, 8192),
+    "gamma1": (1, MAX_GAMMA), "gamma2": (0, MAX_GAMMA),
+    "layers": (1, 256), "vocab": (1, 1 << 20), "int8": (0, 1), "strong": (1, MAX_GAMMA), "inner_gamma": (1, MAX_GAMMA),
+}
 
 SPEC_KINDS = ("self", "cascade")
 VARIANT_OPTIONS = ("layers", "vocab", "int8")
@@ -56,16 +74,32 @@ def _parse(spec: str, text: str, allowed: tuple[str, ...], positional: bool = Fa
         if key not in allowed:
             raise InvalidParameterError(f"unknown drafter option {key!r} in {spec!r}: use {', '.join(allowed)}")
         options[key] = value.strip()
+        if key in OPTION_RANGES:  # checked now, before any model loads
+            integer_option(spec, key, value)
     return name, options
 
 
-def _integer(spec: str, options: dict[str, str], key: str, default: int | None = None) -> int | None:
-    if key not in options:
-        return default
-    value = options[key]
-    if not value.isdigit():
+def integer_option(spec: str, key: str, value: str) -> int:
+    """`value` as an integer within OPTION_RANGES[key], or an InvalidParameterError naming the option."""
+    value = value.strip()
+    if not (value.isascii() and value.isdigit()):
         raise InvalidParameterError(f"drafter option {key}={value!r} in {spec!r} must be a non-negative integer")
-    return int(value)
+    if key not in OPTION_RANGES:
+        raise InvalidParameterError(f"drafter option {key!r} in {spec!r} has no accepted range (OPTION_RANGES)")
+    low, high = OPTION_RANGES[key]
+    number = int(value) if len(value) <= 12 else high + 1  # a longer number is out of range anyway
+    if not low <= number <= high:
+        raise InvalidParameterError(f"drafter option {key}={value[:20]} in {spec!r} is out of range: use {low}…{high}")
+    return number
+
+
+def tree_nodes(k: int, depth: int, wide: int) -> int:
+    """Nodes of the token tree with k children at each of the first `wide` of `depth` levels, 1 below."""
+    return sum(k ** min(level + 1, wide) for level in range(depth))
+
+
+def _integer(spec: str, options: dict[str, str], key: str, default: int | None = None) -> int | None:
+    return integer_option(spec, key, options[key]) if key in options else default
 
 
 def _derived(spec: str, model: LoadedModel, options: dict[str, str], default_layers: int | None = None) -> LoadedModel:

@@ -1,0 +1,62 @@
+"""Drafter options have ranges, checked when the spec is parsed: a spec cannot ask for unbounded work
+per step (huge trees, n-grams, draft lengths) through the API, the CLI or a server request."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from verispec.drafters import (
+    _NOT_OPTIONS, ExpansionDrafter, HybridDrafter, MergeDrafter, NgramDrafter, StandDrafter, make_drafter,
+)
+from verispec.drafters.online import OnlineDrafter
+from verispec.drafters.specs import CASCADE_OPTIONS, MAX_TREE_NODES, OPTION_RANGES, VARIANT_OPTIONS, tree_nodes
+from verispec.drafters.triforce import TriForceDrafter
+from verispec.errors import InvalidParameterError
+
+
+def test_every_option_has_a_documented_range():
+    factories = [NgramDrafter, StandDrafter, ExpansionDrafter, MergeDrafter.model_and_ngram, HybridDrafter, OnlineDrafter, TriForceDrafter]
+    names = {name for factory in factories for name in inspect.signature(factory).parameters if name not in _NOT_OPTIONS}
+    names |= {"self_layers", *VARIANT_OPTIONS, *(o for options in CASCADE_OPTIONS.values() for o in options)}
+    names -= {"target", "target_vocab_size", "model", "draft", "kind"}  # positional, not integers
+    assert names <= set(OPTION_RANGES), sorted(names - set(OPTION_RANGES))
+    import verispec.drafters as drafters
+
+    for name in ("max_n", "k", "depth", "nodes", "budget", "inner_gamma"):  # listed in the module docstring
+        assert name in drafters.__doc__.split("Option ranges")[1]
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("tree:k=1000,depth=1000", "k=1000 in 'tree:k=1000,depth=1000' is out of range: use 1…8"),
+    ("tree:k=8,depth=12,wide=3", f"holds {tree_nodes(8, 12, 3)} nodes, more than {MAX_TREE_NODES}"),
+    ("stand:k=4,depth=12,wide=4", "more than 256"),
+    ("stand:nodes=257", "nodes=257"),
+    ("ngram:max_n=17", "max_n=17 in 'ngram:max_n=17' is out of range: use 1…16"),
+    ("ngram:max_n=99999999999999999999999999999", "out of range"),
+    ("hybrid:min_rate=101", "min_rate=101"),
+    ("online:rank=100000", "rank=100000"),
+    ("online:self_layers=100000", "self_layers=100000"),
+    ("triforce:budget=100000000", "budget=100000000"),
+    ("cascade:kind=horizontal,strong=33", "strong=33"),
+    ("cascade:inner_gamma=1000", "inner_gamma=1000"),
+    ("cascade:max_n=40", "max_n=40"),
+    ("self:layers=100000", "layers=100000"),
+    ("model:vocab=99999999", "vocab=99999999"),
+])
+def test_out_of_range_options_are_refused_before_any_work(target, spec, message):
+    """No draft model is needed to refuse these (the loader would fail otherwise: none is loaded)."""
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded for a refused spec")
+
+    with pytest.raises(InvalidParameterError) as error:
+        make_drafter(spec, target, load=no_loading)
+    assert message in str(error.value)
+
+
+def test_bounded_trees_build(target, draft):
+    load = lambda *args, **kwargs: draft  # noqa: E731
+    assert make_drafter("tree:k=2,depth=8", target, load=load).shape == (2, 1, 1, 1, 1, 1, 1, 1)
+    assert make_drafter("tree:k=3,depth=4,wide=4", target, load=load).name == "tree:k=3,depth=4,wide=4"  # 120 nodes
+    assert len(make_drafter("stand:k=2,depth=7,wide=7", target).paths) == tree_nodes(2, 7, 7) == 254
