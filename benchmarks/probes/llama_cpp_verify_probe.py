@@ -5,8 +5,8 @@ needs) is timed for M = 1..16, interleaved and rolled back each time; then the l
 positions from one 8-token pass are compared with those of decoding the same 8 tokens one at a time.
 A verifier must be near-flat in M to pay and must give the same logits either way to stay lossless.
 
-    CMAKE_ARGS="-DGGML_NATIVE=ON" pip install -e ".[llama-cpp]"
-    python scripts/llama_cpp_verify_probe.py [--model qwen2.5-coder-1.5b-instruct] [--repeats 7]
+    scripts/setup.sh   # builds llama-cpp-python for this CPU
+    python benchmarks/probes/llama_cpp_verify_probe.py [--model qwen2.5-coder-1.5b-instruct] [--repeats 7]
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ must bring for the int8 target to tie llama.cpp's plain decode, and the best spe
 the --alphas acceptance rates (an n-gram table's c is ≈ 0), with the measured verification curve
 and, as an upper bound, with verification as cheap as one position.
 
-    CMAKE_ARGS="-DGGML_NATIVE=ON" pip install -e ".[llama-cpp]"
-    python scripts/cpu_floor.py [--rounds 10] [--context 199] [--threads 2] [--alphas 0.6,0.7,0.8,0.9]
+    scripts/setup.sh   # builds llama-cpp-python for this CPU
+    python benchmarks/probes/cpu_floor.py [--rounds 10] [--context 199] [--threads 2] [--alphas 0.6,0.7,0.8,0.9]
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ fbgemm) and PyTorch's own 4-bit CPU kernel (`_weight_int4pack_mm_for_cpu`, bf16 
 groups of 32) for the 1.5B's shapes and 1–16 rows; random weights, since speed does not depend on
 values.
 
-    python scripts/kquant_probe.py [--repeats 9] [--rows 1,2,4,8,16]
+    python benchmarks/probes/kquant_probe.py [--repeats 9] [--rows 1,2,4,8,16]
 
-The kernel is not part of verispec (see BENCHMARKS.md, "A 4-bit AVX2 kernel"), so it is built here,
-from scripts/, into the cache directory.
+The kernel is not part of verispec (its measurement: docs/history.md, 2026-11-23), so it is built
+here, from benchmarks/probes/, into the cache directory.
 """
 
 from __future__ import annotations

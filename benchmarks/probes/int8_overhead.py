@@ -11,7 +11,7 @@ cached tokens is timed in four ways, interleaved in rotating order (median of --
 The first three must give the same logits (checked). Then --prompt-tokens tokens of prefill, int8
 against llama.cpp's plain decoding of the same GGUF when llama-cpp-python is installed.
 
-    python scripts/int8_overhead.py [--rounds 10] [--context 199] [--prompt-tokens 190]
+    python benchmarks/probes/int8_overhead.py [--rounds 10] [--context 199] [--prompt-tokens 190]
 """
 
 from __future__ import annotations

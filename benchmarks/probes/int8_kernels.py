@@ -19,7 +19,7 @@ Candidates:
   onednn-q        onednn.qlinear_pointwise with prepacked int8 weights, per-row normalised activations
                   like fbgemm-row (uint8 input, fixed scale)
 
-    python scripts/int8_kernels.py --threads 2 --repeats 15 [--draft] [--check] [--candidates fbgemm-row,…]
+    python benchmarks/probes/int8_kernels.py --threads 2 --repeats 15 [--draft] [--check] [--candidates fbgemm-row,…]
 
 --check also prints whether each batch-invariant candidate gives bit-identical rows for M=1 and M=5.
 """

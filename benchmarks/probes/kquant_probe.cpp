@@ -1,4 +1,4 @@
-// A candidate kernel measured for issue #8 and NOT used by verispec (scripts/kquant_probe.py runs it):
+// A candidate kernel measured for issue #8 and NOT used by verispec (benchmarks/probes/kquant_probe.py runs it):
 // AVX2 matrix products with llama.cpp's K-quant weights (Q4_K, Q6_K).
 //
 // y[m, n] = Σ_k x[m, k] · W[n, k], with W exactly the GGUF file's quantized values and x quantized
@@ -7,7 +7,7 @@
 // row's result does not depend on the other rows: verifying γ+1 draft positions in one call gives
 // bit-for-bit what decoding them one at a time gives. The weights are read once per call for all
 // rows (up to 4 rows share each unpacked group), meant to keep a few rows nearly as cheap as one;
-// measured, it does not: 4-bit unpacking makes it compute-bound on 2 AVX2 cores (BENCHMARKS.md).
+// measured, it does not: 4-bit unpacking makes it compute-bound on 2 AVX2 cores (docs/history.md, 2026-11-23).
 //
 // Weight layouts (the same numbers as the GGUF file's blocks of 256, unpacked):
 //   q4k: qs [N, K/2] uint8, per group of 32 elements 16 bytes, byte j = element j (low nibble) and
