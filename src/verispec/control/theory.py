@@ -1,8 +1,8 @@
-"""The theory of speculative decoding (seeds 000 and 004) as functions.
+"""The theory of speculative decoding (Leviathan et al., 2023; Chen et al., 2023) as functions.
 
 α: acceptance rate, Σₓ min(target_prob(x), draft_prob(x)). γ: draft length. c: cost of one draft
 token relative to one target forward. verify_cost(γ): T(γ+1)/T(1), the cost of verifying γ+1
-positions relative to decoding one (1 when verification is free, as the seeds assume).
+positions relative to decoding one (1 when verification is free, as those papers assume).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def expected_tokens(alpha: float, gamma: float) -> float:
 
 
 def expected_speedup(alpha: float, gamma: float, c: float, verify_cost: Callable[[int], float] | None = None) -> float:
-    """E[tokens] / (γ·c + T(γ+1)/T(1)); the seeds' (1−α^(γ+1)) / ((1−α)(γc+1)) when verify_cost is None."""
+    """E[tokens] / (γ·c + T(γ+1)/T(1)); the papers' (1−α^(γ+1)) / ((1−α)(γc+1)) when verify_cost is None."""
     verify = verify_cost(gamma) if verify_cost is not None else 1.0
     return expected_tokens(alpha, gamma) / (gamma * c + verify)
 

@@ -1,6 +1,7 @@
 """Hybrid drafting: the near-free n-gram continuation when it looks good, the draft model otherwise.
 
-Per step the n-gram index is asked first (microseconds). Its chain is used when the matched suffix
+Per step the n-gram index is asked first (a dict lookup, far cheaper than a draft forward:
+BENCHMARKS.md#avx2-which-drafter-for-which-task). Its chain is used when the matched suffix
 has at least `min_match` tokens and the n-gram source's measured acceptance (accepted / proposed over
 this request, with an optimistic prior of 1 of 2) is at least `min_rate` percent; otherwise the draft
 model proposes. Acceptance is measured by comparing each proposal with what was committed. The draft

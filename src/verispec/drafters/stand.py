@@ -1,4 +1,4 @@
-"""STAND (seed 002): model-free tree drafting from an n-gram table of the TARGET's own distributions.
+"""STAND: model-free tree drafting from an n-gram table of the TARGET's own distributions.
 
 The table maps an n-gram (n = min_n..max_n, default 2..4) to the top-10 next tokens with
 probabilities. It is filled after each step from the target's processed distributions at the newly
@@ -13,12 +13,12 @@ grows across requests; `save`/`load` keep it on disk.
 
 Default shape k=2, depth=5, wide=1: two candidates for the next token, then a chain under each
 (10 nodes). `stand:nodes=N` uses the first N nodes of the shape searched by `verispec.tools.tree_search`
-(seed 002's method: node acceptance measured on a 780-node candidate, 5 children per node to depth
-4, nodes ranked by it; `drafters/stand_shape.json` records the command). On the development prompts
-with a fresh table, E[tokens per step] was 1.25 for the rank-0 chain of depth 4, 1.28 for 8 nodes,
-1.30 for 24 nodes and for all 780: beyond ~10 nodes nothing is gained, while every extra position
-costs verification time on this CPU (DESIGN.md §7: an fp32 forward costs ≈2× one token up to 6
-positions), so the 10-node default stays and the seed's 80-node shape is `stand:nodes=80`.
+(the STAND paper's method: node acceptance measured on a large candidate tree, nodes ranked by it;
+`drafters/stand_shape.json` records the command, and the search prints E[tokens per step] for each
+prefix of the ranking). The default stays small because, with a fresh table, the expected tokens per
+step barely grow past the first few nodes, while every extra position costs verification time on a
+CPU where a forward's cost grows with its positions (BENCHMARKS.md#avx2-verification-cost-tn);
+the paper's larger shape is `stand:nodes=80`.
 """
 
 from __future__ import annotations

@@ -22,14 +22,14 @@ fbgemm only offers per-tensor activation parameters, so each row is first divide
 7-bit activations ([1, 127]) keep AVX2's int16 pair sums (u8·s8 + u8·s8 ≤ 127·127·2 < 2¹⁵) from
 saturating, as fbgemm's own `reduce_range` does.
 
-Measured on the 2-core AVX2 CPU (`scripts/int8_kernels.py`, interleaved medians, under load): this
-kernel costs 0.2–0.35× packed fp32 (`PackedLinear`) for the 1.5B's shapes at 1–8 rows, the same as
-the per-tensor dynamic kernel; `torch._int_mm` and `torch._weight_int8pack_mm` were 4–40× SLOWER
-than packed fp32 on this CPU (no tuned small-batch AVX2 kernels), and oneDNN's `qlinear_pointwise`
-about as fast as fp32. The elementwise work around the matmul (absmax, scaling, rounding, the
-residual rows, scaling back) runs in a small C++ extension (`kernels/int8.cpp`) when it can be
-built: the same float operations in the same order, so the same bits, instead of ~15 separate torch
-operations (whole steps 1.06× faster on the 1.5B, 1.22× on the 0.5B: `scripts/int8_overhead.py`,
+Why fbgemm: among the CPU int8 kernels PyTorch offers, it is the one that reads a quarter of fp32's
+bytes at a fraction of packed fp32's time (`PackedLinear`) for a few rows; `torch._int_mm` and
+`torch._weight_int8pack_mm` have no tuned small-batch x86 kernels and oneDNN's `qlinear_pointwise`
+is no faster than fp32 (BENCHMARKS.md#avx2-int8-kernels-and-where-a-step-goes,
+`benchmarks/probes/int8_kernels.py`). The elementwise work around the matmul (absmax, scaling,
+rounding, the residual rows, scaling back) runs in a small C++ extension (`kernels/int8.cpp`) when
+it can be built: the same float operations in the same order, so the same bits, instead of ~15
+separate torch operations (its gain: the same BENCHMARKS section, `benchmarks/probes/int8_overhead.py`,
 "torch" against "python"). Where fbgemm is missing (another CPU architecture), the same arithmetic
 runs in float64, where integer sums of this size are exact: slow but identical in meaning.
 """

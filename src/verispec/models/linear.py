@@ -1,21 +1,19 @@
 """Linear layers with weights prepacked once for the CPU's small-batch matmul kernels.
 
-Measured on the 2-core CPU (one 8960×1536 layer): plain `F.linear` costs 3.0 ms for one fp32 row
-and 6–10 ms for 2–8 rows, because the weight is re-laid-out on every call; the same weight
-prepacked for oneDNN costs 1.7 ms for one row and 2.9 ms for eight. In bf16 prepacking halves the
-single-row cost (1.36 → 0.60 ms) and keeps it flat to 8 rows. Verification of γ+1 positions is
-therefore nearly as cheap as one decode step only with packed weights. Elsewhere (GPU, or a torch
-build without oneDNN) the layer falls back to `F.linear`, and so do tiny layers (under 64K weights),
-where oneDNN's fixed cost per call (~0.2 ms) exceeds the matmul itself. oneDNN packs bf16 weights
-only on CPUs with AVX-512 or AVX-NE-CONVERT; on an AVX2-only CPU (e.g. some AMD EPYC machines) a
-bf16 layer stays plain `F.linear`.
+Plain `F.linear` re-lays the weight out on every call, so on a CPU its cost grows quickly with the
+rows of the call; the same weight prepacked once for oneDNN stays close to its one-row cost for a
+few rows, in fp32 and (where oneDNN packs it) bf16. Verification of γ+1 positions is therefore
+nearly as cheap as one decode step only with packed weights (BENCHMARKS.md#avx2-verification-cost-tn).
+Elsewhere (GPU, or a torch build without oneDNN) the layer falls back to `F.linear`, and so do tiny
+layers (under `MIN_PACKED_WEIGHTS` weights), where oneDNN's fixed cost per call exceeds the matmul
+itself. oneDNN packs bf16 weights only on CPUs with AVX-512 or AVX-NE-CONVERT; on an AVX2-only CPU
+(e.g. some AMD EPYC machines) a bf16 layer stays plain `F.linear`.
 
 oneDNN lays a packed weight out for an expected number of rows (`rows`), and the choice matters on
-this AVX2 CPU. Packed for 1 row, the 1.5B costs 272 ms for one position but 500–650 ms for 2–8
-(a matrix-vector kernel that falls off a cliff at the second row); packed for 4 rows it costs
-283–296 ms for one and 300–500 ms for 2–8 (BENCHMARKS.md, "Packing for the rows a forward
-carries"). So a draft, which decodes one token at a time, packs for 1 row and a target, which
-verifies γ+1 positions at once, for `VERIFY_ROWS`.
+an AVX2 CPU: packed for 1 row, a matrix-vector kernel serves one position well but falls off a cliff
+at the second; packed for a few rows, one position costs slightly more and 2–8 positions far less
+(BENCHMARKS.md#avx2-verification-cost-tn). So a draft, which decodes one token at a time, packs for
+1 row and a target, which verifies γ+1 positions at once, for `VERIFY_ROWS`.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ import torch.nn.functional as F
 __all__ = ["PackedLinear", "packing_available", "MIN_PACKED_WEIGHTS", "VERIFY_ROWS"]
 
 MIN_PACKED_WEIGHTS = 1 << 16
-VERIFY_ROWS = 4  # the rows a verifying target packs for (2–16 measure alike; 1 is the cliff)
+VERIFY_ROWS = 4  # the rows a verifying target packs for (BENCHMARKS.md#avx2-verification-cost-tn)
 
 
 def packing_available() -> bool:

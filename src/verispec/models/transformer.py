@@ -12,8 +12,8 @@ logits do not depend on how many positions the forward pass holds. The rest of t
 RoPE, attention, the KV cache) stays float32. `variant` then carries ",int8", which keeps measured
 costs (`control/costs.py`) apart from the float model's. An int8 runner decodes and verifies chains
 through `Int8Layers` (`kernels/int8.cpp`): the same operations as `_layers`, in one C++ call
-per forward instead of ~70 Python-level operations per layer (a step 1.15–1.19× faster than the Python
-loop on the 1.5B, 1.25–1.29× on the 0.5B: `scripts/int8_overhead.py`).
+per forward instead of ~70 Python-level operations per layer, which saves a step the Python overhead
+(BENCHMARKS.md#avx2-int8-kernels-and-where-a-step-goes, `benchmarks/probes/int8_overhead.py`).
 """
 
 from __future__ import annotations
@@ -225,8 +225,8 @@ class Transformer:
     `scaled_dot_product_attention` is not (its blocking changes with the number of queries), so feeds
     of 2..ROW_INVARIANT_POSITIONS positions, chains or token trees, attend one query at a time over
     exactly the keys, in the order, that a single-token step on that path would see (one SDPA call per
-    layer and position; a tree node's keys are gathered from its ancestors' slots; the cost is
-    measured by scripts/int8_e2e.py, see BENCHMARKS.md). Longer feeds (prompt prefill) use one
+    layer and position; a tree node's keys are gathered from its ancestors' slots; the cost at 1–4
+    positions: BENCHMARKS.md#avx2-int8-kernels-and-where-a-step-goes). Longer feeds (prompt prefill) use one
     batched call: prefill is shared by speculative and plain decoding. Float runners batch everything
     and are exact up to float rounding.
     """

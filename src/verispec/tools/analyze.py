@@ -2,7 +2,7 @@
 
     verispec analyze --alpha 0.8 --c 0.1                 # table over γ: E[tokens], speedup, optimum
     verispec analyze --alpha 0.8 --c 0.1 --verify-cost 1,1.07,2,2,2,3   # with measured T(n)/T(1)
-    verispec analyze --plots plots/                      # the seeds' figures
+    verispec analyze --plots plots/                      # the theory's figures
     verispec analyze --measure --target NAME --draft NAME --questions own --per-category 1
     verispec analyze --flips --target NAME --dtype bfloat16 --width 5   # 1-wide vs 5-wide argmax flips
 

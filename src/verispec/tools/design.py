@@ -10,7 +10,7 @@ this measures, on the target's own greedy continuations of the prompts:
   (`verispec.tools.measure.position_acceptance`),
 - the seconds of one single-token draft forward, and c = that / the target's T(1),
 
-then ranks the candidates by `analysis.expected_speedup` at `analysis.optimal_gamma`, with the
+then ranks the candidates by `control.theory.expected_speedup` at `control.theory.optimal_gamma`, with the
 target's measured verification cost curve T(n)/T(1) (`control.costs.measure_verify_curve`).
 
     verispec design --questions own --per-category 1 --max-new-tokens 64

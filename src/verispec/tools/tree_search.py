@@ -1,4 +1,4 @@
-"""Search STAND's static tree shape from measured acceptance (seed 002: 625 candidate nodes → ~80 kept).
+"""Search STAND's static tree shape from measured acceptance (as the STAND paper does: a large candidate tree, the best nodes kept).
 
 Under greedy decoding a node of the draft tree is accepted exactly when its token path equals the
 target's own next tokens, so node acceptance can be measured without running the target on the big

@@ -2,7 +2,7 @@
 
 `extension(name)` builds `<name>.cpp` next to this file with PyTorch's `cpp_extension` (a C++
 compiler and ninja, the latter a verispec dependency) into `cache_dir()/kernels/`, and returns the
-module; later loads reuse the build (about half a minute the first time, then instant).
+module; later loads reuse the build (one compile per machine and CPU kind, then a load).
 When it cannot be built (no compiler, an unusual platform) or `VERISPEC_KERNELS=0` is set, it
 returns None and callers run their plain torch code, which computes the same bits, only slower.
 """

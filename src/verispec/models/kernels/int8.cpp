@@ -2,7 +2,7 @@
 //
 // `split_rows` / `join_rows`: the elementwise work around verispec's int8 linear layer
 // (`models/int8.py`), fused: one call before fbgemm's integer matmul and one after, instead of about
-// fifteen small torch operations per linear layer (scripts/int8_overhead.py measures the gain).
+// fifteen small torch operations per linear layer (benchmarks/probes/int8_overhead.py measures the gain).
 // They compute exactly what the torch code in `Int8Linear` computes, operation by operation and in
 // float32 (built with -ffp-contract=off, so no multiply-add is fused).
 //

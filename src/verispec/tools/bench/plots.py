@@ -8,7 +8,7 @@ Benchmark figures, from a summary of `verispec.tools.bench.report.summarize`:
                              and c (optimum marked) and the measured speedup at the run's mean γ.
 Long-context figure, from the rows of `python -m verispec.tools.bench.longctx`:
   longctx-<task>.png         decode tokens/s and extra peak memory against the prompt length, per method.
-Theory figures (the seeds' plots):
+Theory figures:
   expected_tokens.png        E[tokens per step] against γ for several α;
   optimal_gamma.png          the optimal γ over the (α, c) plane, as a heatmap.
 """
