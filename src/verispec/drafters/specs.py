@@ -114,8 +114,8 @@ def _derived(spec: str, model: LoadedModel, options: dict[str, str], default_lay
 
 def draft_precision(target: LoadedModel) -> str:
     """The precision a draft model is loaded in unless a spec says otherwise: int8 for a float32 target
-    (on the 2-core CPU the int8 0.5B drafts a token in ~56 ms against ~129 ms in float32, accepted as
-    often: BENCHMARKS.md, "fp32, quiet machine, session 3"), else the target's own."""
+    (an int8 draft costs about half a float32 one per token and is accepted as often:
+    BENCHMARKS.md#avx2-which-draft-model), else the target's own."""
     return "int8" if target.precision == "float32" and int8_available() else target.precision
 
 
