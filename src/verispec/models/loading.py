@@ -15,7 +15,12 @@ Precisions (the `dtype` argument everywhere: API, CLI, server, benchmark):
                     folder, activations quantized per row inside each linear layer and float32
                     elsewhere (`models/int8.py`): a quarter of the weight bytes, and greedy
                     speculative decoding stays token-identical to greedy plain decoding of the SAME
-                    int8 model (not of the float32 one: `verispec quality` measures how close they are).
+                    int8 model (not of the float32 one: `verispec quality` measures how close they are);
+  hf                the Hugging Face `transformers` model itself (`models/hf_runner.py`), float32 (or
+                    "hf-bfloat16"): any architecture transformers runs, slower than the own runner.
+
+verispec's own runner implements the model types in `transformer.SUPPORTED_TYPES` (qwen2, llama);
+any other model asked for in float32 or bfloat16 is run by the Hugging Face runner automatically.
 """
 
 from __future__ import annotations
@@ -36,16 +41,16 @@ from verispec.models.registry import (
     DEFAULT_DRAFT, SHIPPED_MODELS, convert_gguf, gguf_file, gguf_tokenizer_folder, prepare_shipped_model,
 )
 from verispec.models.runner import Runner
-from verispec.models.transformer import Transformer
+from verispec.models.transformer import SUPPORTED_TYPES, Transformer
 from verispec.paths import cache_dir
 from verispec.progress import status
 
 __all__ = [
     "LoadedModel", "ModelCache", "ModelLoader", "load_model", "load_tokenizer", "resolve_folder", "check_compatible", "parse_dtype",
-    "parse_precision", "Precision", "PRECISIONS",
+    "parse_precision", "precisions_for", "Precision", "PRECISIONS",
 ]
 
-PRECISIONS = ("float32", "bfloat16", "int8", "gguf")  # the names the CLI, server and benchmark offer
+PRECISIONS = ("float32", "bfloat16", "int8", "gguf", "hf")  # the names the CLI, server and benchmark offer
 
 
 @dataclass(frozen=True)
@@ -62,7 +67,24 @@ _PRECISIONS = {
     "bfloat16": Precision("bfloat16", torch.bfloat16), "bf16": Precision("bfloat16", torch.bfloat16),
     "int8": Precision("int8", torch.float32, "int8"),
     "gguf": Precision("gguf", torch.float32, "gguf"), "llama.cpp": Precision("gguf", torch.float32, "gguf"),
+    "hf": Precision("hf", torch.float32, "hf"), "hf-float32": Precision("hf", torch.float32, "hf"),
+    "hf-bfloat16": Precision("hf-bfloat16", torch.bfloat16, "hf"), "hf-bf16": Precision("hf-bfloat16", torch.bfloat16, "hf"),
 }
+
+
+def precisions_for(model_type: str, gguf: bool = False) -> dict[str, str]:
+    """Which precisions can run a model of `model_type` (a config.json model type), each with the
+    backend that runs it: the own runner's float32/bfloat16/int8 for its types, the Hugging Face
+    runner for hf (and for float32/bfloat16 of any other type), llama.cpp for gguf when the model
+    comes as a GGUF file."""
+    own = model_type in SUPPORTED_TYPES
+    backends = {"float32": "verispec" if own else "transformers", "bfloat16": "verispec" if own else "transformers"}
+    if own:
+        backends["int8"] = "verispec"
+    backends["hf"] = "transformers"
+    if gguf:
+        backends["gguf"] = "llama.cpp"
+    return backends
 
 
 def parse_precision(dtype: str | torch.dtype | Precision) -> Precision:
@@ -125,7 +147,10 @@ class LoadedModel:
 
     @property
     def precision(self) -> str:
-        """'float32', 'bfloat16' or 'int8': what a draft for this model is loaded in by default."""
+        """'float32', 'bfloat16', 'int8', 'gguf', 'hf' or 'hf-bfloat16': what a draft for this model is
+        loaded in by default."""
+        if getattr(self.runner, "variant", "") == ",hf":
+            return "hf" if self.runner.dtype == torch.float32 else "hf-bfloat16"
         quant = getattr(self.runner, "quant", None)
         return quant if quant in ("int8", "gguf") else parse_precision(self.runner.dtype).name
 
@@ -166,7 +191,10 @@ def load_tokenizer(folder: Path):
 
 
 def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", pack_rows: int = VERIFY_ROWS) -> LoadedModel:
-    """`spec` (shipped name, HF folder or .gguf) in precision `dtype` (float32, bfloat16 or int8).
+    """`spec` (shipped name, HF folder or .gguf) in precision `dtype` (float32, bfloat16, int8, gguf or hf).
+
+    A model type the own runner does not implement runs on the Hugging Face runner in float32 and
+    bfloat16 (and always with dtype "hf"); int8 needs the own runner.
 
     pack_rows: the positions per forward the float weights are laid out for (`models/linear.py`):
     VERIFY_ROWS for a target, which verifies several drafted positions at once; 1 for a draft model,
@@ -182,6 +210,19 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", pack_rows
         warnings.warn("this torch build has no fbgemm int8 kernel: int8 runs a slow (exact) float64 fallback",
                       RuntimeWarning, stacklevel=2)
     folder = resolve_folder(spec)
+    model_type = json.loads((folder / "config.json").read_text()).get("model_type", "?")
+    if model_type not in SUPPORTED_TYPES and precision.quant is not None and precision.quant != "hf":
+        raise ModelNotFoundError(
+            f"{spec} is a {model_type!r} model: {precision.name} needs verispec's own runner, which implements "
+            f"{', '.join(SUPPORTED_TYPES)}; use --dtype float32, bfloat16 or hf (the Hugging Face runner) or gguf"
+        )
+    if precision.quant == "hf" or model_type not in SUPPORTED_TYPES:
+        from verispec.models.hf_runner import HFRunner
+
+        with status(f"loading {spec} ({model_type} in {precision.name}, Hugging Face runner)"):
+            runner = HFRunner.from_folder(folder, precision.dtype)
+            tokenizer = load_tokenizer(folder)
+        return LoadedModel(str(spec), folder, runner, tokenizer, _eos_ids(folder, tokenizer))
     with status(f"loading {spec} ({precision.name})"):
         runner = Transformer.from_folder(folder, precision.dtype, quant=precision.quant, pack_rows=pack_rows)
         tokenizer = load_tokenizer(folder)
