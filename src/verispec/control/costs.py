@@ -1,7 +1,7 @@
 """Measured costs that the analytic γ policy needs: T(n)/T(1) of the target and c of the drafter.
 
-Both are measured once per (model folder and variant, dtype, threads, whether the C++ decoder stack
-runs) and kept in the cache directory: the target's verification curve T(n) (seconds for a forward
+Both are measured once per (model folder and variant, dtype, threads, CPU kind, whether the C++
+decoder stack runs) and kept in the cache directory: the target's verification curve T(n) (seconds for a forward
 over n new positions; far from flat on a CPU in some dtypes) and the draft model's seconds per
 token. They are not re-measured during a generation on purpose: γ then depends only on acceptance,
 so a seed reproduces an output exactly.
@@ -11,6 +11,7 @@ times itself (`TimedDrafter`), cached the same way.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from typing import Protocol
 import torch
 
 from verispec.models.loading import LoadedModel
-from verispec.paths import cache_dir
+from verispec.paths import cache_dir, cpu_flags
 from verispec.models.transformer import Transformer
 from verispec.progress import status
 
@@ -51,6 +52,11 @@ def measure_verify_curve(runner: Transformer, max_positions: int, context: int =
     return times
 
 
+def _cpu_key() -> str:
+    """A short name for this CPU kind: a cost measured on one CPU never steers γ on another."""
+    return hashlib.sha256(cpu_flags().encode()).hexdigest()[:12]
+
+
 def _cached(key: str, needed: int, measure: Callable[[], list[float]]) -> list[float]:
     """The timings stored under `key` in the cache directory, measured now when missing or too short."""
     file = cache_dir() / "verify_costs.json"
@@ -68,7 +74,7 @@ def _cached_curve(runner: Transformer, folder: str, max_positions: int) -> list[
     variant = getattr(runner, "variant", "")  # a derived draft (fewer layers, int8, …) is timed on its own
     if getattr(runner, "compiled", False):  # the C++ decoder stack changes the curve: timed apart
         variant += ",compiled"
-    key = f"{folder}{variant}|{runner.dtype}|threads={torch.get_num_threads()}"
+    key = f"{folder}{variant}|{runner.dtype}|threads={torch.get_num_threads()}|cpu={_cpu_key()}"
     return _cached(key, max_positions, lambda: measure_verify_curve(runner, max_positions))
 
 
@@ -88,7 +94,7 @@ class CostModel:
             if draft is not None:
                 draft_seconds = _cached_curve(draft.runner, str(draft.folder), 1)[0]
             elif timed_drafter is not None:
-                key = f"{timed_drafter.cost_key}|threads={torch.get_num_threads()}"
+                key = f"{timed_drafter.cost_key}|threads={torch.get_num_threads()}|cpu={_cpu_key()}"
                 draft_seconds = _cached(key, 1, lambda: [timed_drafter.token_seconds()])[0]
         return cls(target_seconds, draft_seconds)
 

@@ -15,26 +15,34 @@ the sequences of every leaf below it, so the node sees exactly the prefix, its a
 verification the accepted path is copied into the request's own sequence and the leaf sequences
 are dropped: nothing is recomputed.
 
-Exactness: ggml's kernels compute a row's logits the same way whatever the batch holds only up to a
-width that depends on the CPU and the file's quantization (repacked 4-row kernels switch on at 4
-rows). `verify_widths` measures, per width, whether n-at-once logits equal one-at-a-time logits bit
-for bit; `verispec analyze --flips --dtype gguf` counts the argmax flips over real prompts.
+Exactness: ggml computes a row's logits the same way whatever else the batch holds only up to a width
+that depends on the CPU and the file's quantization (the repacked multi-row kernels round
+differently from the one-row ones). `exact_width` measures, once per file, thread count and CPU kind,
+the widest feed whose logits equal one-at-a-time logits bit for bit. Precision `gguf` verifies at
+most that many positions per pass (and requests one pass each), so greedy speculative output is
+token-identical to greedy plain decoding of the same file; `gguf-wide` verifies any width, faster
+where the wide kernels pay, and equals plain decoding except where a near-tie flips
+(`verispec analyze --flips --dtype gguf-wide` counts them).
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import json
 import threading
 from collections import deque
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from verispec.errors import InvalidParameterError, PromptError, VerispecError
+from verispec.paths import cache_dir, cpu_flags
 
-__all__ = ["LlamaCppCache", "LlamaCppConfig", "LlamaCppRunner", "require_llama_cpp"]
+__all__ = ["LlamaCppCache", "LlamaCppConfig", "LlamaCppRunner", "exact_width", "require_llama_cpp"]
 
 INSTALL_HINT = "it is installed by scripts/setup.sh (a build of llama-cpp-python for this CPU)"
 
@@ -127,16 +135,17 @@ class LlamaCppRunner:
     """A GGUF model in llama.cpp, behind verispec's runner protocol (see the module docstring).
 
     threads: ggml's threads (default: torch's, i.e. the machine's cores); window: the KV cells shared by
-    all sequences of this model; max_sequences: requests, draft sessions and tree leaves at once.
+    all sequences of this model; max_sequences: requests, draft sessions and tree leaves at once;
+    exact: verify at most `exact_width` positions per pass, one request per pass (see the module
+    docstring), so that every position is computed as a single-token decode step computes it.
     """
 
     dtype = torch.float32
-    quant = "gguf"
     compiled = False
     row_invariant = False
 
     def __init__(self, gguf: str | Path, threads: int | None = None, window: int = 16384, max_sequences: int = 256,
-                 batch: int = 512):
+                 batch: int = 512, exact: bool = True):
         llama_cpp = require_llama_cpp()
         from llama_cpp._internals import LlamaContext, LlamaModel
 
@@ -164,7 +173,9 @@ class LlamaCppRunner:
             num_layers=llama_cpp.llama_model_n_layer(model),
             max_position_embeddings=self.window,
         )
-        self.variant = ",gguf"
+        self.exact = exact
+        self.quant = "gguf" if exact else "gguf-wide"  # the precision name
+        self.variant = ",gguf" if exact else ",gguf-wide"
         self._free_seqs = deque(range(max_sequences))
         self._pending: deque[int] = deque()
         self._batch = llama_cpp.llama_batch_init(batch, 0, max_sequences)
@@ -186,11 +197,11 @@ class LlamaCppRunner:
         ids = {self.llama_cpp.llama_vocab_eos(self.vocab), self.llama_cpp.llama_vocab_eot(self.vocab)}
         return {i for i in ids if i >= 0}
 
-    @property
+    @cached_property
     def exact_positions(self) -> int | None:
-        """No bound is promised: ggml rounds a multi-row forward differently from one row on some CPUs
-        (measured by `verify_widths`)."""
-        return None
+        """With `exact`: the most positions one pass scores bit for bit as single-token steps would
+        (`exact_width`, measured once per file, threads and CPU kind); None without."""
+        return exact_width(self) if self.exact else None
 
     # -- sequences -------------------------------------------------------------------------------
     def _collect(self) -> None:
@@ -246,6 +257,9 @@ class LlamaCppRunner:
                        tree_masks: list[torch.Tensor | None] | None = None, logits: str = "all") -> list[torch.Tensor | None]:
         """Several requests' feeds in as few `llama_decode` calls as the batch size allows; per request
         the logits of its fed positions (as `forward` with the same `logits`)."""
+        if self.exact and len(caches) > 1:  # one request per pass: its rows alone decide the kernels
+            return [self.forward_ragged([c], [f], [p], [m], logits)[0]
+                    for c, f, p, m in zip(caches, feeds, positions or [None] * len(caches), tree_masks or [None] * len(caches))]
         self._collect()
         positions = positions or [None] * len(caches)
         tree_masks = tree_masks or [None] * len(caches)
@@ -305,3 +319,36 @@ class LlamaCppRunner:
                 pointer = lib.llama_get_logits(self.ctx)  # float* [wanted, vocab], rows in batch order
                 outputs.append(torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(wanted, vocab)).copy()))
         return torch.cat(outputs) if outputs else torch.zeros(0, vocab)
+
+
+def exact_width(runner: LlamaCppRunner, widest: int = 16, context: int = 32) -> int:
+    """The widest feed (≤ `widest` positions) whose logits equal one-at-a-time decoding bit for bit, at
+    every narrower width too: measured on fixed pseudo-random tokens after a `context`-token prefix,
+    then cached per file, thread count and CPU kind (`cache_dir()/exact_widths.json`)."""
+    key = f"{runner.path.resolve()}|threads={runner.threads}|cpu={hashlib.sha256(cpu_flags().encode()).hexdigest()[:12]}"
+    file = cache_dir() / "exact_widths.json"
+    table = json.loads(file.read_text()) if file.exists() else {}
+    if key in table:
+        return table[key]
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, runner.config.vocab_size, (context + widest,), generator=generator)  # [context + widest]
+    prefix, fed = tokens[:context].tolist(), tokens[context:]
+
+    def fed_at_once(width: int) -> torch.Tensor:  # [width, vocab]: the first `width` fed tokens in one pass
+        cache = runner.prefilled_cache(prefix + [0])  # holds the prefix
+        logits = runner.forward(cache, fed[:width], logits="all")
+        cache.release()
+        return logits
+
+    cache = runner.prefilled_cache(prefix + [0])
+    single = torch.cat([runner.forward(cache, fed[i : i + 1], logits="all") for i in range(widest)])  # [widest, vocab]
+    cache.release()
+    exact = 1
+    for width in range(2, widest + 1):
+        if not torch.equal(fed_at_once(width), single[:width]):
+            break
+        exact = width
+    table[key] = exact
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(json.dumps(table, indent=1))
+    return exact

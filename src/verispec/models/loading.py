@@ -10,7 +10,10 @@ Precisions (the `dtype` argument everywhere: API, CLI, server, benchmark):
   bfloat16 (bf16)   weights and activations in bfloat16 (fast only on CPUs with AMX / AVX-512 bf16);
   gguf              the model's GGUF file as it is, run by llama.cpp (`models/llama_cpp.py`): ggml's
                     CPU kernels, any architecture llama.cpp supports, no conversion; a shipped name
-                    or a .gguf path (a Hugging Face folder has no GGUF to run);
+                    or a .gguf path (a Hugging Face folder has no GGUF to run); verification widths
+                    limited to those computed bit for bit as decode steps (greedy stays exact);
+  gguf-wide         the same, verifying any width (faster where ggml's multi-row kernels pay; greedy
+                    output equals plain decoding except at rare near-ties: `analyze --flips`);
   int8              int8 weights (per output channel), quantized when loading from the float32
                     folder, activations quantized per row inside each linear layer and float32
                     elsewhere (`models/int8.py`): a quarter of the weight bytes, and greedy
@@ -67,6 +70,7 @@ _PRECISIONS = {
     "bfloat16": Precision("bfloat16", torch.bfloat16), "bf16": Precision("bfloat16", torch.bfloat16),
     "int8": Precision("int8", torch.float32, "int8"),
     "gguf": Precision("gguf", torch.float32, "gguf"), "llama.cpp": Precision("gguf", torch.float32, "gguf"),
+    "gguf-wide": Precision("gguf-wide", torch.float32, "gguf-wide"),
     "hf": Precision("hf", torch.float32, "hf"), "hf-float32": Precision("hf", torch.float32, "hf"),
     "hf-bfloat16": Precision("hf-bfloat16", torch.bfloat16, "hf"), "hf-bf16": Precision("hf-bfloat16", torch.bfloat16, "hf"),
 }
@@ -152,7 +156,7 @@ class LoadedModel:
         if getattr(self.runner, "variant", "") == ",hf":
             return "hf" if self.runner.dtype == torch.float32 else "hf-bfloat16"
         quant = getattr(self.runner, "quant", None)
-        return quant if quant in ("int8", "gguf") else parse_precision(self.runner.dtype).name
+        return quant if quant in ("int8", "gguf", "gguf-wide") else parse_precision(self.runner.dtype).name
 
     def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
         """Token ids for `prompt`, wrapped in the chat template when the model has one and chat=True."""
@@ -204,8 +208,8 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", pack_rows
     the 1.5B; measured in BENCHMARKS.md), so no second conversion is stored.
     """
     precision = parse_precision(dtype)
-    if precision.quant == "gguf":
-        return _load_gguf(spec)
+    if precision.quant in ("gguf", "gguf-wide"):
+        return _load_gguf(spec, exact=precision.quant == "gguf")
     if precision.quant == "int8" and not int8_available():
         warnings.warn("this torch build has no fbgemm int8 kernel: int8 runs a slow (exact) float64 fallback",
                       RuntimeWarning, stacklevel=2)
@@ -229,14 +233,14 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", pack_rows
     return LoadedModel(str(spec), folder, runner, tokenizer, _eos_ids(folder, tokenizer))
 
 
-def _load_gguf(spec: str | Path) -> LoadedModel:
+def _load_gguf(spec: str | Path, exact: bool) -> LoadedModel:
     """`spec`'s GGUF file in llama.cpp, with the tokenizer read from the same file."""
     from verispec.models.llama_cpp import LlamaCppRunner
 
     gguf = gguf_file(str(spec))
     folder = gguf_tokenizer_folder(gguf)
     with status(f"loading {spec} into llama.cpp"):
-        runner = LlamaCppRunner(gguf)
+        runner = LlamaCppRunner(gguf, exact=exact)
         tokenizer = load_tokenizer(folder)
     return LoadedModel(str(spec), gguf, runner, tokenizer, _eos_ids(folder, tokenizer) | runner.eos_ids)
 

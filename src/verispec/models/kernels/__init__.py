@@ -12,30 +12,19 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-import platform
 import warnings
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from verispec.paths import cache_dir
+from verispec.paths import cache_dir, cpu_flags
 
 __all__ = ["extension"]
 
 # -march=native: this machine's vector instructions (rounding inlined); -ffp-contract=off: no fused
 # multiply-add, so the same float operations as the torch code
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
-
-
-def _cpu() -> str:
-    """What a -march=native build depends on: the CPU's instruction-set flags (a cache directory shared
-    by machines with different CPUs keeps one build per CPU kind)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return next((line for line in lines if line.startswith("flags")), platform.processor())
-    except OSError:
-        return platform.processor()
 
 
 @functools.cache
@@ -49,7 +38,7 @@ def extension(name: str) -> ModuleType | None:
         from verispec.progress import status
 
         source = Path(__file__).with_name(f"{name}.cpp")
-        digest = hashlib.sha256(source.read_bytes() + " ".join([*FLAGS, _cpu()]).encode()).hexdigest()[:12]
+        digest = hashlib.sha256(source.read_bytes() + " ".join([*FLAGS, cpu_flags()]).encode()).hexdigest()[:12]
         build = cache_dir() / "kernels" / f"{name}-torch{torch.__version__}-{digest}"
         build.mkdir(parents=True, exist_ok=True)
         with status(f"loading the {name} kernels (compiled on first use)"):
