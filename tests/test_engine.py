@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from verispec import Engine, GenerationConfig, SamplingParams, load
 from verispec.drafters import DraftModelDrafter, NgramDrafter, make_drafter
 from verispec.errors import IncompatibleModelsError, InvalidParameterError, ModelNotFoundError, PromptError
+from verispec.models.linear import VERIFY_ROWS
 from verispec.models.loading import load_model
 from verispec.testing.reference import reference_generate, sequence_distribution
 
@@ -135,6 +136,28 @@ def test_same_seed_same_output(target, draft):
     engine = Engine(target, DraftModelDrafter(draft, target.vocab_size), gamma=3)
     config = GenerationConfig(max_new_tokens=12, sampling=SamplingParams(temperature=1.0), seed=42)
     assert engine.generate(PROMPTS[0], config).token_ids == engine.generate(PROMPTS[0], config).token_ids
+
+
+def test_an_unseeded_request_leaves_torch_global_generator_alone(target, draft):
+    """Without a seed a request draws its own, so user code that seeded torch still gets its numbers."""
+    engine = Engine(target, DraftModelDrafter(draft, target.vocab_size), gamma=3)
+    config = GenerationConfig(max_new_tokens=8, sampling=SamplingParams(temperature=1.0))
+    torch.manual_seed(7)
+    want = torch.rand(4)
+    torch.manual_seed(7)
+    engine.generate(PROMPTS[0], config)
+    assert torch.equal(torch.rand(4), want)
+    first, second = engine.start(PROMPTS[0], config), engine.start(PROMPTS[0], config)
+    assert first.generator.initial_seed() != second.generator.initial_seed()  # still a fresh seed per request
+    first.close()
+    second.close()
+
+
+def test_plain_and_speculative_targets_share_one_weight_layout(tiny_target):
+    """`load` lays the target out the same with or without a drafter: rounding, hence fp32 greedy
+    tokens, cannot depend on whether a request drafts."""
+    plain, speculative = load(str(tiny_target), "none"), load(str(tiny_target), "ngram")
+    assert plain.target.runner.variant == speculative.target.runner.variant == f",rows={VERIFY_ROWS}"
 
 
 # --- stopping and bad input ----------------------------------------------------------------------

@@ -23,7 +23,9 @@ def load(
     loaded in the same precision; see `verispec.models.loading`).
     """
     models = ModelCache()
-    target_model = models(target, dtype, pack_rows=1 if draft in (None, "none") else VERIFY_ROWS)
+    # one weight layout with or without a drafter (rounding depends on it): plain decoding gives the
+    # same float32 tokens as speculative decoding, and a request may still pick a drafter
+    target_model = models(target, dtype, pack_rows=VERIFY_ROWS)
     drafter = make_drafter(draft, target_model, load=models)
     drafts = [name for name in models.names if name != target_model.name]
     if len(drafts) == 1:

@@ -19,10 +19,15 @@ On a row-invariant target (int8) a verification pass is exact only up to the run
 `exact_positions` (longer feeds use batched attention, whose rounding changes with the number of
 queries), so there a step drafts at most that many − 1 tokens: γ is capped, and a tree keeps its first
 nodes.
+
+Stop strings: the text is cut before the first stop string, and an event's text is only what no stop
+string can still claim, so streamed text joins to exactly the returned text (text that could begin a
+stop string is held back until it cannot, or until the request ends by length or EOS).
 """
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -203,14 +208,16 @@ class Generation:
         self.target = engine.target
         self.params = config.sampling
         self.generator = torch.Generator()
-        self.generator.manual_seed(config.seed if config.seed is not None else int(torch.seed() % 2**63))
+        # without a seed, a fresh one from the OS: torch's global generator is left as the caller set it
+        self.generator.manual_seed(config.seed if config.seed is not None else secrets.randbits(63))
         self.ids = list(prompt_ids)
         self.prompt_len = len(prompt_ids)
         self.max_new = min(config.max_new_tokens, self.target.context_length - self.prompt_len)
         self.stats = GenerationStats(prompt_tokens=self.prompt_len)
         self.output_ids: list[int] = []
         self.origins: list[Origin] = []
-        self.text = ""
+        self.text = ""  # the output text, cut before a stop string
+        self._emitted = 0  # characters of `text` already given out in events
         self.finish_reason: str | None = None
         self._closed = False
         self._detok = _Detokenizer(self.target.tokenizer)
@@ -323,37 +330,57 @@ class Generation:
         return self.commit(plan, logits, time.perf_counter() - start)
 
     def _emit(self, tokens: list[int], origins: list[Origin]) -> list[TokenEvent]:
+        """Record accepted tokens; each event carries the text its token made final.
+
+        Text that could still begin a stop string is held back and released by a later token, so the
+        events' texts join to exactly `self.text`. An EOS token gets an event only when it releases
+        held-back text.
+        """
         events = []
         for token, origin in zip(tokens, origins):
             self.output_ids.append(token)
             self.origins.append(origin)
-            if token in self.target.eos_ids:
+            eos = token in self.target.eos_ids
+            if eos:
                 self._finish("stop")
-                break
-            piece = self._detok.push(token)
-            piece = self._cut_at_stop_string(piece)
-            events.append(TokenEvent(token, piece, origin))
+            else:
+                self._add_text(self._detok.push(token))  # finishes at a stop string
+                if not self.done and len(self.output_ids) >= self.max_new:
+                    self._finish("length")
+            released = self._release()
+            if not eos or released:
+                events.append(TokenEvent(token, released, origin))
             if self.done:
-                break
-            if len(self.output_ids) >= self.max_new:
-                self._finish("length")
                 break
         return events
 
-    def _cut_at_stop_string(self, piece: str) -> str:
-        if not self.config.stop or not piece:
-            self.text += piece
-            return piece
-        before = len(self.text)
+    def _add_text(self, piece: str) -> None:
+        """Append `piece` to the text and cut it before the first stop string, finishing the request."""
         self.text += piece
-        window_start = max(0, before - max(len(s) for s in self.config.stop))
-        hits = [i for s in self.config.stop if (i := self.text.find(s, window_start)) != -1]
-        if not hits:
-            return piece
-        cut = min(hits)
-        self.text = self.text[:cut]
-        self._finish("stop")
-        return self.text[before:]
+        if not self.config.stop or not piece:
+            return
+        # a stop string begins at or after the emitted text: what was emitted could begin none
+        hits = [i for s in self.config.stop if (i := self.text.find(s, self._emitted)) != -1]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self._finish("stop")
+
+    def _release(self) -> str:
+        """The text not yet emitted that no stop string can still claim (all of it once finished)."""
+        end = len(self.text)
+        if not self.done:
+            end -= self._stop_prefix_length()
+        released, self._emitted = self.text[self._emitted : end], end
+        return released
+
+    def _stop_prefix_length(self) -> int:
+        """The length of the longest unemitted end of the text that begins a stop string (0 if none)."""
+        longest = min(len(self.text) - self._emitted, max((len(s) for s in self.config.stop), default=1) - 1)
+        for length in range(longest, 0, -1):
+            tail = self.text[-length:]
+            if any(s.startswith(tail) for s in self.config.stop):
+                return length
+        return 0
 
     def _finish(self, reason: str) -> None:
         self.finish_reason = reason
