@@ -1,14 +1,18 @@
 """Helpers for the server tests: a tiny engine with a chat template (also as a picklable loader for Ray
-workers), the engine's own answer to compare with, and uvicorn on a free local port."""
+workers), the engine's own answer to compare with, uvicorn on a free local port, and a headless
+Chromium for the playground."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import uvicorn
 from transformers import PreTrainedTokenizerFast
 
@@ -99,3 +103,22 @@ class LocalServer:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+@contextmanager
+def chromium():
+    """A headless Chromium (Playwright) browser; skips the test without Chromium or Playwright."""
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"no Chromium at {CHROMIUM} (install the Debian package 'chromium')")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    args = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run"]
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=args)
+        try:
+            yield browser
+        finally:
+            browser.close()

@@ -4,8 +4,14 @@ Endpoints: /v1/models, /v1/completions, /v1/chat/completions (streaming as SSE o
 /metrics (Prometheus text) and the playground at /. Handlers validate, hand the request to the
 `Scheduler` (which owns the models on its worker thread) and relay its updates. Every error is
 `{"error": {"message", "type", "param", "code"}}` with a status that says whose fault it was:
-400/422 bad request (the message names the field), 429 server full, 504 too slow, 500 a failure
-inside this one generation.
+400/422 bad request (the message names the field), 401 no or wrong API key, 413 body too large,
+429 server full, 504 too slow, 500 a failure inside this one generation. `/health` is 503
+"degraded" while the scheduler has work but has not gone round its loop for `stall_seconds`.
+
+Limits: `api_key` (every /v1 route and /metrics; `verispec.serving.http.guard`), `max_body_bytes`,
+`max_tokens_limit` (a request asking for more new tokens is refused, not capped), `max_queue`; a
+request's drafter may use only the loaded models and no spec that reads files
+(`verispec.serving.request.check_request_drafter`). `cors_origins` allows those browser origins.
 """
 
 from __future__ import annotations
@@ -18,13 +24,18 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from starlette.exceptions import HTTPException
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from verispec.engine import Engine, GenerationConfig
 from verispec.errors import InvalidParameterError, PromptError, VerispecError
 from verispec.sampling.processors import SamplingParams
-from verispec.serving.request import chat_prompt_ids, describe_invalid, error_response, request_config
+from verispec.serving.request import (
+    chat_prompt_ids, check_request_drafter, describe_invalid, error_response, request_config,
+)
 from verispec.serving.http.formats import ChatFormat, CompletionFormat, sse
+from verispec.serving.http.guard import Guard
 from verispec.serving.http.metrics import Metrics
 from verispec.serving.http.scheduler import Job, JobUpdate, QueueFullError, RequestTimeoutError, Scheduler
 from verispec.serving.http.schemas import (
@@ -36,7 +47,7 @@ __all__ = ["create_app"]
 
 STATIC = Path(__file__).parent / "static"
 DISCONNECT_POLL_SECONDS = 0.25
-ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (400, 422, 429, 500, 504)}
+ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (400, 401, 413, 422, 429, 500, 504)}
 
 
 class ClientDisconnected(Exception):
@@ -75,8 +86,15 @@ def create_app(
     max_queue: int = 32,
     request_timeout: float = 300.0,
     default_max_tokens: int = 256,
+    max_tokens_limit: int = 4096,
+    api_key: str | None = None,
+    cors_origins: list[str] | None = None,
+    max_body_bytes: int = 1 << 20,
+    stall_seconds: float = 60.0,
 ) -> FastAPI:
     """An app serving one engine. Pass a loader to load the models when the server starts."""
+    if max_tokens_limit < 1 or stall_seconds <= 0:
+        raise ValueError(f"max_tokens_limit must be ≥ 1 and stall_seconds > 0, got {max_tokens_limit} and {stall_seconds}")
     metrics = Metrics()
 
     @asynccontextmanager
@@ -95,10 +113,18 @@ def create_app(
     app = FastAPI(title="verispec", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible server for lossless speculative decoding")
     app.state.metrics = metrics
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    if cors_origins:  # outermost: preflights and error answers get the CORS headers too
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(*describe_invalid(exc.errors()))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", headers=exc.headers)
 
     async def serve(request: Request, body: CompletionRequest | ChatCompletionRequest, endpoint: str,
                     encode: Callable[[Engine], list[int]], fmt: CompletionFormat) -> Response:
@@ -107,15 +133,15 @@ def create_app(
         if body.model != request.app.state.model_name:
             response = error_response(400, f"model: unknown model {body.model!r}; this server serves {request.app.state.model_name!r} (see /v1/models)",
                                       param="model", code="model_not_found")
-        elif body.n != 1:
-            response = error_response(400, f"n: this server generates one choice per request, got n={body.n}; send n separate requests", param="n")
         else:
             job = None
             try:
-                job = scheduler.submit(encode, request_config(body, default_max_tokens))
+                check_request_drafter(body.drafter, scheduler.engine.drafter_spec)
+                job = scheduler.submit(encode, request_config(body, default_max_tokens, max_tokens_limit))
                 await _next(job, request)  # "admitted": the prompt fits and is prefilled
                 if body.stream:
-                    return StreamingResponse(stream(job, fmt, endpoint, started), media_type="text/event-stream")
+                    include_usage = body.stream_options is not None and body.stream_options.include_usage
+                    return StreamingResponse(stream(job, fmt, endpoint, started, include_usage), media_type="text/event-stream")
                 response = JSONResponse(await collect(job, request, fmt))
             except ClientDisconnected:
                 response = Response(status_code=499)
@@ -134,7 +160,7 @@ def create_app(
             origins += [event.origin.value for event in update.events]
         return fmt.response("".join(text), origins, update.finish_reason, update.stats)
 
-    async def stream(job: Job, fmt: CompletionFormat, endpoint: str, started: float) -> AsyncIterator[str]:
+    async def stream(job: Job, fmt: CompletionFormat, endpoint: str, started: float, include_usage: bool) -> AsyncIterator[str]:
         status, first = 200, True
         try:
             for chunk in fmt.opening_chunks():
@@ -146,6 +172,8 @@ def create_app(
                 for event in update.events:
                     yield sse(fmt.token_chunk(event, update.live))
             yield sse(fmt.final_chunk(update.finish_reason, update.stats))
+            if include_usage:
+                yield sse(fmt.usage_chunk(update.stats))
         except Exception as error:  # noqa: BLE001 — headers are sent: report the failure in-band
             status, message, _ = _error_status(error)
             yield sse({"error": {"message": message, "type": "server_error", "code": str(status)}})
@@ -175,12 +203,17 @@ def create_app(
     async def health(request: Request) -> JSONResponse:
         scheduler: Scheduler = request.app.state.scheduler
         engine = scheduler.engine
-        body = {"status": "ok" if scheduler.running else "stopped", "model": request.app.state.model_name,
+        stalled = scheduler.stalled_seconds
+        status = "stopped" if not scheduler.running else "degraded" if stalled > stall_seconds else "ok"
+        body = {"status": status, "model": request.app.state.model_name,
                 "drafter": engine.drafter.name if engine.drafter else "none", "drafter_spec": engine.drafter_spec,
                 "gamma": engine.gamma,
                 "gamma_policy": engine.gamma_policy, "max_batch": scheduler.max_batch,
-                "active": scheduler.active_count, "queued": scheduler.queue_length}
-        return JSONResponse(body, status_code=200 if scheduler.running else 503)
+                "active": scheduler.active_count, "queued": scheduler.queue_length, "stalled_seconds": round(stalled, 3)}
+        if status == "degraded":
+            body["reason"] = (f"the scheduler has not advanced for {stalled:.1f} s (limit {stall_seconds:g} s) "
+                              "with requests waiting or running")
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> PlainTextResponse:

@@ -3,7 +3,8 @@
 `CompletionFormat` (text_completion) and `ChatFormat` (chat.completion[.chunk]) share one interface,
 so the request handler streams or collects without knowing which endpoint it serves. Streamed
 token chunks carry two extras the playground reads: the token's `origin` on the choice and the
-request's live `speculative` statistics at the top level.
+request's live `speculative` statistics at the top level. The finishing chunk carries `usage`; with
+`stream_options.include_usage` a last chunk follows with empty `choices` and the `usage`, as OpenAI's.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ class CompletionFormat:
     def final_chunk(self, finish_reason: str, stats: GenerationStats) -> dict:
         choice = {"index": 0, **self._content(""), "finish_reason": finish_reason}
         return self._envelope(self.chunk_name, [choice], usage=usage(stats))
+
+    def usage_chunk(self, stats: GenerationStats) -> dict:
+        return self._envelope(self.chunk_name, [], usage=usage(stats))
 
     def response(self, text: str, origins: list[str], finish_reason: str, stats: GenerationStats) -> dict:
         choice = {"index": 0, **self._final_content(text), "finish_reason": finish_reason, "logprobs": None, "origins": origins}

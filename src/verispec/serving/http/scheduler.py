@@ -5,7 +5,9 @@ waiting requests (tokenize + prefill) up to `max_batch`, drops cancelled or time
 their slot and caches), then runs one step for all of them: `plan()` each (drafts) → ONE
 `forward_ragged` target pass over every row's feed → `commit()` each. Acceptance is ragged: each row
 keeps its own accepted prefix. Every request owns its `torch.Generator`, so a seeded request gives
-the same tokens alone or batched. An exception inside one request fails that request only.
+the same tokens alone or batched. An exception inside one request fails that request only; a request
+refused for its own input (a prompt too long, an unknown drafter) is not counted as a generation.
+The worker notes when it last went round its loop, so that `stalled_seconds` can tell a stuck step.
 
 Results travel to the request's asyncio loop as `JobUpdate`s through `call_soon_threadsafe`.
 """
@@ -105,6 +107,7 @@ class Scheduler:
         self._active: list[Job] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._last_turn = time.monotonic()  # when the worker last went round its loop
         self.metrics.add_gauge("verispec_queue_length", "Requests waiting for a batch slot.", lambda: self._waiting.qsize())
         self.metrics.add_gauge("verispec_active_generations", "Requests being decoded now.", lambda: len(self._active))
 
@@ -115,6 +118,13 @@ class Scheduler:
     @property
     def active_count(self) -> int:
         return len(self._active)
+
+    @property
+    def stalled_seconds(self) -> float:
+        """How long the worker has not gone round its loop while requests wait or run (0: no work)."""
+        if not (self._active or self._waiting.qsize()):
+            return 0.0
+        return max(0.0, time.monotonic() - self._last_turn)
 
     @property
     def running(self) -> bool:
@@ -145,6 +155,7 @@ class Scheduler:
     def _run(self) -> None:
         torch.set_grad_enabled(False)
         while not self._stop.is_set():
+            self._last_turn = time.monotonic()
             try:
                 self._admit()
                 self._drop_finished_early()
@@ -172,7 +183,7 @@ class Scheduler:
                 ids = job.encode(self.engine)
                 job.generation = self.engine.start(ids, job.config)
             except Exception as error:  # noqa: BLE001 — a bad prompt fails its own request only
-                self._fail(job, error, "error")
+                self._fail(job, error, None if isinstance(error, VerispecError) else "error")
                 continue
             self._active.append(job)
             self.metrics.record_admitted(job.generation.prompt_len)
@@ -189,11 +200,13 @@ class Scheduler:
                 self._fail(job, RequestTimeoutError(
                     f"the request ran past the server's limit of {self.request_timeout:g} s: ask for fewer tokens"), "timeout")
 
-    def _fail(self, job: Job, error: BaseException, reason: str) -> None:
+    def _fail(self, job: Job, error: BaseException, reason: str | None) -> None:
+        """End `job` with `error`; `reason` None: refused before it started (not a finished generation)."""
         if job in self._active:
             self._active.remove(job)
             job.generation.close()
-        self.metrics.record_finished(reason)
+        if reason is not None:
+            self.metrics.record_finished(reason)
         job.push(JobUpdate("failed", error=error))
 
     def _step(self) -> None:

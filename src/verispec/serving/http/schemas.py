@@ -1,49 +1,96 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic), plus verispec's extras.
 
-Requests accept OpenAI's fields (model, max_tokens, temperature, top_p, n, stop, seed, stream,
-stream_options) and verispec's extras: sampling (top_k, min_p, eta, epsilon, repetition_penalty)
-and speculation (drafter, gamma, gamma_policy) for this one request.
-Ranges are checked here so that a bad value is a 422 naming the field; fields OpenAI defines that
-verispec does not use (presence_penalty, user, …) are accepted and ignored.
+Requests accept OpenAI's fields (model, max_tokens / max_completion_tokens, temperature, top_p,
+stop, seed, stream, stream_options, user) and verispec's extras: sampling (top_k, min_p, eta,
+epsilon, repetition_penalty) and speculation (drafter, gamma, gamma_policy) for this one request.
+Ranges are checked here so that a bad value is a 422 naming the field. OpenAI fields this server
+does not implement (`UNSUPPORTED`: n > 1, logprobs, tools, response_format other than text, echo,
+suffix, best_of, penalties, logit_bias) are declared with the one neutral value they accept, so the
+OpenAPI schema says exactly what is accepted; any other value is a 400 naming the field, and an
+unknown field is refused, never silently ignored. Text must be valid Unicode (no lone surrogates).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
+from verispec.drafters.specs import MAX_GAMMA
 from verispec.sampling.processors import MIN_REPETITION_PENALTY, MIN_TEMPERATURE
 
 __all__ = [
     "CompletionRequest", "ChatCompletionRequest", "ChatMessage", "Usage", "CompletionResponse",
-    "ChatCompletionResponse", "ModelList", "ErrorResponse",
+    "ChatCompletionResponse", "ModelList", "ErrorResponse", "UNSUPPORTED",
 ]
 
+# field -> why only its neutral value is accepted (`{input}`: the value sent)
+UNSUPPORTED = {
+    "n": "this server generates one choice per request, got n={input}: send n separate requests",
+    "best_of": "this server generates one candidate per request (best_of must be 1 or absent)",
+    "echo": "this server does not echo the prompt back (echo must be false)",
+    "suffix": "this server does not insert text (suffix must be empty or absent)",
+    "logprobs": "this server does not return log-probabilities (logprobs must be absent or false)",
+    "top_logprobs": "this server does not return log-probabilities (top_logprobs must be absent or 0)",
+    "response_format": "this server generates free text only (response_format must be {{\"type\": \"text\"}} or absent)",
+    "tools": "this server does not call tools (tools must be empty or absent)",
+    "tool_choice": "this server does not call tools (tool_choice must be \"none\" or absent)",
+    "functions": "this server does not call functions (functions must be empty or absent)",
+    "function_call": "this server does not call functions (function_call must be \"none\" or absent)",
+    "presence_penalty": "not implemented (presence_penalty must be 0); repetition_penalty is",
+    "frequency_penalty": "not implemented (frequency_penalty must be 0); repetition_penalty is",
+    "logit_bias": "not implemented (logit_bias must be empty or absent)",
+}
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+
+def _encodable(value: str) -> str:
+    """Refuse text that cannot be encoded (a lone surrogate such as "\\ud800", valid in JSON escapes)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise PydanticCustomError(
+            "unicode_invalid", "contains a lone surrogate {char} at character {at}: send valid Unicode text",
+            {"char": ascii(value[error.start]), "at": error.start}) from None
+    return value
 
 
-class _GenerationFields(BaseModel):
-    model: str = Field(description="the served model's id (see /v1/models)")
-    max_tokens: int | None = Field(None, ge=1, description="new tokens at most (default: the server's)")
+Text = Annotated[str, AfterValidator(_encodable)]
+Empty = Annotated[list[dict[str, Any]], Field(max_length=0)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt or unimplemented field is refused
+
+
+class StreamOptions(_Body):
+    include_usage: bool = Field(False, description="one last chunk with empty `choices` and the `usage`")
+
+
+class _GenerationFields(_Body):
+    model: Text = Field(description="the served model's id (see /v1/models)")
+    max_tokens: int | None = Field(None, ge=1, description="new tokens at most (default: the server's; at most its limit)")
     temperature: float = Field(1.0, ge=0, le=100, description=f"0 = greedy, else ≥ {MIN_TEMPERATURE}")
     top_p: float = Field(1.0, gt=0, le=1)
-    n: int = Field(1, ge=1, le=16, description="choices per request; this server generates one (n > 1 is refused)")
-    stop: str | list[str] | None = Field(None, description="up to 4 stop strings")
+    n: Literal[1] = Field(1, description="choices per request: this server generates one")
+    stop: Text | list[Text] | None = Field(None, description="up to 4 stop strings")
     seed: int | None = Field(None, ge=0, lt=2**63)
     stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = Field(None, description="only with stream: true")
+    user: Text | None = Field(None, max_length=256, description="a label for the caller (not used)")
+    presence_penalty: Literal[0] = Field(0, description="not implemented: 0 only")
+    frequency_penalty: Literal[0] = Field(0, description="not implemented: 0 only")
+    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = Field(None, description="not implemented: empty only")
     top_k: int = Field(0, ge=0, description="0 = off")
     min_p: float = Field(0.0, ge=0, lt=1)
     eta: float = Field(0.0, ge=0, lt=1, description="η-sampling (0 = off; 0.0009 is usual)")
     epsilon: float = Field(0.0, ge=0, lt=1, description="ε-sampling (0 = off)")
     repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=100, description="1 = off")
-    drafter: str | None = Field(None, min_length=1, max_length=200, description=(
-        "drafter spec for this request (none, ngram[:max_n=3], stand, model, tree, hybrid, …; see `verispec "
-        "generate --help`); those needing a draft model use the one the server loaded. Default: the server's"))
-    gamma: int | None = Field(None, ge=1, le=64, description="(starting) draft length γ; default: the server's")
+    drafter: Text | None = Field(None, min_length=1, max_length=200, description=(
+        "drafter spec for this request (none, ngram[:max_n=3], stand, self:layers=L, tree, hybrid, …; see "
+        "`verispec.drafters`) over the models the server loaded; no file paths, no online, no int8= or vocab=. "
+        "Default: the server's"))
+    gamma: int | None = Field(None, ge=1, le=MAX_GAMMA, description="(starting) draft length γ; default: the server's")
     gamma_policy: Literal["constant", "heuristic", "analytic"] | None = Field(None, description="default: the server's")
 
     @field_validator("temperature")
@@ -54,20 +101,28 @@ class _GenerationFields(BaseModel):
             raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}")
         return value
 
+    def token_budget(self) -> tuple[str, int | None]:
+        """(the field that sets the most new tokens, its value or None for the server's default)."""
+        return "max_tokens", self.max_tokens
+
 
 class CompletionRequest(_GenerationFields):
-    prompt: str | list[int] = Field(description="text, or token ids")
+    prompt: Text | list[int] = Field(description="text, or token ids")
     max_tokens: int | None = Field(16, ge=1, description="new tokens at most")
+    logprobs: None = Field(None, description="not implemented: absent only")
+    echo: Literal[False] = Field(False, description="not implemented: false only")
+    suffix: Literal[""] | None = Field(None, description="not implemented: empty only")
+    best_of: Literal[1] | None = Field(None, description="not implemented: 1 only")
 
 
-class TextPart(BaseModel):
+class TextPart(_Body):
     type: Literal["text"] = "text"
-    text: str
+    text: Text
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -75,8 +130,26 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class ResponseFormat(_Body):
+    type: Literal["text"] = "text"
+
+
 class ChatCompletionRequest(_GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="the same as max_tokens (OpenAI's newer name)")
+    logprobs: Literal[False] | None = Field(None, description="not implemented: false only")
+    top_logprobs: Literal[0] | None = Field(None, description="not implemented: 0 only")
+    response_format: ResponseFormat | None = Field(None, description="text only")
+    tools: Empty | None = Field(None, description="not implemented: empty only")
+    tool_choice: Literal["none"] | None = Field(None, description="not implemented: \"none\" only")
+    parallel_tool_calls: bool | None = Field(None, description="accepted; no tools are called")
+    functions: Empty | None = Field(None, description="not implemented: empty only")
+    function_call: Literal["none"] | None = Field(None, description="not implemented: \"none\" only")
+
+    def token_budget(self) -> tuple[str, int | None]:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return super().token_budget()
 
 
 class Usage(BaseModel):

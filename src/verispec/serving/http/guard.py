@@ -1,0 +1,76 @@
+"""ASGI middleware in front of the API: the API key, and the request body's size and encoding.
+
+`Guard` answers before any handler runs, with the OpenAI error envelope:
+  401 a /v1 route or /metrics without `Authorization: Bearer <key>` (when the server has a key;
+      compared in constant time); /health and the playground stay open
+  413 a body larger than `max_body_bytes` (by its Content-Length, or counted while it arrives)
+  400 a body that is not UTF-8 (JSON must be)
+It reads the whole body (at most `max_body_bytes`) and hands it on unchanged.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from verispec.serving.request import error_response
+
+__all__ = ["Guard", "PROTECTED_PREFIXES"]
+
+PROTECTED_PREFIXES = ("/v1", "/metrics")
+
+
+class Guard:
+    def __init__(self, app, api_key: str | None = None, max_body_bytes: int = 1 << 20):
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be ≥ 1, got {max_body_bytes}")
+        self.app, self.max_body_bytes = app, max_body_bytes
+        self.api_key = api_key.encode() if api_key else None
+
+    def _authorized(self, scope) -> bool:
+        if self.api_key is None or not scope["path"].startswith(PROTECTED_PREFIXES):
+            return True
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        return hmac.compare_digest(token.strip() if scheme.lower() == b"bearer" else b"", self.api_key)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if scope["method"] != "OPTIONS" and not self._authorized(scope):  # CORS preflights carry no key
+            response = error_response(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                                      code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            return await response(scope, receive, send)
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        too_large = error_response(413, f"the request body is larger than this server's limit of {self.max_body_bytes} bytes",
+                                   code="body_too_large")
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            return await too_large(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:
+                return await too_large(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as error:
+            response = error_response(400, f"the request body is not valid UTF-8 (byte {error.start}): send JSON encoded as UTF-8")
+            return await response(scope, receive, send)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # later: the client's disconnect
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return await self.app(scope, replay, send)
