@@ -87,6 +87,7 @@ def test_loading_picks_the_runner_by_model_type(folders, tiny_target):
     assert gemma.runner.config.model_type == "gemma3_text" and gemma.vocab_size == 64 and gemma.context_length == 256
     bf16 = load_model(folders["phi3"][0], "bfloat16")
     assert isinstance(bf16.runner, HFRunner) and bf16.runner.dtype == torch.bfloat16 and bf16.precision == "hf-bfloat16"
+    assert bf16.runner.supports_trees and bf16.runner.forward(bf16.runner.new_cache(), torch.tensor([3, 4])).dtype == torch.float32
     assert isinstance(load_model(tiny_target).runner, Transformer)  # qwen2: the own runner
     explicit = load_model(tiny_target, "hf")  # any folder on the HF runner when asked
     assert isinstance(explicit.runner, HFRunner) and explicit.precision == "hf"
