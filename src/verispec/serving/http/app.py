@@ -28,9 +28,8 @@ from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from verispec.engine import Engine, GenerationConfig
+from verispec.engine import Engine
 from verispec.errors import InvalidParameterError, PromptError, VerispecError
-from verispec.sampling.processors import SamplingParams
 from verispec.serving.request import (
     chat_prompt_ids, check_request_drafter, describe_invalid, error_response, request_config,
 )
