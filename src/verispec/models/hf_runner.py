@@ -21,6 +21,7 @@ How the protocol maps onto transformers:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -134,14 +135,11 @@ class HFRunner:
     @classmethod
     def from_folder(cls, folder: str | Path, dtype: torch.dtype = torch.float32) -> HFRunner:
         """The Hugging Face model in `folder` (config.json + safetensors) in `dtype`."""
-        import json
-
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
         folder = Path(folder)
         model_type = json.loads((folder / "config.json").read_text()).get("model_type", "?")
-        from transformers.utils import logging as hf_logging
-
         bars = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # verispec's own status line says what is loading
         try:
