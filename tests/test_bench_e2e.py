@@ -26,13 +26,13 @@ def _bench(tiny_text_pair, questions, tmp_path, *extra):
     return json.loads(out.read_text())
 
 
-def test_greedy_bench_is_identical_to_hf_plain(tiny_text_pair, questions, tmp_path, monkeypatch, capsys):
+def test_greedy_bench_is_identical_to_baseline(tiny_text_pair, questions, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))  # the analytic policy caches measured costs
     data = _bench(tiny_text_pair, questions, tmp_path, "--per-category", "1", "--plots", str(tmp_path / "plots"))
     assert data["config"]["prompts"] == ["writing-1", "rag-3"]  # MT-bench categories: one group, one prompt
     methods = data["methods"]
     for name in ("hf-plain", "vs:none", "vs:model"):
-        assert methods[name]["identical_to_hf_plain"] == 1.0
+        assert methods[name]["identical_to_baseline"] == 1.0
         assert set(methods[name]["per_category"]) == {"mt_bench", "rag"}
         assert methods[name]["tokens_per_second"] > 0 and methods[name]["weights_mib"] > 0
     assert methods["vs:model"]["mean_accepted_length"] >= 1.0
@@ -46,5 +46,5 @@ def test_sampled_bench_reports_identity_as_na(tiny_text_pair, questions, tmp_pat
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
     data = _bench(tiny_text_pair, questions, tmp_path, "--temperature", "0.8", "--categories", "rag")
     assert data["config"]["temperature"] == 0.8 and data["config"]["prompts"] == ["rag-3"]
-    assert all(m["identical_to_hf_plain"] is None for m in data["methods"].values())
+    assert all(m["identical_to_baseline"] is None for m in data["methods"].values())
     assert "| n/a |" in capsys.readouterr().out

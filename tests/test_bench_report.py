@@ -36,9 +36,9 @@ def test_summary_metrics():
     summary = summarize(_records(), ["hf-plain", "vs:model", "vs:absent"], weights_mib={"hf-plain": 100.0, "vs:model": 150.0})
     assert "vs:absent" not in summary
     vs = summary["vs:model"]
-    assert vs["speedup_vs_hf_plain"] == pytest.approx(55 / 30)
-    assert vs["per_category"]["code"]["speedup_vs_hf_plain"] == pytest.approx(2.5)
-    assert vs["identical_to_hf_plain"] == 0.5
+    assert vs["speedup"] == pytest.approx(55 / 30)
+    assert vs["per_category"]["code"]["speedup"] == pytest.approx(2.5)
+    assert vs["identical_to_baseline"] == 0.5
     assert vs["mean_gamma"] == pytest.approx(3.0)
     assert vs["predicted_speedup"] == pytest.approx(expected_speedup(0.75, 3, 0.2))
     assert vs["memory_mib"] == pytest.approx(150.0 + 12.0)
@@ -48,7 +48,7 @@ def test_summary_metrics():
 def test_sampled_runs_report_identical_as_na():
     config = CONFIG | {"temperature": 0.7}
     summary = summarize(_records(), ["hf-plain", "vs:model"], sampled=True)
-    assert summary["vs:model"]["identical_to_hf_plain"] is None
+    assert summary["vs:model"]["identical_to_baseline"] is None
     text = markdown_report(summary, config)
     assert "sampled at temperature 0.7" in text and "| n/a |" in text
 
@@ -60,7 +60,7 @@ def test_markdown_and_json(tmp_path):
     write_json(tmp_path / "out.json", CONFIG, summary, _records())
     data = json.loads((tmp_path / "out.json").read_text())
     assert set(data) == {"config", "methods", "runs"}
-    for key in ("speedup_vs_hf_plain", "identical_to_hf_plain", "mean_accepted_length", "tokens_per_second",
+    for key in ("speedup", "identical_to_baseline", "mean_accepted_length", "tokens_per_second",
                 "predicted_speedup", "per_position_acceptance", "cost_ratio"):
         assert key in data["methods"]["vs:model"]
         assert key in data["methods"]["vs:model"]["per_category"]["code"]
@@ -79,7 +79,7 @@ def test_category_bars_show_tokens_per_second_when_the_run_has_no_hf_plain():
 
     with_baseline = summarize(_records(), ["hf-plain", "vs:model"])
     metric, categories, values = category_bars(with_baseline)
-    assert metric == "speedup_vs_hf_plain" and categories == ["code", "mt_bench", "overall"]
+    assert metric == "speedup" and categories == ["code", "mt_bench", "overall"]
     assert values["vs:model"] == pytest.approx([2.5, 1.5, 55 / 30])
     without = summarize([r for r in _records() if r["method"] != "hf-plain"], ["vs:model"])
     metric, _, values = category_bars(without)

@@ -4,11 +4,14 @@ The promise on this path is about the SAME quantized model: greedy speculative d
 token-identical to greedy plain decoding of the int8 target, and sampling is lossless with respect
 to the int8 target's own distribution. The oracle is the int8 runner recomputing the whole sequence
 in one forward (no cache), which also checks that a row's logits do not depend on how many rows the
-forward pass holds. Sampling: chi-square tests at significance 1e-3 (tests/stats.py) of N = 600
-sequences of 3 tokens (12-token vocabulary, top-k 4: 64 possible sequences, ~9 expected per cell)
-against the exact distribution enumerated from the oracle, for a draft model and for n-gram drafts.
-(The verification rule itself, and the tests' power to catch a wrong one, are covered on float32
-in test_engine.py with N = 3000; this path changes only the logits, so a smaller N keeps it quick.)
+forward pass holds. Sampling: chi-square tests (tests/stats.py) against the exact distribution
+enumerated from the oracle, for a draft model and for n-gram drafts: N = 1 000 sequences of 3 tokens
+after γ = 2 draft tokens (so a fully accepted block's bonus token is in the tested event), 12-token
+vocabulary with top-k 4 (64 sequences), significance 1e-3: any bias of total variation ≥ 0.15 is
+rejected with ≥ 90 % power (each test prints its figure). (The verification rule itself is tested
+with more power on float32 in test_verify.py and test_engine.py; this path changes only the
+logits.) Positive control: the same test on a third of the samples rejects a verifier that draws
+the bonus token from the wrong target row.
 """
 
 import os
@@ -17,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import make_tiny_model
-from stats import SIGNIFICANCE, chi_square_pvalue
+from distribution import assert_rejected, assert_same_distribution, bonus_from_the_wrong_row, sample_sequences
 
 from verispec import Engine, GenerationConfig, SamplingParams
 from verispec.tools.bench.memory import runner_linear_bytes, runner_weights_mib
@@ -299,9 +302,7 @@ def small_pair8(tmp_path_factory):
     return target, draft
 
 
-def _sample_sequences(engine: Engine, params: SamplingParams, n: int, length: int) -> list[tuple[int, ...]]:
-    config = lambda seed: GenerationConfig(max_new_tokens=length, sampling=params, seed=seed)  # noqa: E731
-    return [tuple(engine.generate([3, 7], config(seed)).token_ids) for seed in range(n)]
+PROMPT, LENGTH, GAMMA, SAMPLES = [3, 7], 3, 2, 1_000
 
 
 @pytest.mark.parametrize("drafter, params", [
@@ -311,10 +312,22 @@ def _sample_sequences(engine: Engine, params: SamplingParams, n: int, length: in
 def test_sampled_int8_output_is_distributed_as_the_int8_target(small_pair8, drafter, params):
     target, draft = small_pair8
     chosen = DraftModelDrafter(draft, target.vocab_size) if drafter == "model" else NgramDrafter(max_n=1)
-    engine = Engine(target, chosen, gamma=3, gamma_policy="constant")
-    exact = sequence_distribution(WholeSequenceOracle(target.runner), [3, 7], 3, params)
+    engine = Engine(target, chosen, gamma=GAMMA, gamma_policy="constant")
+    exact = sequence_distribution(WholeSequenceOracle(target.runner), PROMPT, LENGTH, params)
     assert len(exact) == 64
-    assert chi_square_pvalue(_sample_sequences(engine, params, 600, 3), exact) > SIGNIFICANCE
+    result = assert_same_distribution(sample_sequences(engine, PROMPT, params, SAMPLES, LENGTH), exact)
+    assert result.detectable_tv < 0.16  # the power the module doc promises
+
+
+def test_the_int8_test_catches_a_wrong_bonus(small_pair8, monkeypatch):
+    import verispec.engine.loop as engine_module
+
+    monkeypatch.setattr(engine_module, "verify_sampled", bonus_from_the_wrong_row)
+    target, draft = small_pair8
+    params = SamplingParams(temperature=0.8, top_k=4)
+    engine = Engine(target, DraftModelDrafter(draft, target.vocab_size), gamma=GAMMA, gamma_policy="constant")
+    exact = sequence_distribution(WholeSequenceOracle(target.runner), PROMPT, LENGTH, params)
+    assert_rejected(sample_sequences(engine, PROMPT, params, SAMPLES // 3, LENGTH), exact)
 
 
 # --- bad input -----------------------------------------------------------------------------------
@@ -390,10 +403,8 @@ def test_bench_methods_take_a_precision_and_llama_cpp_is_optional(monkeypatch):
     assert compare.parse_method("llama-cpp").is_llama_cpp
     assert compare.split_methods("hf-plain,llama-cpp,vs:stand:k=2,depth=5[int8]") == [
         "hf-plain", "llama-cpp", "vs:stand:k=2,depth=5[int8]"]
-    monkeypatch.setattr(compare, "llama_cpp_available", lambda: False)
-    kept, notes = compare.drop_unavailable([compare.parse_method(m) for m in ("llama-cpp", "vs:none", "vs:gguf[int8]")])
-    assert [s.name for s in kept] == ["vs:none"] and "llama-cpp-python package is not installed" in notes[0]
-    assert "llama-cpp, vs:gguf[int8]" in notes[0]
+    assert compare.parse_method("llama-cpp-pld").is_llama_cpp
+    assert compare.parse_method("vs:model[gguf]").precision == "gguf"
 
 
 def test_llama_cpp_needs_a_gguf_target(tiny_target):
@@ -410,16 +421,14 @@ def test_bench_runs_int8_methods_beside_float32(tiny_text_pair, tmp_path, monkey
     from verispec.tools.bench import compare
 
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(compare, "llama_cpp_available", lambda: False)
     questions = tmp_path / "q.jsonl"
     questions.write_text(json.dumps({"question_id": 1, "category": "rag", "turns": ["t10 t11 t12 t10 t11"]}))
     target, draft = tiny_text_pair
     out = tmp_path / "bench.json"
     argv = ["bench", "--target", str(target), "--draft", str(draft), "--questions", str(questions),
-            "--methods", "hf-plain,llama-cpp,vs:none,vs:none[int8],vs:model@constant[int8]",
+            "--methods", "hf-plain,vs:none,vs:none[int8],vs:model@constant[int8]",
             "--max-new-tokens", "8", "--json", str(out)]
     assert cli_main(argv) == 0
-    assert "skipping llama-cpp" in capsys.readouterr().err
     data = json.loads(out.read_text())
     runs = {r["method"]: r["token_ids"] for r in data["runs"]}
     assert set(runs) == {"hf-plain", "vs:none", "vs:none[int8]", "vs:model@constant[int8]"}

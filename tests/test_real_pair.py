@@ -72,8 +72,6 @@ def test_int8_speculative_greedy_equals_int8_plain_greedy(target_int8, draft):
     """On the int8 path the oracle is plain greedy decoding of the same int8 model (the draft model is
     loaded in int8 too, or run by llama.cpp from its GGUF): token-identical, because the int8 runner's
     rows do not depend on each other."""
-    if draft == "gguf":
-        pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: pip install 'verispec[llama-cpp]'")
     engine = Engine(target_int8, make_drafter(draft, target_int8), gamma=4, gamma_policy="constant")
     plain = Engine(target_int8, None)
     config = GenerationConfig(max_new_tokens=16)
@@ -86,6 +84,5 @@ def test_int8_speculative_greedy_equals_int8_plain_greedy(target_int8, draft):
 
 
 def test_a_gguf_draft_of_another_family_is_refused(target_int8):
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: pip install 'verispec[llama-cpp]'")
-    with pytest.raises(IncompatibleModelsError, match="does not share the tokenizer"):
+    with pytest.raises(IncompatibleModelsError, match="vocabularies differ"):
         make_drafter("gguf:smollm2-135m-instruct", target_int8)

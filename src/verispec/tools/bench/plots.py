@@ -1,8 +1,8 @@
 """PNG figures (matplotlib, no display needed) for `verispec bench --plots` and `verispec analyze --plots`.
 
 Benchmark figures, from a summary of `verispec.tools.bench.report.summarize`:
-  speedup_by_category.png    grouped bars: speedup vs hf-plain per category, one bar per method
-                             (tokens/s instead when the run has no hf-plain, e.g. against llama.cpp);
+  speedup_by_category.png    grouped bars: speedup vs the baseline (hf-plain, else llama-cpp) per category
+                             (tokens/s instead when neither ran);
   acceptance_by_position.png one line per verispec method: share of steps keeping draft position i;
   speedup_vs_gamma.png       per drafting method, the theory's speedup against γ from its measured α
                              and c (optimum marked) and the measured speedup at the run's mean γ.
@@ -53,10 +53,10 @@ def _legend_outside(ax, fontsize: str = "small") -> None:
 
 def category_bars(summary: dict[str, dict]) -> tuple[str, list[str], dict[str, list[float]]]:
     """What `speedup_by_category` draws: (the metric, the categories + "overall", one value per category
-    for each method). The metric is the speedup over hf-plain, or tokens/s when no method has one."""
+    for each method). The metric is the speedup over the baseline, or tokens/s when no method has one."""
     categories = list(dict.fromkeys(c for m in summary.values() for c in m["per_category"])) + ["overall"]
-    has_baseline = any(m.get("speedup_vs_hf_plain") for m in summary.values())
-    metric = "speedup_vs_hf_plain" if has_baseline else "tokens_per_second"
+    has_baseline = any(m.get("speedup") for m in summary.values())
+    metric = "speedup" if has_baseline else "tokens_per_second"
     values = {}
     for name, method in summary.items():
         groups = method["per_category"] | {"overall": method}
@@ -72,13 +72,14 @@ def speedup_by_category(summary: dict[str, dict], path: Path) -> Path:
     for i, (name, colour) in enumerate(zip(values, _colours(len(values)))):
         ax.bar([x + i * width for x in range(len(categories))], values[name], width, label=name, color=colour)
     ax.set_xticks([x + width * (len(values) - 1) / 2 for x in range(len(categories))], categories, rotation=20)
-    if metric == "speedup_vs_hf_plain":
+    if metric == "speedup":
         ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
-        ax.set_ylabel("speedup vs hf-plain (×)")
+        baseline = next((m.get("baseline") for m in summary.values() if m.get("baseline")), "baseline")
+        ax.set_ylabel(f"speedup vs {baseline} (×)")
         ax.set_title("Speedup per category")
     else:
         ax.set_ylabel("tokens/s (mean over prompts)")
-        ax.set_title("Tokens/s per category (no hf-plain in this run)")
+        ax.set_title("Tokens/s per category (no baseline in this run)")
     _legend_outside(ax)
     return _save(fig, path)
 
@@ -112,8 +113,8 @@ def speedup_vs_gamma(summary: dict[str, dict], path: Path) -> Path:
                           label=f"{name} theory (α={alpha:.2f}, c={c:.3f})")
         best = optimal_gamma(alpha, c, MAX_GAMMA)
         ax.plot([best], [expected_speedup(alpha, best, c)], marker="*", markersize=14, color=line.get_color())
-        if m.get("speedup_vs_hf_plain") is not None:
-            ax.plot([mean_gamma], [m["speedup_vs_hf_plain"]], marker="o", linestyle="none", color=line.get_color(),
+        if m.get("speedup") is not None:
+            ax.plot([mean_gamma], [m["speedup"]], marker="o", linestyle="none", color=line.get_color(),
                     label=f"{name} measured at γ̄={mean_gamma:.1f}")
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
     ax.set_xlabel("γ (draft length)")

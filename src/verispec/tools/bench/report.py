@@ -3,9 +3,11 @@
 A record is one timed generation (see `verispec.tools.bench.compare.measure`). Per method, overall and per
 category:
   tokens_per_second        mean over prompts (median alongside);
-  speedup_vs_hf_plain      mean tokens/s over the prompts hf-plain also ran, divided by hf-plain's mean
-                           over them (Spec-Bench's definition); speedup_median_ratio: median per prompt;
-  identical_to_hf_plain    share of outputs token-for-token equal to hf-plain's (None when sampled:
+  speedup                  mean tokens/s over the prompts the baseline also ran, divided by the
+                           baseline's mean over them (Spec-Bench's definition); speedup_median_ratio:
+                           median per prompt. The baseline is hf-plain when it ran, else llama-cpp
+                           (`baseline_of`);
+  identical_to_baseline    share of outputs token-for-token equal to the baseline's (None when sampled:
                            two correct samplers need not agree);
   mean_accepted_length τ, acceptance_rate α, per_position_acceptance, cost_ratio c, mean_gamma γ̄:
                            means over the verispec generations;
@@ -23,9 +25,15 @@ from pathlib import Path
 
 from verispec.control.theory import expected_speedup
 
-__all__ = ["BASELINE", "summarize", "group_metrics", "markdown_report", "write_json"]
+__all__ = ["BASELINE", "baseline_of", "summarize", "group_metrics", "markdown_report", "write_json"]
 
 BASELINE = "hf-plain"
+LLAMA_CPP_BASELINE = "llama-cpp"
+
+
+def baseline_of(method_names: Sequence[str]) -> str | None:
+    """What speedups are measured against: hf-plain, else llama.cpp's plain decoding (None: neither ran)."""
+    return next((name for name in (BASELINE, LLAMA_CPP_BASELINE) if name in method_names), None)
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -59,7 +67,7 @@ def _draft_metrics(stats: list[dict]) -> dict:
 
 
 def group_metrics(records: list[dict], baseline: dict[str, dict], sampled: bool = False) -> dict:
-    """Metrics over one method's `records`; `baseline` maps prompt name → the hf-plain record."""
+    """Metrics over one method's `records`; `baseline` maps prompt name → the baseline's record."""
     tps = [r["tokens_per_second"] for r in records]
     paired = [(r, baseline[r["prompt"]]) for r in records if r["prompt"] in baseline]
     base_mean = _mean([b["tokens_per_second"] for _, b in paired])
@@ -68,10 +76,10 @@ def group_metrics(records: list[dict], baseline: dict[str, dict], sampled: bool 
         "n": len(records),
         "tokens_per_second": _mean(tps),
         "tokens_per_second_median": _median(tps),
-        "speedup_vs_hf_plain": _mean([r["tokens_per_second"] for r, _ in paired]) / base_mean if base_mean else None,
+        "speedup": _mean([r["tokens_per_second"] for r, _ in paired]) / base_mean if base_mean else None,
         "speedup_median_ratio": _median([r["tokens_per_second"] / b["tokens_per_second"]
                                          for r, b in paired if b["tokens_per_second"]]),
-        "identical_to_hf_plain": None if sampled else _mean([float(r["token_ids"] == b["token_ids"]) for r, b in paired]),
+        "identical_to_baseline": None if sampled else _mean([float(r["token_ids"] == b["token_ids"]) for r, b in paired]),
         "new_tokens_mean": _mean([r["new_tokens"] for r in records]),
         "peak_extra_mib": max(extra) if extra else None,
     }
@@ -84,7 +92,8 @@ def group_metrics(records: list[dict], baseline: dict[str, dict], sampled: bool 
 def summarize(records: list[dict], method_names: list[str], sampled: bool = False,
               weights_mib: dict[str, float] | None = None) -> dict[str, dict]:
     """Per method: overall metrics, memory, and `per_category`, for the methods that have records."""
-    baseline = {r["prompt"]: r for r in records if r["method"] == BASELINE}
+    baseline_name = baseline_of([name for name in method_names if any(r["method"] == name for r in records)])
+    baseline = {r["prompt"]: r for r in records if r["method"] == baseline_name}
     summary = {}
     for name in method_names:
         mine = [r for r in records if r["method"] == name]
@@ -97,6 +106,7 @@ def summarize(records: list[dict], method_names: list[str], sampled: bool = Fals
         metrics["memory_mib"] = weights + (metrics["peak_extra_mib"] or 0.0) if weights is not None else None
         metrics["per_category"] = {c: group_metrics([r for r in mine if r["category"] == c], baseline, sampled)
                                    for c in categories}
+        metrics["baseline"] = baseline_name
         summary[name] = metrics
     return summary
 
@@ -107,10 +117,10 @@ COLUMNS = [  # (header, metric key, format)
     ("n", "n", "{:d}"),
     ("tok/s median", "tokens_per_second_median", "{:.2f}"),
     ("tok/s mean", "tokens_per_second", "{:.2f}"),
-    ("speedup", "speedup_vs_hf_plain", "{:.2f}×"),
+    ("speedup", "speedup", "{:.2f}×"),
     ("speedup (median ratio)", "speedup_median_ratio", "{:.2f}×"),
     ("predicted", "predicted_speedup", "{:.2f}×"),
-    ("identical", "identical_to_hf_plain", "{:.0%}"),
+    ("identical", "identical_to_baseline", "{:.0%}"),
     ("τ", "mean_accepted_length", "{:.2f}"),
     ("α", "acceptance_rate", "{:.2f}"),
     ("c", "cost_ratio", "{:.3f}"),
@@ -132,7 +142,7 @@ def _table(rows: list[tuple[list[str], dict]], key_headers: list[str], sampled: 
     headers = key_headers + [h for h, _, _ in COLUMNS]
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     for keys, metrics in rows:
-        cells = keys + [_cell(metrics.get(key), fmt, "n/a" if sampled and key == "identical_to_hf_plain" else "–")
+        cells = keys + [_cell(metrics.get(key), fmt, "n/a" if sampled and key == "identical_to_baseline" else "–")
                         for _, key, fmt in COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -146,6 +156,9 @@ def markdown_report(summary: dict[str, dict], config: dict) -> str:
             f"≤{config['max_new_tokens']} new tokens, {config['measured_prompts']} prompts")
     if config.get("process_peak_rss_mib") is not None:
         head += f", process peak RSS {config['process_peak_rss_mib']:.0f} MiB"
+    baseline = next((m.get("baseline") for m in summary.values() if m.get("baseline")), None)
+    if baseline:
+        head += f"; speedup and identical are against {baseline}"
     if config.get("interrupted"):
         head += " — INTERRUPTED: partial results"
     overall = _table([([name], m) for name, m in summary.items()], ["method"], sampled)
