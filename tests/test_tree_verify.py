@@ -1,18 +1,22 @@
 """Tree verification alone, on random distributions: the output distribution equals the target's.
 
-Each test decodes sequences of 2 tokens over a 6-token vocabulary with position-dependent
-(context-free) target and draft distributions. Every step drafts a tree of shape (3, 2): three
-children of the last committed token, two children under each. Children are drawn i.i.d. from the
-draft (SpecInfer), without replacement (Gumbel-top-k), are deterministic top-k candidates, or mix a
-deterministic first child with sampled ones. N = 5 000 sequences (36 cells), chi-square
-goodness-of-fit against the exact product distribution at significance 1e-3; the same harness must reject two
-deliberately wrong rules (a drafter stating the wrong rows for without-replacement draws; a verifier
-that forgets to update the residual after a rejected child).
+Each test decodes sequences of LENGTH = 3 tokens, one more than the tree's depth, so the tested
+event holds the bonus token after a fully accepted first tree, over a 6-token vocabulary (216
+cells) with position-dependent (context-free) target and draft distributions. Every step drafts a
+tree of shape (3, 2): three children of the last committed token, two children under each.
+Children are drawn i.i.d. from the draft (SpecInfer), without replacement (Gumbel-top-k), are
+deterministic top-k candidates, or mix a deterministic first child with sampled ones. Chi-square
+test of tests/stats.py against the exact product distribution, significance 1e-3, N = 5 000
+sequences: any bias of total variation ≥ 0.10 is rejected with ≥ 90 % power whatever its shape
+(each test prints its figure). Positive controls, the same harness with a deliberately wrong rule
+on a third of the samples, must reject: a drafter stating the wrong rows for draws without
+replacement; a verifier that forgets to update the residual after a rejected child; a verifier
+that emits token 0 as every bonus token.
 """
 
 import pytest
 import torch
-from stats import SIGNIFICANCE, chi_square_pvalue
+from distribution import assert_rejected, assert_same_distribution, product_distribution, random_dists, token_0_as_every_bonus
 
 import verispec.verify.tree as tree_module
 from verispec.drafters.branching import TreeBuilder
@@ -21,15 +25,9 @@ from verispec.tokentree import ancestor_mask, depths, keep_nodes, path_to
 from verispec.types import Origin
 from verispec.verify import verify_tree_greedy, verify_tree_sampled
 
-VOCAB, LENGTH, SAMPLES, SHAPE = 6, 2, 5_000, (3, 2)
+VOCAB, SAMPLES, SHAPE = 6, 5_000, (3, 2)
+LENGTH = len(SHAPE) + 1  # deeper than the tree: the bonus token is part of the tested event
 MODES = ["iid", "distinct", "point", "mixed"]
-
-
-def _random_dists(seed: int, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    target = torch.softmax(torch.randn(positions, VOCAB, generator=g) * 1.5, -1)  # [positions, vocab]
-    draft = torch.softmax(torch.randn(positions, VOCAB, generator=g) * 1.5, -1)
-    return target, draft
 
 
 def _children(mode: str, draft_row: torch.Tensor, k: int, g, honest: bool) -> tuple[list[int], list]:
@@ -59,46 +57,53 @@ def _draft_tree(mode, draft, start, g, honest=True):
     return builder.build(VOCAB)
 
 
-def _decode(mode, target, draft, seed, honest=True) -> list[tuple[int, ...]]:
+def _decode(mode, target, draft, seed, honest=True, verify=verify_tree_sampled, samples=SAMPLES) -> list[tuple[int, ...]]:
     g = torch.Generator().manual_seed(seed)
     out = []
-    for _ in range(SAMPLES):
+    for _ in range(samples):
         seq: list[int] = []
         while len(seq) < LENGTH:
             d = _draft_tree(mode, draft, len(seq), g, honest)
             rows = torch.cat([torch.zeros(1, dtype=torch.long), depths(d.parents)]) + len(seq)  # [n+1]
             target_probs = target[rows.clamp(max=target.shape[0] - 1)]  # [n+1, vocab]
-            verdict = verify_tree_sampled(d.tokens, d.parents, d.probs, target_probs, g)
+            verdict = verify(d.tokens, d.parents, d.probs, target_probs, g)
             seq += d.tokens[list(verdict.path)].tolist() + [verdict.next_token]
         out.append(tuple(seq[:LENGTH]))
     return out
 
 
-def _exact(target) -> dict[tuple[int, ...], float]:
-    return {(a, b): float(target[0, a] * target[1, b]) for a in range(VOCAB) for b in range(VOCAB)}
-
-
 @pytest.fixture(scope="module")
 def dists():
-    return _random_dists(seed=7, positions=LENGTH + len(SHAPE) + 1)
+    return random_dists(seed=7, positions=LENGTH + len(SHAPE) + 1, vocab=VOCAB)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_tree_rejection_rule_is_lossless(dists, mode):
     target, draft = dists
-    assert chi_square_pvalue(_decode(mode, target, draft, seed=11), _exact(target)) > SIGNIFICANCE
+    result = assert_same_distribution(_decode(mode, target, draft, seed=11), product_distribution(target, LENGTH))
+    assert result.detectable_tv < 0.1  # the power the module doc promises
+
+
+# Positive controls run on a third of the samples: a rule caught with less data is caught by the full test.
+CONTROL_SAMPLES = SAMPLES // 3
 
 
 def test_wrong_rows_for_draws_without_replacement_are_caught(dists):
     target, draft = dists
-    samples = _decode("distinct", target, draft, seed=11, honest=False)
-    assert chi_square_pvalue(samples, _exact(target)) < SIGNIFICANCE
+    samples = _decode("distinct", target, draft, seed=11, honest=False, samples=CONTROL_SAMPLES)
+    assert_rejected(samples, product_distribution(target, LENGTH))
 
 
 def test_a_verifier_that_keeps_the_old_residual_is_caught(dists, monkeypatch):
     monkeypatch.setattr(tree_module, "residual_distribution", lambda residual, row, token: residual)
     target, draft = dists
-    assert chi_square_pvalue(_decode("iid", target, draft, seed=11), _exact(target)) < SIGNIFICANCE
+    assert_rejected(_decode("iid", target, draft, seed=11, samples=CONTROL_SAMPLES), product_distribution(target, LENGTH))
+
+
+def test_a_verifier_that_emits_token_0_as_every_bonus_is_caught(dists):
+    target, draft = dists
+    samples = _decode("point", target, draft, seed=11, verify=token_0_as_every_bonus, samples=CONTROL_SAMPLES)
+    assert_rejected(samples, product_distribution(target, LENGTH))
 
 
 # --- greedy and structure ------------------------------------------------------------------------

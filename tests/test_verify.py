@@ -1,35 +1,34 @@
 """The rejection rule alone, on random distributions: output distribution equals the target's.
 
-Each test decodes sequences of 2 tokens with position-dependent (context-free) target and draft
-distributions over a 6-token vocabulary, draft γ = 2 per step, N = 20 000 sequences, and runs a
-chi-square goodness-of-fit against the exact product distribution at significance 1e-3. The same
-harness run with a deliberately wrong rule must reject, which shows the test has power.
+Each test decodes sequences of LENGTH = γ + 1 = 3 tokens with position-dependent (context-free)
+target and draft distributions over a 6-token vocabulary (216 cells), draft γ = 2 per step, so the
+tested event holds the bonus token of a fully accepted first block, and runs the chi-square test of
+tests/stats.py against the exact product distribution. Significance 1e-3, N = 20 000 sequences:
+any bias of total variation ≥ 0.04 is rejected with ≥ 90 % power, whatever its shape (the test
+prints its own figure). Positive controls, the same harness with a deliberately wrong rule on a
+quarter of the samples, must reject: sampling the target instead of the residual after a
+rejection, and drawing the bonus token from the wrong row (the last draft position's instead of
+the one after the block), each for a sampled and a deterministic draft.
 """
 
 import pytest
 import torch
-from stats import SIGNIFICANCE, chi_square_pvalue
+from distribution import assert_rejected, assert_same_distribution, bonus_from_the_wrong_row, product_distribution, random_dists
 
 from verispec.sampling.samplers import gumbel_topk, multinomial
 from verispec.types import Origin, Verdict
 from verispec.verify import verify_greedy, verify_sampled
 from verispec.verify.chain import _first_false
 
-VOCAB, LENGTH, SAMPLES, GAMMA = 6, 2, 20_000, 2
+VOCAB, GAMMA, SAMPLES = 6, 2, 20_000
+LENGTH = GAMMA + 1  # longer than a block: the bonus token is part of the tested event
 
 
-def _random_dists(seed: int, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    target = torch.softmax(torch.randn(positions, VOCAB, generator=g) * 1.5, -1)  # [positions, vocab]
-    draft = torch.softmax(torch.randn(positions, VOCAB, generator=g) * 1.5, -1)
-    return target, draft
-
-
-def _decode(verify, target, draft, point_mass: bool, seed: int) -> list[tuple[int, ...]]:
+def _decode(verify, target, draft, point_mass: bool, seed: int, samples: int = SAMPLES) -> list[tuple[int, ...]]:
     """Speculative decoding of LENGTH tokens; the distribution at a position depends only on the position."""
     g = torch.Generator().manual_seed(seed)
     out = []
-    for _ in range(SAMPLES):
+    for _ in range(samples):
         seq: list[int] = []
         while len(seq) < LENGTH:
             pos = torch.arange(len(seq), len(seq) + GAMMA + 1).clamp(max=target.shape[0] - 1)
@@ -44,10 +43,6 @@ def _decode(verify, target, draft, point_mass: bool, seed: int) -> list[tuple[in
     return out
 
 
-def _exact(target) -> dict[tuple[int, ...], float]:
-    return {(a, b): float(target[0, a] * target[1, b]) for a in range(VOCAB) for b in range(VOCAB)}
-
-
 def _wrong_residual(draft_tokens, draft_probs, target_probs, generator):
     """Bug on purpose: after a rejection, sample from the target instead of the residual."""
     gamma = draft_tokens.shape[0]
@@ -58,18 +53,46 @@ def _wrong_residual(draft_tokens, draft_probs, target_probs, generator):
     return Verdict(n, int(multinomial(target_probs[n : n + 1], generator)), Origin.RECOVERED)
 
 
-@pytest.mark.parametrize("point_mass", [False, True], ids=["sampled-draft", "deterministic-draft"])
-def test_rejection_rule_is_lossless(point_mass):
-    target, draft = _random_dists(seed=7, positions=LENGTH + GAMMA + 1)
-    samples = _decode(verify_sampled, target, draft, point_mass, seed=11)
-    assert chi_square_pvalue(samples, _exact(target)) > SIGNIFICANCE
+@pytest.fixture(scope="module")
+def dists():
+    return random_dists(seed=7, positions=LENGTH + GAMMA + 1, vocab=VOCAB)
 
 
-@pytest.mark.parametrize("point_mass", [False, True], ids=["sampled-draft", "deterministic-draft"])
-def test_a_wrong_rule_is_caught(point_mass):
-    target, draft = _random_dists(seed=7, positions=LENGTH + GAMMA + 1)
-    samples = _decode(_wrong_residual, target, draft, point_mass, seed=11)
-    assert chi_square_pvalue(samples, _exact(target)) < SIGNIFICANCE
+DRAFTS = pytest.mark.parametrize("point_mass", [False, True], ids=["sampled-draft", "deterministic-draft"])
+
+
+@DRAFTS
+def test_rejection_rule_is_lossless(dists, point_mass):
+    target, draft = dists
+    result = assert_same_distribution(_decode(verify_sampled, target, draft, point_mass, seed=11), product_distribution(target, LENGTH))
+    assert result.detectable_tv < 0.045  # the power the module doc promises
+
+
+# Positive controls run on a quarter of the samples: a rule caught with less data is caught by the full test.
+CONTROL_SAMPLES = SAMPLES // 4
+
+
+@DRAFTS
+def test_a_wrong_residual_is_caught(dists, point_mass):
+    target, draft = dists
+    samples = _decode(_wrong_residual, target, draft, point_mass, seed=11, samples=CONTROL_SAMPLES)
+    assert_rejected(samples, product_distribution(target, LENGTH))
+
+
+@DRAFTS
+def test_a_bonus_from_the_wrong_row_is_caught(dists, point_mass):
+    """The wrong bonus row biases the output by P(first block fully accepted) · TV(target[1], target[2])
+    exactly (total variation); that bias must exceed what the control detects with 90 % power."""
+    target, draft = dists
+    if point_mass:
+        all_accepted = target[0, draft[0].argmax()] * target[1, draft[1].argmax()]
+    else:
+        all_accepted = torch.minimum(target[:GAMMA], draft[:GAMMA]).sum(-1).prod()
+    bias = float(all_accepted * 0.5 * (target[1] - target[2]).abs().sum())
+    samples = _decode(bonus_from_the_wrong_row, target, draft, point_mass, seed=11, samples=CONTROL_SAMPLES)
+    result = assert_rejected(samples, product_distribution(target, LENGTH))
+    print(f"the wrong bonus row's bias: total variation {bias:.3f}")
+    assert bias > result.detectable_tv
 
 
 def test_greedy_verification_keeps_the_longest_agreeing_prefix():
@@ -82,10 +105,14 @@ def test_greedy_verification_keeps_the_longest_agreeing_prefix():
 
 
 def test_gumbel_topk_draws_without_replacement():
+    """N = 20 000 ordered pairs from 4 tokens (12 cells), significance 1e-3: detects TV ≥ 0.021 (printed)."""
     probs = torch.tensor([0.5, 0.25, 0.15, 0.1])
     g = torch.Generator().manual_seed(3)
     logits = probs.log().expand(SAMPLES, -1)  # [samples, vocab]
-    pairs = [tuple(row) for row in gumbel_topk(logits, 2, g).tolist()]
     exact = {(a, b): float(probs[a] * probs[b] / (1 - probs[a])) for a in range(4) for b in range(4) if a != b}
-    assert chi_square_pvalue(pairs, exact) > SIGNIFICANCE
+    pairs = [tuple(row) for row in gumbel_topk(logits, 2, g).tolist()]
+    assert_same_distribution(pairs, exact)
     assert all(a != b for a, b in pairs)
+    # positive control: plain Gumbel-max twice with replacement, pairs of equal tokens thrown away
+    twice = torch.stack([gumbel_topk(logits, 1, g)[:, 0], gumbel_topk(logits, 1, g)[:, 0]], 1).tolist()
+    assert_rejected([tuple(row) for row in twice if row[0] != row[1]], exact)
