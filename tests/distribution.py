@@ -83,7 +83,7 @@ def bonus_from_the_wrong_row(draft_tokens, draft_probs, target_probs, generator)
     """`verify_sampled` with a bug: the bonus token drawn from the target row of the last draft token
     (target_probs[γ−1]) instead of the row after the block (target_probs[γ])."""
     verdict = verify_sampled(draft_tokens, draft_probs, target_probs, generator)
-    if verdict.next_origin is not Origin.BONUS:
+    if verdict.next_origin is not Origin.BONUS or verdict.accepted == 0:  # no draft token: no wrong row to take
         return verdict
     return Verdict(verdict.accepted, int(multinomial(target_probs[-2:-1], generator)), Origin.BONUS)
 
