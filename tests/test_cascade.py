@@ -1,16 +1,19 @@
 """Cascades and derived drafts on tiny random models.
 
 Greedy: vertical, horizontal and nested cascades, and reduced-vocabulary, layer-truncated and int8
-drafts, are token-identical to the reference decoder. Sampling: chi-square tests (significance 1e-3,
-N = 3000 sequences of 3 tokens over a 12-token vocabulary) against the exact target distribution,
-with a control showing the same test catches a draft level that skips its rejection rule. The
-draft model's cache equals a fresh recompute of the path it claims to hold after every step.
+drafts, are token-identical to the reference decoder. Sampling: chi-square tests (tests/stats.py)
+against the exact target distribution: N = 3 000 sequences of 3 tokens after γ = 2 draft tokens (so
+a fully accepted block's bonus token is in the tested event), 12-token vocabulary with top-k 8,
+significance 1e-3: any bias of total variation ≥ 0.13 is rejected with ≥ 90 % power (each test
+prints its figure). Positive control: the same test on a third of the samples catches a draft
+level that skips its rejection rule. The draft model's cache equals a fresh recompute of the path
+it claims to hold after every step.
 """
 
 import pytest
 import torch
 from conftest import make_tiny_model
-from stats import SIGNIFICANCE, chi_square_pvalue
+from distribution import assert_rejected, assert_same_distribution, sample_sequences
 from transformers import AutoModelForCausalLM
 
 from verispec import Engine, GenerationConfig, SamplingParams
@@ -130,12 +133,13 @@ def small_models(tmp_path_factory):
     return target, draft, mini, hf
 
 
-def _pvalue(small_models, drafter_of, params: SamplingParams) -> float:
+PROMPT, LENGTH, GAMMA, SAMPLES = [3, 7], 3, 2, 3_000
+
+
+def _samples_and_exact(small_models, drafter_of, params: SamplingParams, n: int):
     target, draft, mini, hf = small_models
-    engine = Engine(target, drafter_of(target, draft, mini), gamma=3, gamma_policy="constant")
-    samples = [tuple(engine.generate([3, 7], GenerationConfig(max_new_tokens=3, sampling=params, seed=seed)).token_ids)
-               for seed in range(3000)]
-    return chi_square_pvalue(samples, sequence_distribution(hf, [3, 7], 3, params))
+    engine = Engine(target, drafter_of(target, draft, mini), gamma=GAMMA, gamma_policy="constant")
+    return sample_sequences(engine, PROMPT, params, n, LENGTH), sequence_distribution(hf, PROMPT, LENGTH, params)
 
 
 def _vertical(target, draft, mini):
@@ -148,7 +152,8 @@ def _horizontal(target, draft, mini):
 
 @pytest.mark.parametrize("drafter_of", [_vertical, _horizontal], ids=["vertical", "horizontal"])
 def test_sampled_cascades_are_distributed_as_the_target(small_models, drafter_of):
-    assert _pvalue(small_models, drafter_of, SamplingParams(temperature=1.0, top_k=8)) > SIGNIFICANCE
+    result = assert_same_distribution(*_samples_and_exact(small_models, drafter_of, SamplingParams(temperature=1.0, top_k=8), SAMPLES))
+    assert result.detectable_tv < 0.14  # the power the module doc promises
 
 
 def test_the_test_catches_a_draft_level_without_rejection(small_models, monkeypatch):
@@ -160,4 +165,4 @@ def test_the_test_catches_a_draft_level_without_rejection(small_models, monkeypa
         return Verdict(len(draft_tokens), int(torch.multinomial(target_probs[-1], 1, generator=generator)), Origin.BONUS)
 
     monkeypatch.setattr(cascade_module, "verify_sampled", accept_all)
-    assert _pvalue(small_models, _vertical, SamplingParams(temperature=1.0)) < SIGNIFICANCE
+    assert_rejected(*_samples_and_exact(small_models, _vertical, SamplingParams(temperature=1.0, top_k=8), SAMPLES // 3))
