@@ -5,8 +5,7 @@ decoder stack runs) and kept in the cache directory: the target's verification c
 over n new positions; far from flat on a CPU in some dtypes) and the draft model's seconds per
 token. They are not re-measured during a generation on purpose: γ then depends only on acceptance,
 so a seed reproduces an output exactly.
-A model-free drafter (n-gram) counts as free (c = 0); a drafter that runs outside verispec (llama.cpp)
-times itself (`TimedDrafter`), cached the same way.
+A model-free drafter (n-gram) counts as free (c = 0).
 """
 
 from __future__ import annotations
@@ -15,28 +14,18 @@ import hashlib
 import json
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 
 from verispec.models.loading import LoadedModel
 from verispec.paths import cache_dir, cpu_flags
-from verispec.models.transformer import Transformer
+from verispec.models.runner import Runner
 from verispec.progress import status
 
-__all__ = ["CostModel", "TimedDrafter", "measure_verify_curve"]
+__all__ = ["CostModel", "measure_verify_curve"]
 
 
-class TimedDrafter(Protocol):
-    """A drafter whose cost is not a verispec model's forward (llama.cpp): it names and times itself."""
-
-    cost_key: str  # what its timing is cached under (with the thread count)
-
-    def token_seconds(self) -> float:
-        """Seconds to draft one token, measured now."""
-
-
-def measure_verify_curve(runner: Transformer, max_positions: int, context: int = 64, repeats: int = 3) -> list[float]:
+def measure_verify_curve(runner: Runner, max_positions: int, context: int = 64, repeats: int = 3) -> list[float]:
     """Seconds of one forward over n = 1..max_positions new positions after `context` cached tokens."""
     cache = runner.new_cache(context + max_positions + 1)
     runner.forward(cache, torch.zeros(context, dtype=torch.long), logits="none")
@@ -70,7 +59,7 @@ def _cached(key: str, needed: int, measure: Callable[[], list[float]]) -> list[f
     return times
 
 
-def _cached_curve(runner: Transformer, folder: str, max_positions: int) -> list[float]:
+def _cached_curve(runner: Runner, folder: str, max_positions: int) -> list[float]:
     variant = getattr(runner, "variant", "")  # a derived draft (fewer layers, int8, …) is timed on its own
     if getattr(runner, "compiled", False):  # the C++ decoder stack changes the curve: timed apart
         variant += ",compiled"
@@ -84,18 +73,14 @@ class CostModel:
         self.draft_token_seconds = draft_token_seconds
 
     @classmethod
-    def calibrated(cls, target: LoadedModel, max_positions: int, draft: LoadedModel | None = None,
-                   timed_drafter: TimedDrafter | None = None) -> CostModel:
-        """T(n) of the target and the draft's seconds per token (a draft model's, or a drafter that
-        times itself), from the cache or measured now; a model-free drafter's is 0."""
+    def calibrated(cls, target: LoadedModel, max_positions: int, draft: LoadedModel | None = None) -> CostModel:
+        """T(n) of the target and the draft model's seconds per token, from the cache or measured now;
+        a model-free drafter's is 0."""
         with status("measuring verification costs (once per model, dtype and thread count)"):
             target_seconds = _cached_curve(target.runner, str(target.folder), max_positions)
             draft_seconds = 0.0
             if draft is not None:
                 draft_seconds = _cached_curve(draft.runner, str(draft.folder), 1)[0]
-            elif timed_drafter is not None:
-                key = f"{timed_drafter.cost_key}|threads={torch.get_num_threads()}|cpu={_cpu_key()}"
-                draft_seconds = _cached(key, 1, lambda: [timed_drafter.token_seconds()])[0]
         return cls(target_seconds, draft_seconds)
 
     def verify_cost(self, gamma: int) -> float:

@@ -72,7 +72,8 @@ def _options(text: str, kind: str = "") -> dict[str, int]:
 
 def _pop_option(text: str, name: str) -> tuple[str, int | None]:
     """(`text` without the option `name`, its value or None): for options the factory itself reads."""
-    value = _options(text).get(name)
+    mine = [item for item in text.split(",") if item.partition("=")[0].strip() == name]
+    value = _options(",".join(mine)).get(name)  # the other options are checked by `_build`
     return ",".join(item for item in text.split(",") if item.partition("=")[0].strip() != name), value
 
 

@@ -20,7 +20,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from verispec.models.transformer import KVCache
+from verispec.models.loading import LoadedModel
+from verispec.models.runner import Cache
 from verispec.sampling.processors import SamplingParams
 from verispec.types import Draft
 
@@ -39,7 +40,7 @@ class DraftSession(ABC):
     def commit(self, ids: list[int]) -> None:
         """`ids` is the committed sequence after verification; drop state past it."""
 
-    def attach_target_cache(self, cache: KVCache) -> None:
+    def attach_target_cache(self, cache: Cache) -> None:
         """Called once after the target's prefill with its KV cache of prompt[:-1]: read it, never write
         it (the TriForce drafter builds its retrieval cache from it). Default: ignore it."""
 
@@ -53,6 +54,7 @@ class DraftSession(ABC):
 
 class Drafter(ABC):
     name: str = "drafter"
+    model: LoadedModel | None = None  # the draft model whose forward passes are the drafting cost (None: model-free, c = 0)
 
     @abstractmethod
     def start(self, prompt_ids: list[int]) -> DraftSession:

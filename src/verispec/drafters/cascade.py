@@ -135,7 +135,7 @@ class HorizontalCascadeDrafter(Drafter):
             raise InvalidParameterError(f"strong (positions the strong drafter owns) must be ≥ 1, got {strong_positions}")
         self.strong, self.weak, self.strong_positions = strong, weak, strong_positions
         self.target_vocab_size = target_vocab_size
-        self.model = getattr(strong, "model", None)  # c of the strong drafter, for the engine's cost model
+        self.model = strong.model  # c of the strong drafter, for the engine's cost model
         self.name = f"cascade:{strong.name}[:{strong_positions}]+{weak.name}"
 
     def start(self, prompt_ids: list[int]) -> DraftSession:

@@ -95,3 +95,6 @@ class _DraftModelSession(DraftSession):
     def commit(self, ids):
         self.cache.truncate(min(self.cache.length, _kept_length(ids, self.base, self.drafted)))
         self.base, self.drafted = len(ids), []
+
+    def finish(self):
+        self.cache.release()

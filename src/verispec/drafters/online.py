@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from verispec.drafters.base import Drafter, DraftSession
 from verispec.drafters.draft_model import DraftModelDrafter
-from verispec.models.loading import LoadedModel
+from verispec.models.loading import LoadedModel, require_own_runner
 from verispec.paths import cache_dir
 
 __all__ = ["LowRankHead", "OnlineDrafter", "distill"]
@@ -126,6 +126,7 @@ class OnlineDrafter(Drafter):
         lr: float = 0.02, eval_requests: int = 2, tolerance: float = 0.02, replay: int = 4, holdout: int = 25,
         support: int = 64, store: Path | None = None,
     ):
+        require_own_runner(draft, "the online drafter")
         runner = copy.copy(draft.runner)  # shares the weights; only the head object differs
         self.head = runner.lm_head = LowRankHead(draft.runner.lm_head, rank)
         self.model = dataclasses.replace(draft, runner=runner, name=f"{draft.name}+online")

@@ -102,7 +102,7 @@ class MergeDrafter(Drafter):
     @property
     def model(self) -> LoadedModel | None:
         """The draft model, if one of the merged drafters has one (the engine calibrates its cost)."""
-        return next((d.model for d in self.drafters if hasattr(d, "model")), None)
+        return next((d.model for d in self.drafters if d.model is not None), None)
 
     def start(self, prompt_ids: list[int]) -> DraftSession:
         return _MergeSession([d.start(prompt_ids) for d in self.drafters], self.target_vocab_size)

@@ -21,7 +21,7 @@ import torch
 from verispec.drafters.base import Drafter, DraftSession
 from verispec.drafters.draft_model import sample_chain
 from verispec.errors import InvalidParameterError
-from verispec.models.loading import LoadedModel
+from verispec.models.loading import LoadedModel, require_own_runner
 from verispec.models.retrieval_cache import SparseCache, build_retrieval_cache
 from verispec.models.transformer import KVCache
 from verispec.sampling.processors import greedy_tokens, seen_mask, to_probs
@@ -144,6 +144,8 @@ class _TriForceSession(DraftSession):
 
 
 def make_triforce(target: LoadedModel, draft: LoadedModel, options: dict[str, int]) -> TriForceDrafter:
+    require_own_runner(target, "the triforce drafter")
+    require_own_runner(draft, "the triforce drafter")
     try:
         return TriForceDrafter(target, draft, **options)
     except TypeError as e:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from verispec.errors import InvalidParameterError
-from verispec.models.loading import LoadedModel
+from verispec.models.loading import LoadedModel, require_own_runner
 from verispec.models.transformer import KVCache, Transformer
 from verispec.engine.loop import Engine
 
@@ -113,6 +113,7 @@ def beam_search(
 ) -> BeamResult:
     """Beam search with the target model alone; see the module docstring for the exact rules."""
     _validate(num_beams, max_new_tokens, length_penalty)
+    require_own_runner(model, "beam search")
     prompt = _checked_prompt(model, prompt_ids)
     runner = model.runner
     max_new = min(max_new_tokens, model.context_length - len(prompt))

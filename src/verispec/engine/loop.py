@@ -100,15 +100,10 @@ class Engine:
         """T(n) of the target and the draft model's cost, which only the analytic γ policy reads."""
         if drafter is None or gamma_policy != "analytic":
             return CostModel()
-        draft_model = getattr(drafter, "model", None)  # None for model-free drafters
-        timed = drafter if hasattr(drafter, "cost_key") else None  # a drafter that times itself (llama.cpp)
-        key = None
-        if draft_model is not None:
-            key = (draft_model.name, draft_model.precision)
-        elif timed is not None:
-            key = (timed.cost_key, "timed")
+        draft_model = drafter.model
+        key = (draft_model.name, draft_model.precision) if draft_model is not None else None
         if key not in self._costs:
-            self._costs[key] = CostModel.calibrated(self.target, self.max_gamma + 1, draft_model, timed)
+            self._costs[key] = CostModel.calibrated(self.target, self.max_gamma + 1, draft_model)
         return self._costs[key]
 
     def drafter_for(self, spec: str | None) -> Drafter | None:

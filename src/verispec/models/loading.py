@@ -49,7 +49,7 @@ from verispec.paths import cache_dir
 from verispec.progress import status
 
 __all__ = [
-    "LoadedModel", "ModelCache", "ModelLoader", "load_model", "load_tokenizer", "resolve_folder", "check_compatible", "parse_dtype",
+    "LoadedModel", "ModelCache", "ModelLoader", "require_own_runner", "load_model", "load_tokenizer", "resolve_folder", "check_compatible", "parse_dtype",
     "parse_precision", "precisions_for", "Precision", "PRECISIONS",
 ]
 
@@ -166,6 +166,16 @@ class LoadedModel:
             )
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return self.tokenizer(prompt)["input_ids"]
+
+
+def require_own_runner(model: LoadedModel, what: str) -> None:
+    """Refuse, with a clear error, a feature that reads the torch runner's weights or cache layout
+    (derived drafts, online distillation, TriForce, beam search) on another backend."""
+    if not isinstance(model.runner, Transformer):
+        raise InvalidParameterError(
+            f"{what} needs verispec's own runner (precision float32, bfloat16 or int8 on a qwen2/llama model); "
+            f"{model.name} runs in {model.precision}"
+        )
 
 
 def _eos_ids(folder: Path, tokenizer) -> frozenset[int]:

@@ -25,7 +25,7 @@ from safetensors import safe_open
 from verispec.errors import InvalidParameterError
 from verispec.models.int8 import Int8Linear, int8_available
 from verispec.models.linear import PackedLinear
-from verispec.models.loading import LoadedModel
+from verispec.models.loading import LoadedModel, require_own_runner
 from verispec.models.transformer import Transformer
 
 __all__ = ["truncated", "reduced_vocab", "quantized", "head_weight", "derive_model"]
@@ -120,6 +120,7 @@ def quantized(runner: Transformer) -> Transformer:
 
 def derive_model(model: LoadedModel, layers: int | None = None, vocab: int | None = None, int8: bool = False) -> LoadedModel:
     """`model` with its first `layers` layers, its head cut to `vocab` ids, and/or int8 linears."""
+    require_own_runner(model, "a derived draft (layers=, vocab=, int8=)")
     runner = model.runner
     if int8 and getattr(runner, "quant", None) != "int8":  # quantizing needs the raw weights: read them again
         if runner.dtype != torch.float32:

@@ -275,7 +275,7 @@ class Models:
         if isinstance(method, LlamaCppMethod):
             return Path(method.llm.model_path).stat().st_size / (1 << 20)
         if isinstance(method, VerispecMethod):
-            draft = getattr(method.engine.drafter, "model", None)
+            draft = method.engine.drafter.model if method.engine.drafter is not None else None
             return runner_weights_mib(method.engine.target.runner) + (runner_weights_mib(draft.runner) if draft else 0.0)
         assistant = method.extra.get("assistant_model")
         return hf_weights_mib(method.model) + (hf_weights_mib(assistant) if assistant is not None else 0.0)
