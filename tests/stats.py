@@ -11,11 +11,12 @@ statistic over k cells is approximately noncentral chi-square with k − 1 degre
 noncentrality λ = n Σ (q_i − p_i)² / p_i. The power at significance α is P(χ²_{k−1}(λ) > c_α),
 increasing in λ; `noncentrality_for_power` finds the smallest λ with power ≥ POWER. Stated shape:
 the WORST case, not a convenient one: for any q at total variation ε from p on the cells, Cauchy–
-Schwarz gives Σ (q_i − p_i)² / p_i ≥ ε²/P₊ + ε²/P₋ ≥ 4ε² (P₊, P₋ the masses where q gains and
-loses), so every such q has λ ≥ 4nε² and ε = √(λ/4n) is detected whatever its shape (a bias that
-moves mass between two cells a and b has the larger λ = nε²(1/p_a + 1/p_b)). Bias hidden inside
-the pooled cell is invisible; it changes the total variation by at most the pooled mass m, so the
-bound stated is √(λ/4n) + m. The noncentral approximation is asymptotic; tests/test_stats.py
+Schwarz gives Σ (q_i − p_i)² / p_i ≥ ε²/P₊ + ε²/P₋ ≥ 4ε² (P₊, P₋ the exact probabilities of the
+cells where q gains and where it loses, P₊ + P₋ ≤ 1), so every such q has λ ≥ 4nε² and ε = √(λ/4n)
+is detected whatever its shape (a bias that moves mass between two cells a and b has the larger
+λ = nε²(1/p_a + 1/p_b)). Bias inside the pooled cell is invisible, but the total variation on the
+cells is at least the full one minus the pooled mass m, so the bound stated for the full
+distribution is √(λ/4n) + m. The noncentral approximation is asymptotic; tests/test_stats.py
 checks it by simulation at the sizes the suite uses.
 """
 

@@ -5,7 +5,7 @@ The power claim ("rejects any bias of total variation ≥ ε with ≥ 90 % power
 noncentral chi-square approximation; here it is checked by simulation: 400 tests of n multinomial
 samples from a distribution at total variation ε = detectable_tv from the exact one, in the worst-case
 shape (mass moved proportionally between two halves of equal probability), must reject at least 85 %
-of the time (90 % less 3.5 standard errors), and 400 tests of the exact distribution almost never.
+of the time (90 % less 3.3 standard errors), and 400 tests of the exact distribution almost never.
 """
 
 from collections import Counter

@@ -2,15 +2,18 @@
 
 Greedy: token-identical to the target alone for every tree drafter. Cache: after every tree step the
 target's (and the draft's) KV cache equals a fresh recompute of the committed ids. Sampling: one
-end-to-end chi-square test per sampled tree drafter (N = 500 sequences of 2 tokens over a 12-token
-vocabulary with top-k 6, significance 1e-3; the harness's power against wrong rules is shown in
-test_tree_verify.py and test_engine.py) against the exact distribution the reference enumerates.
+end-to-end chi-square test per sampled tree drafter against the exact distribution the reference
+enumerates: N = 1 000 sequences of 3 tokens, trees of depth γ = 2 (so the bonus token after a fully
+accepted tree is in the tested event), 12-token vocabulary with top-k 4 (64 sequences),
+significance 1e-3: any bias of total variation ≥ 0.17 is rejected with ≥ 90 % power (the test
+prints its figure). Positive control: the same test on a third of the samples rejects a verifier
+that emits token 0 as every bonus token.
 """
 
 import pytest
 import torch
 from conftest import make_tiny_model
-from stats import SIGNIFICANCE, chi_square_pvalue
+from distribution import assert_rejected, assert_same_distribution, sample_sequences, token_0_as_every_bonus
 from transformers import AutoModelForCausalLM
 
 from verispec import Engine, GenerationConfig, SamplingParams
@@ -103,17 +106,24 @@ def small_pair(tmp_path_factory):
     return target, draft, hf
 
 
-def _sample_sequences(engine, params, n, length):
-    return [
-        tuple(engine.generate([3, 7, 3], GenerationConfig(max_new_tokens=length, sampling=params, seed=seed)).token_ids)
-        for seed in range(n)
-    ]
+PROMPT, LENGTH, GAMMA, SAMPLES = [3, 7, 3], 3, 2, 1_000
+PARAMS = SamplingParams(temperature=1.0, top_k=4)
 
 
 @pytest.mark.parametrize("kind", ["expansion", "stand"])  # mixed (merge) rows: test_tree_verify.py
 def test_sampled_tree_drafts_are_lossless(small_pair, kind):
     target, draft, hf = small_pair
-    params = SamplingParams(temperature=1.0, top_k=6)
-    engine = Engine(target, tree_drafters(target, draft, kind), gamma=3, gamma_policy="constant")
-    exact = sequence_distribution(hf, [3, 7, 3], 2, params)
-    assert chi_square_pvalue(_sample_sequences(engine, params, 500, 2), exact) > SIGNIFICANCE
+    engine = Engine(target, tree_drafters(target, draft, kind), gamma=GAMMA, gamma_policy="constant")
+    samples = sample_sequences(engine, PROMPT, PARAMS, SAMPLES, LENGTH)
+    result = assert_same_distribution(samples, sequence_distribution(hf, PROMPT, LENGTH, PARAMS))
+    assert result.detectable_tv < 0.18  # the power the module doc promises
+
+
+def test_the_end_to_end_test_catches_a_wrong_bonus(small_pair, monkeypatch):
+    import verispec.engine.loop as engine_module
+
+    monkeypatch.setattr(engine_module, "verify_tree_sampled", token_0_as_every_bonus)
+    target, draft, hf = small_pair
+    engine = Engine(target, tree_drafters(target, draft, "expansion"), gamma=GAMMA, gamma_policy="constant")
+    samples = sample_sequences(engine, PROMPT, PARAMS, SAMPLES // 3, LENGTH)
+    assert_rejected(samples, sequence_distribution(hf, PROMPT, LENGTH, PARAMS))
