@@ -1,0 +1,190 @@
+"""The llama.cpp backend (precision gguf): the runner protocol over llama.cpp sequences, exactness of
+greedy speculation against plain decoding of the same file, and losslessness of sampled speculation.
+
+The model is the shipped SmolLM2-135M GGUF (a small llama-architecture file: the package installs
+once, no conversion). The oracle for greedy is plain decoding on the same backend; for sampling, the
+exact distribution of short continuations computed from the backend's own one-at-a-time logits.
+"""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from distribution import assert_rejected, assert_same_distribution, bonus_from_the_wrong_row, sample_sequences
+from verispec import Engine, GenerationConfig, SamplingParams
+from verispec.drafters import DraftModelDrafter, ExpansionDrafter, NgramDrafter, make_drafter
+from verispec.models.loading import load_model
+from verispec.sampling.processors import to_probs
+
+pytestmark = pytest.mark.real
+
+MODEL = "smollm2-135m-instruct"
+PROMPT = "List three facts about the moon, one per line."
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_model(MODEL, "gguf")
+
+
+@pytest.fixture(scope="module")
+def wide_target():
+    return load_model(MODEL, "gguf-wide")
+
+
+@pytest.fixture(scope="module")
+def draft32():
+    """The same model in verispec's own float32 runner: close to the GGUF's distributions, not equal."""
+    return load_model(MODEL, "float32", pack_rows=1)
+
+
+@pytest.fixture(scope="module")
+def draft8():
+    """The same model in verispec's own int8 runner: a cheaper draft, also close but not equal."""
+    return load_model(MODEL, "int8", pack_rows=1)
+
+
+def _tokens(model, n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(10, model.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))  # [n]
+
+
+def test_exact_width_is_bit_identical_to_single_steps(target):
+    """Within the measured exact width, n positions at once give the single-step logits bit for bit."""
+    runner, width = target.runner, target.runner.exact_positions
+    assert width is not None and width >= 1
+    prompt, fed = target.encode_prompt(PROMPT), _tokens(target, width)
+    single_cache, batch_cache = runner.prefilled_cache(prompt), runner.prefilled_cache(prompt)
+    single = torch.cat([runner.forward(single_cache, fed[i : i + 1]) for i in range(width)])  # [width, vocab]
+    assert torch.equal(runner.forward(batch_cache, fed), single)
+
+
+def test_rollback_then_refeed_matches_a_fresh_sequence(wide_target):
+    runner = wide_target.runner
+    prompt, fed, other = wide_target.encode_prompt(PROMPT), _tokens(wide_target, 6, 1), _tokens(wide_target, 6, 2)
+    cache = runner.prefilled_cache(prompt)
+    start = cache.length
+    runner.forward(cache, other)  # a rejected draft …
+    cache.truncate(start)  # … rolled back
+    fresh = runner.prefilled_cache(prompt)
+    torch.testing.assert_close(runner.forward(cache, fed), runner.forward(fresh, fed), rtol=0, atol=1e-3)
+
+
+def test_a_token_tree_scores_each_node_as_its_own_chain(wide_target):
+    """root → a → b and root → c: one tree pass gives each node the logits of its path fed as a chain,
+    and keeping the path root, c leaves the cache as if only that chain had been fed."""
+    runner = wide_target.runner
+    prompt = wide_target.encode_prompt(PROMPT)
+    root, a, b, c = _tokens(wide_target, 4, 3).tolist()
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]], dtype=torch.bool)  # [4, 4]
+    cache = runner.prefilled_cache(prompt)
+    start = cache.length
+    positions = start + torch.tensor([0, 1, 2, 1])
+    tree = runner.forward(cache, torch.tensor([root, a, b, c]), positions=positions, tree_mask=mask)  # [4, vocab]
+    chain_ab = runner.forward(runner.prefilled_cache(prompt), torch.tensor([root, a, b]))
+    chain_c = runner.forward(runner.prefilled_cache(prompt), torch.tensor([root, c]))
+    torch.testing.assert_close(tree[:3], chain_ab, rtol=0, atol=1e-2)
+    torch.testing.assert_close(tree[3], chain_c[1], rtol=0, atol=1e-2)
+    cache.keep(start, torch.tensor([0, 3]))  # the accepted path: root, c
+    assert cache.length == start + 2
+    after, reference = _tokens(wide_target, 2, 4), runner.prefilled_cache(prompt)
+    runner.forward(reference, torch.tensor([root, c]))
+    torch.testing.assert_close(runner.forward(cache, after), runner.forward(reference, after), rtol=0, atol=1e-2)
+
+
+def test_sequences_are_given_back(target):
+    """More requests over time than llama.cpp has sequences: each ends and frees its own."""
+    engine = Engine(target, NgramDrafter(), gamma=2, gamma_policy="constant")
+    free = len(target.runner._free_seqs) + len(target.runner._pending)
+    for _ in range(300):
+        engine.start(PROMPT, GenerationConfig(max_new_tokens=2)).close()
+    assert len(target.runner._free_seqs) + len(target.runner._pending) == free
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model32", "tree", "gguf"])
+def test_greedy_speculation_is_token_identical_to_plain_decoding(target, draft32, drafter):
+    if drafter == "model32":
+        built = DraftModelDrafter(draft32, target.vocab_size)
+    elif drafter == "tree":
+        built = ExpansionDrafter(draft32, target.vocab_size, k=2, depth=2)
+    else:
+        built = make_drafter(drafter if drafter == "ngram" else f"gguf:{MODEL}", target)
+    config = GenerationConfig(max_new_tokens=40)
+    plain = Engine(target, None).generate(PROMPT, config)
+    result = Engine(target, built, gamma=4, gamma_policy="constant").generate(PROMPT, config)
+    assert result.token_ids == plain.token_ids
+    assert result.stats.steps < len(result.token_ids) or drafter == "ngram"  # it really drafted
+
+
+PARAMS = SamplingParams(temperature=1.0, top_k=3)
+LENGTH = 4  # longer than γ: the bonus token is inside the tested event
+GAMMA = 2
+
+
+def _exact_distribution(target, prompt_ids: list[int]) -> dict[tuple[int, ...], float]:
+    """P(continuation) for every continuation of LENGTH tokens (or ending at a stop id) under top-3
+    sampling, from the backend's logits computed as plain decoding computes them: the prompt
+    prefilled, then one token per pass."""
+    runner, prefilled = target.runner, target.runner.prefilled_cache(prompt_ids)
+    frontier = [((), 1.0)]
+    for _ in range(LENGTH):
+        grown = []
+        for prefix, prob in frontier:
+            if prefix and prefix[-1] in target.eos_ids:  # generation stopped there
+                grown.append((prefix, prob))
+                continue
+            fed = [prompt_ids[-1], *prefix]
+            for token in fed:
+                logits = runner.forward(prefilled, torch.tensor([token]))  # [1, vocab]
+            prefilled.truncate(len(prompt_ids) - 1)
+            probs = to_probs(logits, PARAMS)[0]  # [vocab]
+            for token in probs.nonzero()[:, 0].tolist():
+                grown.append((prefix + (token,), prob * float(probs[token])))
+        frontier = grown
+    prefilled.release()
+    return dict(frontier)
+
+
+SAMPLES = 800  # detects a total-variation bias of ≈ 0.2 with 90 % power (printed by each test)
+CONTROL_SAMPLES = 300  # the mutant's bias is far larger: fewer samples reject it
+
+
+@pytest.fixture(scope="module")
+def sampling_case(target):
+    prompt_ids = target.encode_prompt("My favourite colour is", chat=False)
+    return prompt_ids, _exact_distribution(target, prompt_ids)
+
+
+def test_sampled_speculation_is_lossless_on_the_backend(target, draft8, sampling_case):
+    """An int8 draft of the same model (close, not equal) under the rejection rule: the sequences
+    follow the backend's own distribution (the test's power is printed)."""
+    prompt_ids, exact = sampling_case
+    engine = Engine(target, DraftModelDrafter(draft8, target.vocab_size), gamma=GAMMA, gamma_policy="constant")
+    assert_same_distribution(sample_sequences(engine, prompt_ids, PARAMS, SAMPLES, LENGTH), exact)
+
+
+def test_the_backend_test_rejects_a_bonus_from_the_wrong_row(target, draft8, sampling_case, monkeypatch):
+    """Positive control: the bonus token drawn from the wrong row is caught by the same test."""
+    import verispec.engine.loop as loop
+
+    monkeypatch.setattr(loop, "verify_sampled", bonus_from_the_wrong_row)
+    prompt_ids, exact = sampling_case
+    engine = Engine(target, DraftModelDrafter(draft8, target.vocab_size), gamma=GAMMA, gamma_policy="constant")
+    assert_rejected(sample_sequences(engine, prompt_ids, PARAMS, CONTROL_SAMPLES, LENGTH), exact)
+
+
+@pytest.mark.parametrize("spec", ["self:layers=4", "online", "triforce"])
+def test_drafters_that_need_the_torch_runner_say_so(target, spec):
+    from verispec.errors import InvalidParameterError
+
+    with pytest.raises(InvalidParameterError, match="needs verispec's own runner"):
+        make_drafter(spec, target, load=lambda name, dtype, pack_rows=1: target)  # the draft model: the target itself
+
+
+def test_beam_search_on_the_backend_says_so(target):
+    from verispec.engine import beam_search
+    from verispec.errors import InvalidParameterError
+
+    with pytest.raises(InvalidParameterError, match="beam search needs verispec's own runner"):
+        beam_search(target, target.encode_prompt(PROMPT), num_beams=2, max_new_tokens=4)
