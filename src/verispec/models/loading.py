@@ -53,7 +53,7 @@ __all__ = [
     "parse_precision", "precisions_for", "Precision", "PRECISIONS",
 ]
 
-PRECISIONS = ("float32", "bfloat16", "int8", "gguf", "hf")  # the names the CLI, server and benchmark offer
+PRECISIONS = ("float32", "bfloat16", "int8", "gguf", "gguf-wide", "hf")  # the names the CLI, server and benchmark offer
 
 
 @dataclass(frozen=True)
