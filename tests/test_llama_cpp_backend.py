@@ -188,3 +188,30 @@ def test_beam_search_on_the_backend_says_so(target):
 
     with pytest.raises(InvalidParameterError, match="beam search needs verispec's own runner"):
         beam_search(target, target.encode_prompt(PROMPT), num_beams=2, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("precision", ["gguf", "gguf-wide"])
+def test_the_server_batches_requests_on_the_backend(precision, target, wide_target):
+    """Concurrent requests through the OpenAI client: on gguf each answer is the engine's own answer
+    alone (one request per pass keeps the kernels' widths); on gguf-wide requests share passes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import OpenAI
+    from server_helpers import LocalServer, expected_text
+
+    from verispec.serving.http import create_app
+
+    model = target if precision == "gguf" else wide_target
+    engine = Engine(model, NgramDrafter(max_n=3), gamma=2, gamma_policy="constant")
+    prompts = ["The moon is", "Water boils at", "A list of fruits:", "def add(a, b):"]
+    with LocalServer(create_app(engine, model_name="smol")) as server:
+        client = OpenAI(base_url=server.url + "/v1", api_key="unused")
+
+        def ask(prompt):
+            return client.completions.create(model="smol", prompt=prompt, max_tokens=16, temperature=0).choices[0]
+
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(ask, prompts))
+    assert all(a.finish_reason in ("stop", "length") and a.text for a in answers)
+    if precision == "gguf":
+        assert [a.text for a in answers] == [expected_text(engine, p, 16) for p in prompts]
