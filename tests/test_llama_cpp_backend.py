@@ -97,8 +97,9 @@ def test_sequences_are_given_back(target):
     """More requests over time than llama.cpp has sequences: each ends and frees its own."""
     engine = Engine(target, NgramDrafter(), gamma=2, gamma_policy="constant")
     free = len(target.runner._free_seqs) + len(target.runner._pending)
-    for _ in range(300):
-        engine.start(PROMPT, GenerationConfig(max_new_tokens=2)).close()
+    short = target.encode_prompt("Hi", chat=False)
+    for _ in range(300):  # more than the runner's 256 sequences
+        engine.start(short, GenerationConfig(max_new_tokens=2)).close()
     assert len(target.runner._free_seqs) + len(target.runner._pending) == free
 
 
