@@ -52,6 +52,20 @@ def test_adaptive_gamma_policies_stay_exact(target, draft, hf_target, policy):
     assert engine.generate(PROMPTS[1], GenerationConfig(max_new_tokens=24)).token_ids == expected
 
 
+def test_the_cache_reserves_little_up_front_and_grows_exactly(target, draft, hf_target, monkeypatch):
+    """A request asking for many tokens does not allocate them all at once; the cache grows as the
+    sequence does and the output stays the reference's."""
+    from verispec.engine import Generation
+
+    monkeypatch.setattr(Generation, "INITIAL_SPARE", 2)
+    engine = Engine(target, DraftModelDrafter(draft, target.vocab_size), gamma=3, gamma_policy="constant")
+    generation = engine.start(PROMPTS[1], GenerationConfig(max_new_tokens=40))
+    assert generation.cache.capacity <= len(generation.ids) + 2 + engine.max_gamma + 2
+    while not generation.done:
+        generation.step()
+    assert generation.result().token_ids == reference_generate(hf_target, PROMPTS[1], 40, eos_ids=target.eos_ids)
+
+
 def test_greedy_with_repetition_penalty_matches_reference(target, draft, hf_target):
     params = SamplingParams(repetition_penalty=1.8)
     engine = Engine(target, DraftModelDrafter(draft, target.vocab_size), gamma=4, gamma_policy="constant")

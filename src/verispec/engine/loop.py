@@ -198,6 +198,8 @@ class _Detokenizer:
 class Generation:
     """One request's state; `step()` runs one draft + verify step and returns the emitted tokens."""
 
+    INITIAL_SPARE = 256  # cache slots reserved past the prompt at the start (the cache doubles as needed)
+
     def __init__(self, engine: Engine, prompt_ids: list[int], config: GenerationConfig):
         self.engine, self.config = engine, config
         self.target = engine.target
@@ -230,7 +232,9 @@ class Generation:
         gamma = config.gamma if config.gamma is not None else engine.gamma
         self.policy = make_gamma_policy(policy, gamma, engine.costs_for(self.drafter, policy), engine.max_gamma)
         start = self._started = time.perf_counter()
-        self.cache = self.target.runner.prefilled_cache(self.ids, spare=self.max_new + max(engine.max_gamma, gamma) + 2)
+        # room for the first tokens; a cache grows as the sequence does, never by the request's promise
+        spare = min(self.max_new, self.INITIAL_SPARE) + max(engine.max_gamma, gamma) + 2
+        self.cache = self.target.runner.prefilled_cache(self.ids, spare=spare)
         self.session = self.drafter.start(self.ids) if self.drafter is not None else None
         if self.session is not None:
             self.session.attach_target_cache(self.cache)
