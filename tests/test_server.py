@@ -331,6 +331,8 @@ def test_metrics_report_speculation(client, server):
 # ---- the CLI, the OpenAPI schema, the playground ---------------------------------------------------
 
 def test_cli_serve_loads_once_and_answers(tiny_target):
+    """`verispec serve` with its limits: the API key from VERISPEC_API_KEY, a max_tokens limit."""
+    import os
     import subprocess
     import sys
 
@@ -338,8 +340,8 @@ def test_cli_serve_loads_once_and_answers(tiny_target):
 
     port = _free_port()
     process = subprocess.Popen([sys.executable, "-m", "verispec.cli", "serve", "--target", str(tiny_target), "--draft", "ngram",
-                                "--gamma-policy", "constant", "--port", str(port), "--model-name", MODEL],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                                "--gamma-policy", "constant", "--port", str(port), "--model-name", MODEL, "--max-tokens-limit", "5"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "VERISPEC_API_KEY": "k3y"})
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -350,11 +352,24 @@ def test_cli_serve_loads_once_and_answers(tiny_target):
                 assert process.poll() is None and time.monotonic() < deadline, "verispec serve did not come up"
                 time.sleep(0.2)
         assert health["drafter"].startswith("ngram") and health["model"] == MODEL
-        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": MODEL, "prompt": [20, 21, 22], "max_tokens": 5})
+        url, key = f"http://127.0.0.1:{port}/v1/completions", {"Authorization": "Bearer k3y"}
+        body = {"model": MODEL, "prompt": [20, 21, 22], "max_tokens": 5}
+        assert httpx.post(url, json=body).status_code == 401
+        response = httpx.post(url, json=body, headers=key)
         assert response.status_code == 200 and response.json()["usage"]["prompt_tokens"] == 3
+        assert httpx.post(url, json={**body, "max_tokens": 6}, headers=key).json()["error"]["param"] == "max_tokens"
     finally:
         process.terminate()
         process.wait(10)
+
+
+def test_cli_serve_on_ray_refuses_limits_it_cannot_pass_on(tiny_target, capsys, monkeypatch):
+    from verispec.cli import main
+
+    monkeypatch.setenv("COLUMNS", "400")
+    monkeypatch.setenv("VERISPEC_API_KEY", "k3y")
+    assert main(["serve", "--ray", "--target", str(tiny_target), "--cors-origin", "https://app.example"]) == 2
+    assert "--api-key, --cors-origin not supported with --ray yet" in capsys.readouterr().err
 
 
 def test_schemathesis_finds_no_server_errors(server):

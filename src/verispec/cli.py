@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.text import Text
@@ -20,6 +22,8 @@ from verispec.types import Origin
 
 __all__ = ["main"]
 
+UNTIL_STOP = sys.maxsize  # max_new_tokens without a limit: the engine stops at the model's context
+BEAM_MAX_NEW_TOKENS = 128
 ORIGIN_STYLES = {Origin.ACCEPTED: "green", Origin.RECOVERED: "yellow", Origin.BONUS: "bold blue", Origin.TARGET: ""}
 
 
@@ -27,7 +31,8 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="shipped model name, HF folder or .gguf path")
     parser.add_argument("--draft", default="model", help="drafter: none | model[:NAME] | NAME/PATH | gguf[:NAME] | ngram[:max_n=3] | tree[:k=2,depth=4] | merge | stand[:max_n=4,k=2,depth=5] | hybrid[:min_match=2] | online[:rank=8] | cascade[:kind=vertical] | self[:layers=7] | triforce (all: verispec.drafters)")
     parser.add_argument("--dtype", default="float32", choices=PRECISIONS,
-                        help="float32 | bfloat16 | int8 (int8 weights, batch-invariant: see verispec.models.int8)")
+                        help="float32 | bfloat16 | int8 (int8 weights, batch-invariant: see verispec.models.int8) | gguf (llama.cpp) | "
+                        "hf (transformers; float32/bfloat16 use it for models other than qwen2/llama)")
     parser.add_argument("--gamma", type=int, default=4, help="draft length γ (the starting value for adaptive policies)")
     parser.add_argument("--gamma-policy", default="analytic", choices=["constant", "heuristic", "analytic"])
 
@@ -38,7 +43,9 @@ def _add_ray_address(parser) -> None:
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="at most this many new tokens (default: until the model stops or its context is full; "
+                        f"{BEAM_MAX_NEW_TOKENS} with --num-beams)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -59,20 +66,28 @@ def _generate(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         eta=args.eta, epsilon=args.epsilon, repetition_penalty=args.repetition_penalty,
     )
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
+    # no --max-new-tokens: until the model stops or the context is full (the engine caps it at the context)
+    max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else UNTIL_STOP
+    config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, seed=args.seed,
                               stop=tuple(args.stop), chat=not args.raw)
     if args.num_beams > 1:
         return _beam(args, config)
     engine = load(args.target, args.draft, args.dtype, args.gamma, args.gamma_policy)
-    if args.json:
-        result = engine.generate(args.prompt, config)
-        print(json.dumps(result.to_dict(), ensure_ascii=False))
-        return 0
     out = Console(highlight=False)
     generation = engine.start(args.prompt, config)
-    while not generation.done:
-        for event in generation.step():
-            out.print(Text(event.text, style=ORIGIN_STYLES[event.origin]), end="")
+    interrupted = False
+    try:
+        while not generation.done:
+            for event in generation.step():
+                if not args.json:
+                    out.print(Text(event.text, style=ORIGIN_STYLES[event.origin]), end="")
+    except KeyboardInterrupt:  # Ctrl-C: stop cleanly and say what was produced so far
+        interrupted = True
+        if not generation.done:
+            generation._finish("interrupted")  # statistics cover the tokens produced so far; caches freed
+    if args.json:
+        print(json.dumps(generation.result().to_dict(), ensure_ascii=False))
+        return 130 if interrupted else 0
     out.print()
     s = generation.stats
     legend = Text.assemble(("accepted", "green"), " ", ("recovered", "yellow"), " ", ("bonus", "bold blue"))
@@ -83,7 +98,7 @@ def _generate(args: argparse.Namespace) -> int:
         f"prefill {s.prefill_seconds:.2f}s · finish: {generation.finish_reason} ·[/dim]",
         legend,
     )
-    return 0
+    return 130 if interrupted else 0
 
 
 def _beam(args: argparse.Namespace, config) -> int:
@@ -94,7 +109,9 @@ def _beam(args: argparse.Namespace, config) -> int:
         Console(stderr=True).print("[yellow]note:[/yellow] beam search is deterministic; sampling options are ignored")
     target = load_model(args.target, args.dtype)
     prompt_ids = target.encode_prompt(args.prompt, chat=not args.raw)
-    result = beam_search(target, prompt_ids, args.num_beams, args.max_new_tokens)
+    # beams allocate a cache of prompt + max_new slots each: without --max-new-tokens they keep a bounded default
+    max_new = args.max_new_tokens if args.max_new_tokens is not None else BEAM_MAX_NEW_TOKENS
+    result = beam_search(target, prompt_ids, args.num_beams, max_new)
     text = target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
     if args.json:
         print(json.dumps({"text": text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
@@ -105,6 +122,7 @@ def _beam(args: argparse.Namespace, config) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
+    from verispec.models.loading import precisions_for
     from verispec.models.registry import SHIPPED_MODELS, prepare_shipped_model
     from verispec.paths import cache_dir
 
@@ -113,9 +131,62 @@ def _models(args: argparse.Namespace) -> int:
             print(prepare_shipped_model(name))
         return 0
     for name in SHIPPED_MODELS:
-        ready = (cache_dir() / "hf" / name / "config.json").exists()
-        print(f"{name:32s} {'converted' if ready else 'not yet converted (pulled on first use)'}")
+        folder = cache_dir() / "hf" / name
+        model_type = _shipped_model_type(name)
+        state = "converted" if (folder / "config.json").exists() else "not yet converted (pulled on first use)"
+        if model_type is None:  # every shipped model is a GGUF: llama.cpp runs it whatever its architecture
+            runs = f"gguf (llama.cpp); the others once pulled (verispec models --pull {name})"
+        else:
+            by_backend: dict[str, list[str]] = {}
+            for precision, backend in precisions_for(model_type, gguf=True).items():
+                by_backend.setdefault(backend, []).append(precision)
+            runs = " · ".join(f"{', '.join(names)} ({backend})" for backend, names in by_backend.items())
+        print(f"{name:30s} {model_type or '?':12s} {state:40s} {runs}")
     return 0
+
+
+def _shipped_model_type(name: str) -> str | None:
+    """The model type of a shipped model: its converted folder's config.json, else its GGUF's
+    general.architecture when the file is already here; None before it is pulled."""
+    from verispec.models.registry import SHIPPED_MODELS
+    from verispec.paths import cache_dir
+
+    config = cache_dir() / "hf" / name / "config.json"
+    if config.exists():
+        return json.loads(config.read_text()).get("model_type")
+    gguf = cache_dir() / "gguf" / f"{name}.gguf"
+    model = SHIPPED_MODELS[name]
+    if model.layout == "file":
+        import importlib.util
+
+        spec = importlib.util.find_spec(model.module_prefix)
+        if spec is not None and spec.submodule_search_locations:
+            gguf = Path(next(iter(spec.submodule_search_locations))) / model.file_name
+    return _gguf_architecture(gguf) if gguf.exists() else None
+
+
+def _gguf_architecture(path: Path) -> str | None:
+    """general.architecture from a GGUF header (read up to that key: the tokenizer arrays after it are
+    never parsed), or None when the header does not start with it."""
+    import struct
+
+    scalar = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
+    with path.open("rb") as f:
+        if f.read(4) != b"GGUF":
+            return None
+        f.read(4 + 8 + 8)  # version, tensor count, key/value count
+        for _ in range(64):
+            key = f.read(struct.unpack("<Q", f.read(8))[0]).decode(errors="replace")
+            kind = struct.unpack("<I", f.read(4))[0]
+            if kind == 8:  # a string
+                value = f.read(struct.unpack("<Q", f.read(8))[0]).decode(errors="replace")
+                if key == "general.architecture":
+                    return value
+            elif kind in scalar:
+                f.read(scalar[kind])
+            else:  # an array before the architecture: give up rather than parse it
+                return None
+    return None
 
 
 def _engine_spec(args: argparse.Namespace):
@@ -132,17 +203,38 @@ def _serve(args: argparse.Namespace) -> int:
     from verispec import load
     from verispec.serving.http import create_app
 
+    _check_serve_limits(args)
     engine = load(args.target, args.draft, args.dtype, args.gamma, args.gamma_policy)  # once, before serving
     app = create_app(engine, model_name=args.model_name, max_batch=args.max_batch, max_queue=args.max_queue,
-                     request_timeout=args.timeout)
+                     request_timeout=args.timeout, api_key=args.api_key, cors_origins=args.cors_origin,
+                     max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit, stall_seconds=args.stall_seconds)
     Console(stderr=True).print(f"serving {args.model_name or engine.target.name} on http://{args.host}:{args.port} "
                                "(playground at /, OpenAI API under /v1)")
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
 
+SERVE_LIMITS = {"api_key": None, "cors_origin": [], "max_body_bytes": 1 << 20, "max_tokens_limit": 4096, "stall_seconds": 60.0}
+
+
+def _check_serve_limits(args: argparse.Namespace) -> None:
+    from verispec.drafters.specs import MAX_GAMMA
+    from verispec.errors import InvalidParameterError
+
+    if not 1 <= args.gamma <= MAX_GAMMA:
+        raise InvalidParameterError(f"--gamma must lie in 1…{MAX_GAMMA}, got {args.gamma}")
+    if args.max_body_bytes < 1 or args.max_tokens_limit < 1 or args.stall_seconds <= 0:
+        raise InvalidParameterError("--max-body-bytes and --max-tokens-limit must be ≥ 1 and --stall-seconds > 0")
+
+
 def _serve_on_ray(args: argparse.Namespace) -> int:
     from verispec.serving.cluster.serve import ServeOptions, run_cli
+
+    _check_serve_limits(args)
+    changed = [name for name, default in SERVE_LIMITS.items() if getattr(args, name) != default]
+    if changed:  # Ray replicas do not take these yet: refuse rather than serve without them
+        raise VerispecError(f"--{', --'.join(n.replace('_', '-') for n in changed)} not supported with --ray yet "
+                            "(VERISPEC_API_KEY sets --api-key): serve without --ray, or drop them")
 
     options = ServeOptions(
         replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas, replica_cpus=args.replica_cpus,
@@ -211,6 +303,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch", type=int, default=8, help="requests verified together in one target pass")
     serve.add_argument("--max-queue", type=int, default=32, help="requests allowed to wait; beyond that: HTTP 429")
     serve.add_argument("--timeout", type=float, default=300.0, help="seconds per request before HTTP 504")
+    serve.add_argument("--api-key", default=os.environ.get("VERISPEC_API_KEY") or SERVE_LIMITS["api_key"],
+                       help="require 'Authorization: Bearer KEY' on /v1 and /metrics (default: $VERISPEC_API_KEY; none: open)")
+    serve.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                       help="let browser pages from this origin call the API (repeatable; e.g. https://example.org)")
+    serve.add_argument("--max-body-bytes", type=int, default=SERVE_LIMITS["max_body_bytes"], help="larger request bodies: HTTP 413")
+    serve.add_argument("--max-tokens-limit", type=int, default=SERVE_LIMITS["max_tokens_limit"],
+                       help="most new tokens one request may ask for; more: HTTP 400")
+    serve.add_argument("--stall-seconds", type=float, default=SERVE_LIMITS["stall_seconds"],
+                       help="/health answers 503 degraded when the scheduler has work but has not advanced for this long")
     _add_model_options(serve)
     ray_group = serve.add_argument_group("Ray Serve (needs verispec[ray])")
     ray_group.add_argument("--ray", action="store_true", help="serve as replicas on Ray Serve (the same API; Serve's proxy listens on --host/--port)")

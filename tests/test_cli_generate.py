@@ -1,0 +1,80 @@
+"""The `generate` and `models` commands: without --max-new-tokens `generate` runs until the model stops
+or its context is full, Ctrl-C stops it cleanly with the summary line, and `verispec models` says
+which precisions (and backends) run each shipped model.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+from test_hf_runner import make_hf_model
+
+from verispec.cli import _gguf_architecture, main
+
+
+@pytest.fixture(scope="module")
+def endless(tmp_path_factory) -> Path:
+    """A tiny Gemma 3 without an end-of-sequence id: it stops only when its 160-position context is full."""
+    return make_hf_model(tmp_path_factory.mktemp("endless") / "m", "gemma3", seed=3, eos=False, context=160)
+
+
+def test_cli_generate_runs_until_the_context_is_full_without_max_new_tokens(capsys, endless):
+    assert main(["generate", "t5 t9 t2 t7", "--raw", "--json", "--target", str(endless), "--draft", "none"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["finish_reason"] == "length" and len(out["token_ids"]) == 160 - 4  # not the API default of 128
+    assert main(["generate", "t5 t9 t2 t7", "--raw", "--json", "--target", str(endless), "--draft", "none",
+                 "--max-new-tokens", "5"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 5
+
+
+def test_cli_ctrl_c_stops_cleanly_with_the_summary(capsys, monkeypatch, endless):
+    from verispec.engine import loop
+
+    step, calls = loop.Generation.step, []
+
+    def interrupted_step(self):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step(self)
+
+    monkeypatch.setattr(loop.Generation, "step", interrupted_step)
+    assert main(["generate", "t5 t9 t2 t7", "--raw", "--target", str(endless), "--draft", "none"]) == 130
+    captured = capsys.readouterr()
+    assert "2 tokens in" in captured.err and "finish: interrupted" in captured.err
+    assert len(captured.out.split()) == 2  # the two tokens produced before Ctrl-C
+    calls.clear()
+    assert main(["generate", "t5 t9 t2 t7", "--raw", "--json", "--target", str(endless), "--draft", "none"]) == 130
+    out = json.loads(capsys.readouterr().out)  # --json: the object of what was produced
+    assert out["finish_reason"] == "interrupted" and len(out["token_ids"]) == out["stats"]["new_tokens"] == 2
+
+
+def _write_gguf_header(path: Path, architecture: str) -> None:
+    """A GGUF header with two key/values (a uint32, then general.architecture) and no tensors."""
+    def string(text: str) -> bytes:
+        return struct.pack("<Q", len(text)) + text.encode()
+
+    body = struct.pack("<4sIQQ", b"GGUF", 3, 0, 2)
+    body += string("general.alignment") + struct.pack("<II", 4, 32)
+    body += string("general.architecture") + struct.pack("<I", 8) + string(architecture)
+    path.write_bytes(body)
+
+
+def test_cli_models_says_which_precisions_run_each_model(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    for name, model_type in (("gemma-3-270m", "gemma3_text"), ("qwen2.5-coder-0.5b-instruct", "qwen2")):
+        (tmp_path / "hf" / name).mkdir(parents=True)
+        (tmp_path / "hf" / name / "config.json").write_text(json.dumps({"model_type": model_type}))
+    (tmp_path / "gguf").mkdir()
+    _write_gguf_header(tmp_path / "gguf" / "qwen2.5-coder-1.5b-instruct.gguf", "qwen2")
+    assert _gguf_architecture(tmp_path / "gguf" / "qwen2.5-coder-1.5b-instruct.gguf") == "qwen2"
+    assert main(["models"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert "float32, bfloat16, hf (transformers) · gguf (llama.cpp)" in lines["gemma-3-270m"]
+    assert "int8" not in lines["gemma-3-270m"]
+    for name in ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"):
+        assert "float32, bfloat16, int8 (verispec) · hf (transformers) · gguf (llama.cpp)" in lines[name]
+    assert "gguf (llama.cpp)" in lines["smollm2-135m-instruct"]  # not pulled: llama.cpp runs any shipped GGUF
