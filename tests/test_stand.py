@@ -1,4 +1,4 @@
-"""STAND's table (seed 002's worked example, back-off, persistence) and the drafter factory's options."""
+"""STAND's table (the paper's worked example, back-off, persistence) and the drafter factory's options."""
 
 import pytest
 import torch

@@ -1,7 +1,7 @@
 """Sampling parameters and the logits processing shared by draft and target.
 
 Every function works on a whole block `[positions, vocab]` at once: no Python loop per position
-(seed 003 measured what such loops cost). Draft and target distributions go through the very same
+(a per-position Python loop over the vocabulary costs far more). Draft and target distributions go through the very same
 `to_probs`, which is what keeps speculative sampling lossless under truncation.
 
 Order (as in Hugging Face): repetition penalty → temperature → top-k → top-p → min-p → ε → η.
