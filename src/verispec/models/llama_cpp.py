@@ -128,7 +128,8 @@ class LlamaCppCache:
 
     def __del__(self):
         if not self._released:
-            self.runner._pending.append(self.seq)  # freed by the decoding thread, never from a finalizer
+            # freed by the decoding thread, never from a finalizer
+            self.runner._pending.extend([self.seq, *self.tree_seqs])
 
 
 class LlamaCppRunner:
@@ -141,8 +142,6 @@ class LlamaCppRunner:
     """
 
     dtype = torch.float32
-    compiled = False
-    row_invariant = False
 
     def __init__(self, gguf: str | Path, threads: int | None = None, window: int = 16384, max_sequences: int = 256,
                  batch: int = 512, exact: bool = True):
@@ -165,8 +164,7 @@ class LlamaCppRunner:
         self._context = LlamaContext(model=self._model, params=params, verbose=False)
         self.ctx, self.memory = self._context.ctx, self._context.memory
         self.window, self.batch_size, self.threads = llama_cpp.llama_n_ctx(self.ctx), batch, threads
-        vocab = self._model.vocab
-        self.vocab = vocab
+        self.vocab = vocab = self._model.vocab
         self.config = LlamaCppConfig(
             model_type=self._metadata("general.architecture") or "?",
             vocab_size=llama_cpp.llama_vocab_n_tokens(vocab),
