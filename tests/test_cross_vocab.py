@@ -123,3 +123,18 @@ def test_shared_vocabulary_respects_the_logits_width(pair):
     target, draft, _, _, _ = pair
     shared = shared_vocabulary(target.tokenizer, draft.tokenizer, 6, 12)
     assert shared.target_ids.tolist() == [0, 1, 2, 3, 4, 5]  # t9 and t7 are past the width
+
+
+@pytest.mark.real
+def test_gemma_with_a_smollm2_draft_gives_the_target_s_own_greedy_output():
+    """The shipped pair of two families (262K and 49K vocabularies): Gemma-3-270M drafted for by SmolLM2-135M."""
+    from verispec import load
+
+    engine = load("gemma-3-270m", "smollm2-135m-instruct", gamma_policy="constant")
+    assert isinstance(engine.drafter, CrossVocabDrafter)
+    plain = Engine(engine.target, None)
+    config = GenerationConfig(max_new_tokens=32)
+    for prompt in ("Hello", "Write a Python function that reverses a string."):
+        result = engine.generate(prompt, config)
+        assert result.token_ids == plain.generate(prompt, config).token_ids
+        assert result.stats.accepted_tokens > 0  # the draft really drafts for it

@@ -83,8 +83,9 @@ def _generate(args: argparse.Namespace) -> int:
                     out.print(Text(event.text, style=ORIGIN_STYLES[event.origin]), end="")
     except KeyboardInterrupt:  # Ctrl-C: stop cleanly and say what was produced so far
         interrupted = True
-        if not generation.done:
-            generation._finish("interrupted")  # statistics cover the tokens produced so far; caches freed
+        held_back = generation.cancel("interrupted")  # statistics cover the tokens produced so far
+        if held_back and not args.json:
+            out.print(held_back, end="")
     if args.json:
         print(json.dumps(generation.result().to_dict(), ensure_ascii=False))
         return 130 if interrupted else 0

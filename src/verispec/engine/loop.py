@@ -387,6 +387,15 @@ class Generation:
         self.stats.wall_seconds = time.perf_counter() - self._started
         self.close()
 
+    def cancel(self, reason: str = "cancelled") -> str:
+        """Stop the request now (a user's Ctrl-C, a client gone): statistics cover the tokens produced so
+        far, caches are freed, and the text held back for a possible stop string is returned, since no
+        later token will release it. Nothing happens once the request is done ("")."""
+        if self.done:
+            return ""
+        self._finish(reason)
+        return self._release()
+
     def close(self) -> None:
         """Tell the drafter's session the request is over (done or abandoned) and free the target's
         cache, once."""

@@ -2,7 +2,9 @@
 
 Methods (comma list for --methods):
   hf-plain      the target's `generate`, greedy: the baseline every speedup is measured against;
-  hf-assisted   the same with `assistant_model=<--draft>` (Hugging Face's assisted generation defaults);
+  hf-assisted   the same with `assistant_model=<--draft>` (Hugging Face's assisted generation defaults;
+                a draft with another tokenizer gets `tokenizer=` and `assistant_tokenizer=`, HF's
+                universal assisted generation);
   hf-pld        the same with `prompt_lookup_num_tokens=10` (prompt lookup decoding);
   vs:SPEC[@POLICY][[PRECISION]]  a verispec Engine with the drafter spec SPEC (`none`, `model`,
                 `ngram`, …; see `verispec.drafters.make_drafter`), γ policy POLICY (default analytic)
@@ -60,7 +62,7 @@ from verispec.control import POLICIES
 from verispec.drafters import Drafter, make_drafter
 from verispec.engine import Engine, GenerationConfig
 from verispec.errors import InvalidParameterError, VerispecError
-from verispec.models.loading import PRECISIONS, LoadedModel, ModelCache, parse_dtype, parse_precision, resolve_folder
+from verispec.models.loading import PRECISIONS, LoadedModel, ModelCache, load_tokenizer, parse_dtype, parse_precision, resolve_folder
 from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, gguf_file
 from verispec.sampling.processors import SamplingParams
 from verispec.progress import console, status
@@ -246,6 +248,12 @@ class Models:
     def hf_draft(self) -> torch.nn.Module:
         return self._hf(self.draft_spec)
 
+    @cached_property
+    def assistant_tokenizers(self) -> dict:
+        """generate()'s tokenizer arguments for a draft of another tokenizer (none for the same one)."""
+        target, draft = load_tokenizer(resolve_folder(self.target_spec)), load_tokenizer(resolve_folder(self.draft_spec))
+        return {} if target.get_vocab() == draft.get_vocab() else {"tokenizer": target, "assistant_tokenizer": draft}
+
     def drafter(self, spec: str, precision: str | None = None) -> Drafter | None:
         """A verispec drafter, shared by every engine that uses the same spec and precision."""
         precision = parse_precision(precision or self.dtype).name
@@ -265,8 +273,11 @@ class Models:
         eos = self.target.eos_ids
         pad = self.target.tokenizer.eos_token_id
         pad = pad if pad is not None else min(eos)
-        extra = {"hf-plain": {}, "hf-assisted": {"assistant_model": self.hf_draft},
-                 "hf-pld": {"prompt_lookup_num_tokens": PLD_TOKENS}}[spec.name]
+        extra = {}  # hf-plain; the HF draft loads only for hf-assisted
+        if spec.name == "hf-assisted":
+            extra = {"assistant_model": self.hf_draft, **self.assistant_tokenizers}
+        elif spec.name == "hf-pld":
+            extra = {"prompt_lookup_num_tokens": PLD_TOKENS}
         return HFMethod(spec.name, self.hf_target, eos, pad, extra, self.temperature)
 
     def weights_mib(self, method: Method) -> float | None:
