@@ -20,7 +20,7 @@ from verispec import Engine, GenerationConfig, SamplingParams, load
 from verispec.drafters import DraftModelDrafter, NgramDrafter, make_drafter
 from verispec.errors import IncompatibleModelsError, InvalidParameterError, ModelNotFoundError, PromptError
 from verispec.models.linear import VERIFY_ROWS
-from verispec.models.loading import load_model
+from verispec.models.loading import ModelCache, load_model
 from verispec.testing.reference import reference_generate, sequence_distribution
 
 PROMPTS = [[5, 9, 2, 7], [11, 3, 3, 3, 8, 1, 30, 12, 5], [40]]
@@ -85,6 +85,26 @@ def test_caches_hold_exactly_the_accepted_path(target, draft):
             torch.testing.assert_close(cache.keys[:, :, : cache.length], fresh.keys[:, :, : cache.length])
             torch.testing.assert_close(cache.values[:, :, : cache.length], fresh.values[:, :, : cache.length])
         assert generation.cache.length == len(generation.ids) - 1
+
+
+@pytest.mark.parametrize("spec", ["model", "tree", "merge", "hybrid", "cascade:draft={draft}",
+                                  "cascade:kind=horizontal,strong=1,draft={draft}"])
+def test_every_draft_cache_is_released_when_a_request_ends(target, tiny_draft, monkeypatch, spec):
+    """Every cache a request prefilled (the target's and each model-backed draft session's) is
+    released when the generation ends. Fails on the sessions before the ModelSession and
+    ComposedSession bases: tree, merge, hybrid and both cascades never released their draft caches
+    (a llama.cpp draft would keep its sequence)."""
+    from verispec.models.transformer import KVCache, Transformer
+
+    made, released = [], []
+    prefill = Transformer.prefilled_cache
+    monkeypatch.setattr(Transformer, "prefilled_cache", lambda self, *args, **kwargs: made.append(prefill(self, *args, **kwargs)) or made[-1])
+    monkeypatch.setattr(KVCache, "release", lambda self: released.append(self))
+    models = ModelCache(target)
+    models.default_draft = str(tiny_draft)
+    engine = Engine(target, make_drafter(spec.format(draft=tiny_draft), target, load=models), gamma=3, gamma_policy="constant")
+    engine.generate(PROMPTS[1], GenerationConfig(max_new_tokens=6))
+    assert len(made) >= 2 and all(any(cache is r for r in released) for cache in made)
 
 
 # --- sampling: equal in distribution -------------------------------------------------------------

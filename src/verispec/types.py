@@ -39,6 +39,11 @@ class Draft:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
+    @property
+    def is_tree(self) -> bool:
+        """A token tree (parents given, even when they form a chain) rather than a chain."""
+        return self.parents is not None
+
 
 @dataclass(frozen=True)
 class Verdict:

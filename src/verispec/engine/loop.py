@@ -171,7 +171,7 @@ class StepPlan:
     @property
     def depth(self) -> int:
         """The longest path the draft offers (γ for a chain)."""
-        if self.draft.parents is None:
+        if not self.draft.is_tree:
             return len(self.draft)
         return int(depths(self.draft.parents).max()) if len(self.draft) else 0
 
@@ -250,7 +250,7 @@ class Generation:
         if self.max_draft_nodes is not None:
             gamma = min(gamma, self.max_draft_nodes)
         draft = self.session.propose(self.ids, gamma, self.params, self.generator)
-        if draft.parents is None or is_chain(draft.parents):
+        if not draft.is_tree or is_chain(draft.parents):
             return Draft(draft.tokens[:gamma], None if draft.probs is None else draft.probs[:gamma])
         check_parents(draft.parents)
         keep = depths(draft.parents) <= gamma  # γ caps the depth
@@ -267,7 +267,7 @@ class Generation:
         draft = self._draft(gamma)
         feed = torch.cat([torch.tensor(self.ids[-1:]), draft.tokens])  # [n+1]
         seconds = time.perf_counter() - start
-        if draft.parents is None:
+        if not draft.is_tree:
             return StepPlan(draft, feed, seconds)
         last = len(self.ids) - 1  # position of the last committed token
         positions = last + torch.cat([torch.zeros(1, dtype=torch.long), depths(draft.parents)])  # [n+1]
@@ -310,10 +310,10 @@ class Generation:
         """Chain or tree, greedy or sampled: the verifier that fits this draft."""
         if self.params.greedy:
             target_tokens = greedy_tokens(logits, self.params, seen)  # [n+1]
-            if draft.parents is None:
+            if not draft.is_tree:
                 return verify_greedy(draft.tokens, target_tokens)
             return verify_tree_greedy(draft.tokens, draft.parents, target_tokens)
-        if draft.parents is None:
+        if not draft.is_tree:
             return verify_sampled(draft.tokens, draft.probs, target_probs, self.generator)
         return verify_tree_sampled(draft.tokens, draft.parents, draft.probs, target_probs, self.generator)
 
