@@ -13,7 +13,7 @@ draft token.
 import pytest
 import torch
 from conftest import make_tiny_model
-from distribution import assert_rejected, assert_same_distribution, sample_sequences
+from distribution import accept_every_draft_token, assert_rejected, assert_same_distribution, sample_sequences
 from transformers import AutoModelForCausalLM
 
 from verispec import Engine, GenerationConfig, SamplingParams, load
@@ -107,6 +107,21 @@ def test_every_draft_cache_is_released_when_a_request_ends(target, tiny_draft, m
     assert len(made) >= 2 and all(any(cache is r for r in released) for cache in made)
 
 
+def test_a_stream_closed_early_ends_its_request(target, draft, monkeypatch):
+    """Closing `Engine.stream`'s iterator after its first event ends the request: the target's and the
+    draft's caches are released. Fails on a stream without the try/finally, which left it open."""
+    from verispec.models.transformer import KVCache
+
+    released = []
+    monkeypatch.setattr(KVCache, "release", lambda self: released.append(self))
+    engine = Engine(target, DraftModelDrafter(draft, target.vocab_size), gamma=3, gamma_policy="constant")
+    events = engine.stream(PROMPTS[1], GenerationConfig(max_new_tokens=30))
+    next(events)
+    assert not released  # still running
+    events.close()
+    assert len(released) == 2
+
+
 # --- sampling: equal in distribution -------------------------------------------------------------
 
 SAMPLED = [
@@ -154,12 +169,8 @@ def test_sampled_ngram_drafts_are_lossless(small_pair):
 def test_the_end_to_end_test_catches_a_wrong_rule(small_pair, monkeypatch):
     """Accepting every draft token (no rejection) must be detected by the same test, on a third of the samples."""
     import verispec.engine.loop as engine_module
-    from verispec.types import Origin, Verdict
 
-    def accept_all(draft_tokens, draft_probs, target_probs, generator):
-        return Verdict(len(draft_tokens), int(torch.multinomial(target_probs[-1], 1, generator=generator)), Origin.BONUS)
-
-    monkeypatch.setattr(engine_module, "verify_sampled", accept_all)
+    monkeypatch.setattr(engine_module, "verify_sampled", accept_every_draft_token)
     target, draft, hf = small_pair
     params = SamplingParams(temperature=1.0)
     engine = Engine(target, DraftModelDrafter(draft, target.vocab_size), gamma=GAMMA, gamma_policy="constant")
