@@ -17,6 +17,7 @@ from distribution import accept_every_draft_token, assert_rejected, assert_same_
 from transformers import AutoModelForCausalLM
 
 from verispec import Engine, GenerationConfig, SamplingParams, load
+from verispec.engine import EngineBuilder
 from verispec.drafters import DraftModelDrafter, NgramDrafter, make_drafter
 from verispec.errors import IncompatibleModelsError, InvalidParameterError, ModelNotFoundError, PromptError
 from verispec.models.linear import VERIFY_ROWS
@@ -264,6 +265,22 @@ def test_a_request_drafts_with_models_already_loaded_never_new_ones(tiny_target,
     for width in range(1, Engine.MAX_EXTRA_DRAFTERS + 3):  # the per-request drafters kept stay bounded
         engine.drafter_for(f"ngram:max_n={width}")
     assert len(engine._drafters) == Engine.MAX_EXTRA_DRAFTERS
+
+
+def test_an_engine_builder_loads_each_model_once_and_builds_each_drafter_once(tiny_target, tiny_draft):
+    """EngineBuilder, what `load` and the benchmarks build engines with: engines with one drafter spec
+    share one drafter, every model-backed drafter drafts with the one loaded draft model (the
+    builder's default draft), and `freeze` makes it the loaded models' default. A builder that built
+    a drafter per engine or loaded a model per drafter fails here."""
+    builder = EngineBuilder(str(tiny_target), default_draft=str(tiny_draft))
+    first, second = builder.engine("model", 3, "constant"), builder.engine("model", 4, "constant")
+    assert first.drafter is second.drafter and first.target is second.target and (first.gamma, second.gamma) == (3, 4)
+    tree = builder.engine("tree:k=2,depth=3", gamma_policy="constant")
+    assert tree.drafter.model is first.drafter.model and tree.models is first.models is builder.models
+    assert builder.engine("none").drafter is None and builder.drafter(None) is None
+    assert builder.models.names == [first.target.name, first.drafter.model.name]
+    builder.freeze()
+    assert builder.models.frozen and builder.models.default_draft == first.drafter.model.name
 
 
 def test_a_request_sets_gamma_and_policy(target):
