@@ -23,6 +23,7 @@ cascade, hybrid): commit, observe and finish reach every part.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import torch
 
@@ -93,7 +94,7 @@ class ModelSession(DraftSession):
         self.cached += tokens
         return out
 
-    def _catch_up(self, ids: list[int], extra: list[int] = (), logits: str = "last") -> torch.Tensor | None:
+    def _catch_up(self, ids: list[int], extra: Sequence[int] = (), logits: str = "last") -> torch.Tensor | None:
         """Feed the committed `ids` the cache lacks (at least the last one), then `extra` tokens after them."""
         return self._feed(list(ids[len(self.cached) :]) + list(extra), logits)
 
