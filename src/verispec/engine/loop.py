@@ -48,6 +48,25 @@ __all__ = ["Engine", "Generation", "GenerationConfig", "StepPlan"]
 
 @dataclass(frozen=True)
 class GenerationConfig:
+    """How one request generates; every field has a default.
+
+    max_new_tokens: the most tokens to generate (≥ 1); the engine also stops where the target's
+      context is full, so a very large value means "until the model stops".
+    sampling: temperature and truncation (`SamplingParams`); temperature 0, the default, is greedy.
+    seed: seeds this request's own random generator, so a sampled output is reproducible; None draws
+      a fresh seed (torch's global generator is never touched).
+    stop: strings that end the generation; the text is cut before the first one found, and streamed
+      text never shows any part of it.
+    chat: wrap a text prompt in the target's chat template (when it has one); token ids are used as given.
+    drafter: a drafter spec for this request only (`ngram`, `tree`, `model:NAME`, `none`, …), built
+      over the engine's loaded models and kept for later requests; None: the engine's own.
+    gamma: the (starting) number of tokens drafted per step; None: the engine's.
+    gamma_policy: constant, heuristic or analytic; None: the engine's.
+
+    Raises InvalidParameterError when built with a bad value (max_new_tokens < 1, an empty stop string,
+    γ < 1, an unknown γ policy); a bad drafter spec is refused when the request starts.
+    """
+
     max_new_tokens: int = 128
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: int | None = None
@@ -139,15 +158,36 @@ class Engine:
         return ids
 
     def start(self, prompt: str | Sequence[int], config: GenerationConfig | None = None) -> Generation:
+        """Open a request: prefill the target's (and the drafter's) cache and return its `Generation`,
+        to advance with `step()` until `done` (then `result()`); `close()` one abandoned early.
+
+        prompt: text (chat-templated unless `config.chat` is False) or token ids; config: defaults if
+        None. Raises PromptError (an empty prompt, one that fills the context, token ids outside the
+        vocabulary) and InvalidParameterError (a drafter spec that is unknown or names a model this
+        engine has not loaded; its `param` is "drafter").
+        """
         config = config or GenerationConfig()
         return Generation(self, self.prompt_ids(prompt, config.chat), config)
 
     def stream(self, prompt: str | Sequence[int], config: GenerationConfig | None = None) -> Iterator[TokenEvent]:
+        """Generate, yielding each token as a `TokenEvent` (its id, the text it made final, its origin)
+        as soon as its step is verified; the events' texts join to the result's text.
+
+        Arguments and errors as `start` (raised by the first `next()`: this is a generator). Closing
+        the iterator early (`close()`, or a `for` loop left by break and the iterator dropped) ends the
+        request and releases its caches.
+        """
         generation = self.start(prompt, config)
-        while not generation.done:
-            yield from generation.step()
+        try:
+            while not generation.done:
+                yield from generation.step()
+        finally:
+            generation.close()
 
     def generate(self, prompt: str | Sequence[int], config: GenerationConfig | None = None) -> GenerationResult:
+        """Generate to the end (EOS, a stop string, `max_new_tokens` or a full context) and return the
+        `GenerationResult`: text, token ids, finish reason ("stop" or "length") and statistics.
+        Arguments and errors as `start`."""
         generation = self.start(prompt, config)
         while not generation.done:
             generation.step()
@@ -171,7 +211,7 @@ class StepPlan:
     @property
     def depth(self) -> int:
         """The longest path the draft offers (γ for a chain)."""
-        if self.draft.parents is None:
+        if not self.draft.is_tree:
             return len(self.draft)
         return int(depths(self.draft.parents).max()) if len(self.draft) else 0
 
@@ -250,7 +290,7 @@ class Generation:
         if self.max_draft_nodes is not None:
             gamma = min(gamma, self.max_draft_nodes)
         draft = self.session.propose(self.ids, gamma, self.params, self.generator)
-        if draft.parents is None or is_chain(draft.parents):
+        if not draft.is_tree or is_chain(draft.parents):
             return Draft(draft.tokens[:gamma], None if draft.probs is None else draft.probs[:gamma])
         check_parents(draft.parents)
         keep = depths(draft.parents) <= gamma  # γ caps the depth
@@ -267,7 +307,7 @@ class Generation:
         draft = self._draft(gamma)
         feed = torch.cat([torch.tensor(self.ids[-1:]), draft.tokens])  # [n+1]
         seconds = time.perf_counter() - start
-        if draft.parents is None:
+        if not draft.is_tree:
             return StepPlan(draft, feed, seconds)
         last = len(self.ids) - 1  # position of the last committed token
         positions = last + torch.cat([torch.zeros(1, dtype=torch.long), depths(draft.parents)])  # [n+1]
@@ -310,15 +350,18 @@ class Generation:
         """Chain or tree, greedy or sampled: the verifier that fits this draft."""
         if self.params.greedy:
             target_tokens = greedy_tokens(logits, self.params, seen)  # [n+1]
-            if draft.parents is None:
+            if not draft.is_tree:
                 return verify_greedy(draft.tokens, target_tokens)
             return verify_tree_greedy(draft.tokens, draft.parents, target_tokens)
-        if draft.parents is None:
+        if not draft.is_tree:
             return verify_sampled(draft.tokens, draft.probs, target_probs, self.generator)
         return verify_tree_sampled(draft.tokens, draft.parents, draft.probs, target_probs, self.generator)
 
     def step(self) -> list[TokenEvent]:
-        """One draft + verify step; returns the tokens it emitted."""
+        """One draft + verify step: the drafter proposes, the target scores the proposal in one forward,
+        the rejection rule keeps a prefix and adds one token of the target's. Returns the events of
+        the tokens it emitted (one or more; an EOS token only when it releases held-back text); [] once
+        `done`. The request finishes (and releases its caches) on EOS, a stop string or its length."""
         if self.done:
             return []
         plan = self.plan()
@@ -398,7 +441,8 @@ class Generation:
 
     def close(self) -> None:
         """Tell the drafter's session the request is over (done or abandoned) and free the target's
-        cache, once."""
+        cache, once: a finished request has closed itself, an abandoned one needs this call; calling
+        it again does nothing. Do not `step()` a closed request."""
         if self._closed:
             return
         self._closed = True
@@ -407,4 +451,6 @@ class Generation:
         self.cache.release()
 
     def result(self) -> GenerationResult:
+        """What the request produced so far: text, token ids, statistics; finish_reason is "stop" or
+        "length" once done ("length" also for a request read before it finished)."""
         return GenerationResult(self.text, list(self.output_ids), self.finish_reason or "length", self.stats, list(self.origins))
