@@ -25,7 +25,8 @@ from functools import lru_cache
 
 import torch
 
-from verispec.drafters.base import Drafter, DraftSession
+from verispec.drafters.base import Drafter, DraftSession, ModelSession
+from verispec.drafters.prefix import common_prefix_length
 from verispec.models.loading import LoadedModel
 from verispec.sampling.processors import SamplingParams, greedy_tokens, seen_mask, to_probs
 from verispec.sampling.samplers import multinomial
@@ -173,36 +174,36 @@ class CrossVocabDrafter(Drafter):
         self.shared = shared_vocabulary(target.tokenizer, draft.tokenizer, target.vocab_size, draft.vocab_size)
 
     def start(self, prompt_ids: list[int]) -> DraftSession:
-        return _CrossVocabSession(self)
+        return _CrossVocabSession(self, prompt_ids)
 
 
-class _CrossVocabSession(DraftSession):
-    def __init__(self, drafter: CrossVocabDrafter):
+class _CrossVocabSession(ModelSession):
+    """The draft's cache holds draft ids of the committed text, brought up to date at each proposal
+    (kept where it agrees with the re-encoded text, the rest fed); a commit has nothing to cut, since
+    the cache's ids are not the target's."""
+
+    def __init__(self, drafter: CrossVocabDrafter, prompt_ids: list[int]):
         self.drafter = drafter
-        self.runner = drafter.model.runner
         self.context = DraftContext(drafter.target.tokenizer, drafter.model.tokenizer)
-        self.cache = self.runner.new_cache()
-        self.fed: list[int] = []  # the draft ids the cache holds
+        context = self.context.ids(prompt_ids)
+        if not context or len(context) >= drafter.model.context_length:  # no text yet, or too long to draft for
+            context = [0]  # an empty cache: a prefilled cache holds all but the last id
+        super().__init__(drafter.model, context)
 
-    def _feed(self, tokens: list[int]) -> torch.Tensor:
-        """Feed draft ids after the cache; the logits [1, vocab] after the last."""
-        self.fed.extend(tokens)
-        return self.runner.forward(self.cache, torch.tensor(tokens), logits="last")
-
-    def _catch_up(self, context: list[int]) -> torch.Tensor:
+    def _sync(self, context: list[int]) -> torch.Tensor:
         """Cut the cache back to what it shares with `context`, feed the rest; logits [1, vocab] after it."""
-        common = next((i for i, (a, b) in enumerate(zip(self.fed, context)) if a != b), min(len(self.fed), len(context)))
-        common = min(common, len(context) - 1)  # feed at least one token, for its logits
-        self.cache.truncate(common)
-        del self.fed[common:]
-        return self._feed(context[common:])
+        self._rollback(min(common_prefix_length(self.cached, context), len(context) - 1))  # feed ≥ 1 token
+        return self._feed(context[len(self.cached) :])
+
+    def commit(self, ids):
+        pass
 
     def propose(self, ids, gamma, params, generator):
         context = self.context.ids(ids)
         model = self.drafter.model
         if gamma <= 0 or not context or len(context) + gamma >= model.context_length:
             return Draft(torch.zeros(0, dtype=torch.long))
-        logits = self._catch_up(context)  # [1, draft vocab]
+        logits = self._sync(context)  # [1, draft vocab]
         if params.greedy:
             return self._greedy(ids, context, logits, gamma, params)
         return self._sampled(context, logits, gamma, params, generator)
@@ -249,5 +250,3 @@ class _CrossVocabSession(DraftSession):
             return Draft(torch.zeros(0, dtype=torch.long))
         return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(rows))
 
-    def finish(self):
-        self.cache.release()
