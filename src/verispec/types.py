@@ -54,13 +54,26 @@ class Verdict:
     path: tuple[int, ...] | None = None
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The target's log-probabilities at one emitted token (its raw distribution: before temperature,
+    top-k/p, penalties or a grammar mask).
+
+    logprob: log p(the emitted token); top: the k most likely tokens as (id, log p), most likely first.
+    """
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class TokenEvent:
-    """One emitted token, as streamed to callers."""
+    """One emitted token, as streamed to callers; `logprobs` only when the request asked for them."""
 
     token_id: int
     text: str
     origin: Origin
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass
