@@ -17,6 +17,7 @@ API, `{"type": "grammar", "grammar": EBNF}` (xgrammar's EBNF dialect).
 from __future__ import annotations
 
 import json
+import re
 import weakref
 from collections.abc import Iterable, Sequence
 
@@ -27,6 +28,8 @@ from verispec.errors import InvalidParameterError
 __all__ = ["Constraint", "check_response_format", "FORMAT_TYPES"]
 
 FORMAT_TYPES = ("text", "json_object", "json_schema", "grammar")
+COMPILE_CACHE_BYTES = 64 << 20  # compiled grammars kept per tokenizer (a server sees many schemas)
+MAX_FORMAT_CHARS = 64 << 10  # a schema or grammar larger than this is refused (compiling is not free)
 _compilers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {(width, stops): GrammarCompiler}
 
 
@@ -49,6 +52,12 @@ def check_response_format(response_format: dict | None) -> None:
             raise _invalid('json_schema needs {"json_schema": {"schema": {...}}} with the schema as an object')
     if kind == "grammar" and not isinstance(response_format.get("grammar"), str):
         raise _invalid('grammar needs {"grammar": "<EBNF>"}')
+    try:
+        size = len(json.dumps(response_format))
+    except (TypeError, ValueError) as error:
+        raise _invalid(f"must be plain JSON data ({error})") from None
+    if size > MAX_FORMAT_CHARS:
+        raise _invalid(f"larger than {MAX_FORMAT_CHARS} characters: send a smaller schema")
 
 
 def _compiler(tokenizer, width: int, stop_ids: tuple[int, ...]):
@@ -62,7 +71,7 @@ def _compiler(tokenizer, width: int, stop_ids: tuple[int, ...]):
         if not stop_ids:  # a model without EOS: xgrammar wants a stop token, so one past the logits, never allowed
             vocab, stop_ids = vocab + 1, (vocab,)
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab, stop_token_ids=list(stop_ids))
-        per_tokenizer[key] = xgr.GrammarCompiler(info)
+        per_tokenizer[key] = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=COMPILE_CACHE_BYTES)
     return per_tokenizer[key]
 
 
@@ -75,7 +84,8 @@ def _compile(compiler, response_format: dict):
             return compiler.compile_json_schema(json.dumps(response_format["json_schema"]["schema"]))
         return compiler.compile_grammar(response_format["grammar"])
     except Exception as error:  # noqa: BLE001 — whatever xgrammar raises for a schema or grammar it cannot compile
-        raise _invalid(f"cannot compile the {kind}: {error}") from None
+        reason = re.sub(r"^\[[^\]]*\] \S+:\d+: ", "", str(error).strip())  # without xgrammar's "[time] file.cc:line: "
+        raise _invalid(f"cannot compile the {kind}: {reason}") from None
 
 
 class Constraint:
