@@ -5,11 +5,13 @@ The grammar used on the tiny models ("t0" … "t47" word tokens) alternates two 
 an unconstrained draft often proposes forbidden tokens, which must be rejected. The oracle is a plain
 Python rule (`allowed`), independent of xgrammar and of the engine's masks.
 
-Greedy: constrained speculative decoding (n-gram, draft model, the target as its own draft, and an
-"oracle" drafter that proposes the right constrained continuation with every third token wrong, so
-that long drafts are accepted, bonus tokens drawn and rejections happen mid-draft) is token-identical
-to the reference decoder masked by the oracle. Sampled: chi-square test (tests/stats.py,
-significance 1e-3) of N = 3 000 sequences of 3 tokens (γ = 2, 12-token vocabulary, 12 outcomes) against
+Greedy: constrained speculative decoding (n-gram, draft model, the target as its own draft, a SpecInfer
+token tree, and an "oracle" drafter that proposes the right constrained continuation with every third
+token wrong, as a chain or as a tree with a wrong sibling at each level, so that long drafts are
+accepted, bonus tokens drawn and rejections happen mid-draft) is token-identical to the reference
+decoder masked by the oracle. Sampled: chi-square test (tests/stats.py,
+significance 1e-3) of N = 3 000 sequences of 3 tokens (γ = 2: a draft-model chain, or a full binary
+token tree of depth 2; 12-token vocabulary, 12 outcomes) against
 the exact constrained distribution the reference enumerates; each test prints the smallest total-
 variation bias it detects with 90 % power (≈ 0.06). Positive control: the same test rejects an engine
 whose masks constrain only the first row of a verification pass (a draft token the grammar forbids can
@@ -21,7 +23,7 @@ import json
 import pytest
 import torch
 from conftest import make_tiny_model
-from distribution import assert_rejected, assert_same_distribution, sample_sequences
+from distribution import assert_rejected, assert_same_distribution
 from transformers import AutoModelForCausalLM
 
 from verispec import Engine, GenerationConfig, SamplingParams
@@ -67,14 +69,30 @@ def _wrong(token: int, position: int) -> int:
     return next(t for t in same if t != token)
 
 
-class OracleDrafter(Drafter):
-    """Drafts the expected constrained output of each prompt, with every third position wrong."""
+class _OracleTreeSession(_OracleSession):
+    def propose(self, ids, gamma, params, generator) -> Draft:
+        """Two children per level, [the chain's token, another allowed or forbidden one]; the first
+        continues. Every third level the chain's token is wrong too, so the tree is rejected mid-way."""
+        chain = super().propose(ids, gamma, params, generator).tokens.tolist()
+        done = len(ids) - len(self.prompt)
+        tokens, parents, on_chain = [], [], -1  # nodes 2L and 2L+1 at level L; the chain's one alternates
+        for level, token in enumerate(chain):
+            other = _wrong(token, done + level + 3)
+            tokens += [token, other] if level % 2 == 0 else [other, token]
+            parents += [on_chain, on_chain]
+            on_chain = 2 * level + level % 2
+        return Draft(torch.tensor(tokens, dtype=torch.long), None, torch.tensor(parents))
 
-    def __init__(self, answers: dict[tuple[int, ...], list[int]]):
-        self.answers = answers
+
+class OracleDrafter(Drafter):
+    """Drafts the expected constrained output of each prompt, with every third position wrong (as a
+    chain, or as a tree with a wrong sibling at every level)."""
+
+    def __init__(self, answers: dict[tuple[int, ...], list[int]], tree: bool = False):
+        self.answers, self.tree = answers, tree
 
     def start(self, prompt_ids):
-        return _OracleSession(list(prompt_ids), self.answers[tuple(prompt_ids)])
+        return (_OracleTreeSession if self.tree else _OracleSession)(list(prompt_ids), self.answers[tuple(prompt_ids)])
 
 
 def _drafters(target, draft, answers):
@@ -83,6 +101,8 @@ def _drafters(target, draft, answers):
         "model": DraftModelDrafter(draft, target.vocab_size),
         "self": DraftModelDrafter(target, target.vocab_size),  # unconstrained: it proposes forbidden tokens
         "oracle": OracleDrafter(answers),
+        "oracle-tree": OracleDrafter(answers, tree=True),
+        "tree": ExpansionDrafter(draft, target.vocab_size, k=2, depth=3),
         "none": None,
     }
 
@@ -102,8 +122,27 @@ def test_masks_follow_the_grammar_through_a_draft(target):
     assert torch.equal(constraint.masks([])[0], rule((3, 9)))
 
 
+def test_tree_masks_follow_each_nodes_path(target):
+    """Row i+1 is the oracle's set after the path to node i, whatever the node order (here the children
+    of node 0 come after node 1's subtree began); a forbidden node's subtree is never scored."""
+    rule = allowed(target.vocab_size, target.eos_ids)
+    constraint = Constraint.from_response_format(GRAMMAR, target.tokenizer, target.vocab_size, target.eos_ids)
+    tokens = [3, 5, 40, 9, 4, 2, 7, 6]
+    parents = [-1, -1, -1, 1, 0, 3, 5, 2]  # node 2 (t40) is forbidden, node 7 lies under it
+    masks = constraint.masks(tokens, parents)  # [9, vocab]
+
+    def path(node):
+        return path(parents[node]) + [tokens[node]] if node >= 0 else []
+    for node in range(len(tokens)):
+        if node in (2, 7):
+            assert masks[node + 1].all()
+        else:
+            assert torch.equal(masks[node + 1], rule(tuple(path(node)))), node
+    assert torch.equal(constraint.masks([])[0], masks[0])  # rolled back
+
+
 @pytest.mark.parametrize("gamma", [1, 4])
-@pytest.mark.parametrize("kind", ["ngram", "model", "self", "oracle", "none"])
+@pytest.mark.parametrize("kind", ["ngram", "model", "self", "oracle", "oracle-tree", "tree", "none"])
 def test_greedy_constrained_is_token_identical_to_the_masked_reference(target, draft, hf_target, kind, gamma):
     """Fails if a forbidden draft token can be accepted or a mask row is off by one (e.g. rows after
     the first left unmasked: the oracle drafter's accepted runs then end in unconstrained bonus tokens)."""
@@ -115,14 +154,11 @@ def test_greedy_constrained_is_token_identical_to_the_masked_reference(target, d
         result = engine.generate(prompt, GenerationConfig(max_new_tokens=20, response_format=GRAMMAR))
         assert result.token_ids == expected
         assert all(rule(tuple(result.token_ids[:i]))[token] for i, token in enumerate(result.token_ids))
-        if kind == "oracle" and len(expected) > 5:  # the oracle's drafts were accepted, and rejected, mid-draft
+        if kind.startswith("oracle") and len(expected) > 5:  # the oracle's drafts were accepted, and rejected, mid-draft
             assert 0 < result.stats.accepted_tokens < result.stats.proposed_tokens
 
 
-def test_bad_formats_and_trees_are_refused(target, draft):
-    engine = Engine(target, ExpansionDrafter(draft, target.vocab_size, k=2, depth=2), gamma=2, gamma_policy="constant")
-    with pytest.raises(InvalidParameterError, match="token-tree drafter"):
-        engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=4, response_format=GRAMMAR))
+def test_bad_formats_are_refused(target):
     for bad, message in [({"type": "xml"}, "type must be one of"), ({"type": "json_schema"}, "schema"),
                          ({"type": "grammar", "grammar": "root ::= ("}, "cannot compile the grammar: EBNF parser error"),
                          ({"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}, 'compile the json_schema: Unsupported type "foo"'),
@@ -163,9 +199,12 @@ def _constrained_samples(engine, n: int) -> list[tuple[int, ...]]:
                                                  response_format=SMALL_GRAMMAR)).token_ids) for seed in range(n)]
 
 
-def test_sampled_constrained_output_is_the_constrained_target(small_pair):
+@pytest.mark.parametrize("kind", ["chain", "tree"])
+def test_sampled_constrained_output_is_the_constrained_target(small_pair, kind):
     target, draft, hf = small_pair
-    engine = Engine(target, DraftModelDrafter(draft, target.vocab_size), gamma=GAMMA, gamma_policy="constant")
+    drafter = (DraftModelDrafter(draft, target.vocab_size) if kind == "chain"
+               else ExpansionDrafter(draft, target.vocab_size, k=2, depth=GAMMA, wide=GAMMA))
+    engine = Engine(target, drafter, gamma=GAMMA, gamma_policy="constant")
     exact = sequence_distribution(hf, PROMPT, LENGTH, SamplingParams(temperature=1.0), allowed=small_rule)
     assert len(exact) == 12
     result = assert_same_distribution(_constrained_samples(engine, SAMPLES), exact)
@@ -174,7 +213,7 @@ def test_sampled_constrained_output_is_the_constrained_target(small_pair):
 
 def test_the_constrained_test_catches_a_mask_on_the_first_row_only(small_pair, monkeypatch):
     """Positive control: masks that constrain row 0 only (later rows unconstrained) must be rejected."""
-    def first_row_only(self, draft_tokens):
+    def first_row_only(self, draft_tokens, parents=None):
         masks = torch.ones(len(draft_tokens) + 1, self.width, dtype=torch.bool)
         masks[0] = self._allowed()
         return masks

@@ -28,8 +28,8 @@ are computed only when asked for.
 
 Constrained output (`GenerationConfig.response_format`, `verispec.sampling.grammar`): each row of a
 verification pass is masked to what the grammar allows after the committed text plus the draft
-before it, before the verifier sees the logits; a forbidden draft token has target probability 0 and
-is rejected, so the output is exactly the masked target's. Token-tree drafts are refused with it.
+before it (in a tree: plus the path to the node), before the verifier sees the logits; a forbidden draft
+token has target probability 0 and is rejected, so the output is exactly the masked target's.
 
 Stop strings: the text is cut before the first stop string, and an event's text is only what no stop
 string can still claim, so streamed text joins to exactly the returned text (text that could begin a
@@ -284,9 +284,6 @@ class Generation:
         gamma = min(self.policy.next_gamma(), remaining - 1) if self.session is not None else 0
         start = time.perf_counter()
         draft = self._draft(gamma)
-        if self.constraint is not None and draft.parents is not None:
-            raise InvalidParameterError("response_format cannot be combined with a token-tree drafter "
-                                        "(tree, merge, stand): pick a chain drafter such as model or ngram")
         feed = torch.cat([torch.tensor(self.ids[-1:]), draft.tokens])  # [n+1]
         seconds = time.perf_counter() - start
         if draft.parents is None:
@@ -301,7 +298,8 @@ class Generation:
         draft, tree = plan.draft, plan.draft.parents
         raw_logits = logits
         if self.constraint is not None:  # forbidden tokens get probability 0: a forbidden draft token is rejected
-            logits = logits.masked_fill(~self.constraint.masks(draft.tokens.tolist()), float("-inf"))  # [n+1, vocab]
+            allowed = self.constraint.masks(draft.tokens.tolist(), None if tree is None else tree.tolist())  # [n+1, vocab]
+            logits = logits.masked_fill(~allowed, float("-inf"))
         seen = None
         if self.params.repetition_penalty != 1.0:
             ancestors = ancestor_mask(tree) if tree is not None else None

@@ -7,7 +7,9 @@ tokens actually emitted (`advance`). The engine sets the target's forbidden logi
 the verifier, so a forbidden draft token has target probability 0 and is rejected; the rejection rule
 is exact for any draft distribution, so the output follows the *constrained* target distribution
 (softmax of the masked logits, then the usual processors) exactly — greedy token for token, sampled
-in distribution — whatever the drafter proposes. Drafts themselves are not masked.
+in distribution — whatever the drafter proposes. Drafts themselves are not masked. A token tree is
+masked node by node (each node's row: the grammar after the path to it), so tree verification,
+exact for any target distribution, stays exact for the masked one.
 
 Formats (OpenAI's `response_format`): `{"type": "text"}` (no constraint), `{"type": "json_object"}`
 (any JSON value), `{"type": "json_schema", "json_schema": {"schema": {...}}}`; and, from the Python
@@ -108,11 +110,6 @@ class Constraint:
         compiler = _compiler(tokenizer, width, tuple(sorted(stop_ids)))
         return cls(_compile(compiler, response_format), width)
 
-    @property
-    def terminated(self) -> bool:
-        """The grammar accepted a stop token: nothing more may follow."""
-        return self.matcher.is_terminated()
-
     def _allowed(self) -> torch.Tensor:
         """The matcher's allowed tokens now: bool [width]."""
         self.matcher.fill_next_token_bitmask(self._bitmask)
@@ -124,24 +121,43 @@ class Constraint:
             raise _invalid("the grammar allows no token of this model's vocabulary here")
         return allowed
 
-    def masks(self, draft_tokens: Sequence[int]) -> torch.Tensor:
-        """bool [n+1, width]: row i allows what may follow the committed text + draft[:i].
+    def masks(self, draft_tokens: Sequence[int], parents: Sequence[int] | None = None) -> torch.Tensor:
+        """bool [n+1, width]: row 0 allows what may follow the committed text, row i+1 what may follow
+        it plus the path to draft node i (a chain when `parents` is None: node i follows node i−1).
 
-        Rows after a draft token the grammar forbids (or after a stop token) are all True: the
-        verifier rejects that token (its target probability is 0), so those rows are never used.
+        Rows of nodes the grammar forbids (or that follow a stop token), and of their descendants, are
+        all True: the verifier rejects such a node (its target probability is 0), so they are never used.
         """
-        masks = torch.ones(len(draft_tokens) + 1, self.width, dtype=torch.bool)  # [n+1, width]
-        accepted = 0
-        for i in range(len(draft_tokens) + 1):
-            masks[i] = self._allowed()
-            if i == len(draft_tokens) or not self.matcher.accept_token(int(draft_tokens[i])):
-                break
-            accepted += 1
-            if self.matcher.is_terminated():
-                break
-        if accepted:
-            self.matcher.rollback(accepted)
+        n = len(draft_tokens)
+        parents = list(range(-1, n - 1)) if parents is None else [int(p) for p in parents]
+        masks = torch.ones(n + 1, self.width, dtype=torch.bool)  # [n+1, width]
+        masks[0] = self._allowed()
+        paths: list[list[int] | None] = [None] * n  # node -> the nodes from the root to it, if the grammar allows them
+        held: list[int] = []  # the path the matcher has accepted now
+        for node, parent in enumerate(parents):  # topological order: a parent comes before its children
+            if parent >= 0 and paths[parent] is None:
+                continue
+            held = self._move(held, paths[parent] if parent >= 0 else [], draft_tokens)
+            if not self.matcher.accept_token(int(draft_tokens[node])):
+                continue
+            held = paths[node] = held + [node]
+            if not self.matcher.is_terminated():
+                masks[node + 1] = self._allowed()
+        if held:
+            self.matcher.rollback(len(held))
         return masks
+
+    def _move(self, held: list[int], path: list[int], draft_tokens: Sequence[int]) -> list[int]:
+        """Roll the matcher back from the accepted path `held` to its common part with `path`, then accept
+        the rest of `path` (allowed: it was accepted before). Returns `path`."""
+        common = 0
+        while common < min(len(held), len(path)) and held[common] == path[common]:
+            common += 1
+        if len(held) > common:
+            self.matcher.rollback(len(held) - common)
+        for node in path[common:]:
+            self.matcher.accept_token(int(draft_tokens[node]))
+        return path
 
     def advance(self, tokens: Iterable[int]) -> None:
         """Accept the emitted tokens (up to a stop token; later ones are never output)."""
