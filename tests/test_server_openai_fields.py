@@ -113,3 +113,13 @@ def test_response_format_json_schema_and_json_object(json_client):
                                                    response_format={"type": "json_object"})
     if anything.choices[0].finish_reason == "stop":
         json.loads(anything.choices[0].message.content)
+
+
+def test_batch_records_refuse_logprobs_they_would_not_return():
+    """A batch job writes text and statistics only: a record asking for logprobs is refused, not ignored."""
+    from pydantic import ValidationError
+
+    from verispec.serving.cluster.batch import BatchRecord
+
+    with pytest.raises(ValidationError, match="logprobs"):
+        BatchRecord.model_validate({"id": 1, "prompt": "t5", "logprobs": 2})

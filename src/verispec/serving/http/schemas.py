@@ -6,8 +6,8 @@ epsilon, repetition_penalty) and speculation (drafter, gamma, gamma_policy) for 
 `logprobs` (completions: how many alternatives; chat: `logprobs` + `top_logprobs`, at most
 `MAX_TOP_LOGPROBS`) and, on chat, `response_format` (text, json_object, json_schema) are implemented.
 Ranges are checked here so that a bad value is a 422 naming the field. OpenAI fields this server
-does not implement (`UNSUPPORTED`: n > 1, tools, echo, suffix, best_of, penalties, logit_bias) are declared with the one neutral value they accept, so the
-OpenAPI schema says exactly what is accepted; any other value is a 400 naming the field, and an
+does not implement (`UNSUPPORTED`: n > 1, tools, echo, suffix, best_of, penalties, logit_bias) are
+declared with the one neutral value they accept, so the OpenAPI schema says exactly what is accepted; any other value is a 400 naming the field, and an
 unknown field is refused, never silently ignored. Text must be valid Unicode (no lone surrogates).
 """
 
@@ -103,6 +103,7 @@ class _GenerationFields(_Body):
         """(the field that sets the most new tokens, its value or None for the server's default)."""
         return "max_tokens", self.max_tokens
 
+
 class CompletionRequest(_GenerationFields):
     prompt: Text | list[int] = Field(description="text, or token ids")
     max_tokens: int | None = Field(16, ge=1, description="new tokens at most")
@@ -111,6 +112,7 @@ class CompletionRequest(_GenerationFields):
     echo: Literal[False] = Field(False, description="not implemented: false only")
     suffix: Literal[""] | None = Field(None, description="not implemented: empty only")
     best_of: Literal[1] | None = Field(None, description="not implemented: 1 only")
+
 
 class TextPart(_Body):
     type: Literal["text"] = "text"
@@ -158,6 +160,7 @@ class ChatCompletionRequest(_GenerationFields):
         if self.max_completion_tokens is not None:
             return "max_completion_tokens", self.max_completion_tokens
         return super().token_budget()
+
 
 class Usage(BaseModel):
     prompt_tokens: int
