@@ -56,8 +56,24 @@ def test_logprobs_are_the_raw_distribution_when_sampling(target, draft, hf_targe
     assert all(e.logprobs.top == () for e in events)
 
 
+def test_the_result_carries_one_value_per_token(target, hf_target):
+    """`generate()` returns them too, EOS included (a stream gives EOS no event unless it releases text)."""
+    plain = Engine(target, None).generate(PROMPT, GenerationConfig(max_new_tokens=10))
+    eos_ids, target.eos_ids = target.eos_ids, frozenset({plain.token_ids[4]})  # the generation ends on this token
+    try:
+        result = Engine(target, NgramDrafter(max_n=2), gamma=3, gamma_policy="constant").generate(
+            PROMPT, GenerationConfig(max_new_tokens=40, logprobs=1))
+    finally:
+        target.eos_ids = eos_ids
+    assert result.finish_reason == "stop" and result.token_ids[-1] == plain.token_ids[4]
+    assert len(result.logprobs) == len(result.token_ids) and result.to_dict()["logprobs"][0]["top"][0][0] >= 0
+    direct = _direct(hf_target, result.token_ids)
+    assert all(abs(lp.logprob - float(direct[i, t])) < TOL for i, (t, lp) in enumerate(zip(result.token_ids, result.logprobs)))
+
+
 def test_logprobs_only_when_asked_and_bounded(target):
     assert all(e.logprobs is None for e in _events(Engine(target, NgramDrafter()), GenerationConfig(max_new_tokens=6)))
+    assert Engine(target, None).generate(PROMPT, GenerationConfig(max_new_tokens=3)).logprobs is None
     for bad in (-1, 21, 2.5):
         with pytest.raises(InvalidParameterError, match="logprobs"):
             GenerationConfig(logprobs=bad)

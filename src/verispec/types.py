@@ -182,11 +182,15 @@ class GenerationResult:
     finish_reason: str  # "stop" (EOS or stop string) or "length"
     stats: GenerationStats
     origins: list[Origin] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asked for them
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             "stats": self.stats.to_dict(),
         }
+        if self.logprobs is not None:
+            out["logprobs"] = [{"logprob": lp.logprob, "top": [list(pair) for pair in lp.top]} for lp in self.logprobs]
+        return out

@@ -52,7 +52,9 @@ from verispec.models.loading import LoadedModel, ModelCache
 from verispec.sampling.grammar import Constraint, check_response_format
 from verispec.sampling.processors import MAX_TOP_LOGPROBS, SamplingParams, greedy_tokens, seen_mask, to_probs, token_logprobs
 from verispec.tokentree import ancestor_mask, check_parents, depths, is_chain, keep_nodes, tree_attention_mask
-from verispec.types import Draft, GenerationResult, GenerationStats, Origin, StepRecord, TokenEvent, Verdict
+from verispec.types import (
+    Draft, GenerationResult, GenerationStats, Origin, StepRecord, TokenEvent, TokenLogprobs, Verdict,
+)
 from verispec.verify import verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_sampled
 
 __all__ = ["Engine", "Generation", "GenerationConfig", "StepPlan"]
@@ -230,6 +232,7 @@ class Generation:
         self.stats = GenerationStats(prompt_tokens=self.prompt_len)
         self.output_ids: list[int] = []
         self.origins: list[Origin] = []
+        self.logprobs: list[TokenLogprobs] | None = [] if config.logprobs is not None else None  # one per output token
         self.text = ""  # the output text, cut before a stop string
         self._emitted = 0  # characters of `text` already given out in events
         self.finish_reason: str | None = None
@@ -354,7 +357,7 @@ class Generation:
         )  # [n+1, vocab]
         return self.commit(plan, logits, time.perf_counter() - start)
 
-    def _emit(self, tokens: list[int], origins: list[Origin], logprobs: list | None = None) -> list[TokenEvent]:
+    def _emit(self, tokens: list[int], origins: list[Origin], logprobs: list[TokenLogprobs] | None = None) -> list[TokenEvent]:
         """Record accepted tokens; each event carries the text its token made final.
 
         Text that could still begin a stop string is held back and released by a later token, so the
@@ -365,6 +368,8 @@ class Generation:
         for i, (token, origin) in enumerate(zip(tokens, origins)):
             self.output_ids.append(token)
             self.origins.append(origin)
+            if logprobs is not None:
+                self.logprobs.append(logprobs[i])
             eos = token in self.target.eos_ids
             if eos:
                 self._finish("stop")
@@ -424,4 +429,5 @@ class Generation:
         self.cache.release()
 
     def result(self) -> GenerationResult:
-        return GenerationResult(self.text, list(self.output_ids), self.finish_reason or "length", self.stats, list(self.origins))
+        return GenerationResult(self.text, list(self.output_ids), self.finish_reason or "length", self.stats, list(self.origins),
+                                None if self.logprobs is None else list(self.logprobs))
