@@ -59,13 +59,26 @@ class Verdict:
     path: tuple[int, ...] | None = None
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The target's log-probabilities at one emitted token (its raw distribution: before temperature,
+    top-k/p, penalties or a grammar mask).
+
+    logprob: log p(the emitted token); top: the k most likely tokens as (id, log p), most likely first.
+    """
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class TokenEvent:
-    """One emitted token, as streamed to callers."""
+    """One emitted token, as streamed to callers; `logprobs` only when the request asked for them."""
 
     token_id: int
     text: str
     origin: Origin
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass
@@ -233,11 +246,15 @@ class GenerationResult:
     finish_reason: str  # "stop" (EOS or stop string) or "length"
     stats: GenerationStats
     origins: list[Origin] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asked for them
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             "stats": self.stats.to_dict(),
         }
+        if self.logprobs is not None:
+            out["logprobs"] = [{"logprob": lp.logprob, "top": [list(pair) for pair in lp.top]} for lp in self.logprobs]
+        return out

@@ -20,6 +20,17 @@ On a row-invariant target (int8) a verification pass is exact only up to the run
 queries), so there a step drafts at most that many − 1 tokens: γ is capped, and a tree keeps its first
 nodes.
 
+Log-probabilities (`GenerationConfig.logprobs`): every emitted token was scored by the target in
+the verification pass that emitted it, so its log-probability is exact under speculation: the
+log-softmax of the target's logits row that predicted it. They are the target's raw distribution
+(before temperature, top-k/p, penalties and any grammar mask; as OpenAI and vLLM report them), and
+are computed only when asked for.
+
+Constrained output (`GenerationConfig.response_format`, `verispec.sampling.grammar`): each row of a
+verification pass is masked to what the grammar allows after the committed text plus the draft
+before it (in a tree: plus the path to the node), before the verifier sees the logits; a forbidden draft
+token has target probability 0 and is rejected, so the output is exactly the masked target's.
+
 Stop strings: the text is cut before the first stop string, and an event's text is only what no stop
 string can still claim, so streamed text joins to exactly the returned text (text that could begin a
 stop string is held back until it cannot, or until the request ends by length or EOS).
@@ -38,9 +49,12 @@ from verispec.control import CostModel, make_gamma_policy
 from verispec.drafters.base import Drafter
 from verispec.errors import InvalidParameterError, PromptError, VerispecError
 from verispec.models.loading import LoadedModel, ModelCache
-from verispec.sampling.processors import SamplingParams, greedy_tokens, seen_mask, to_probs
+from verispec.sampling.grammar import Constraint, check_response_format
+from verispec.sampling.processors import MAX_TOP_LOGPROBS, SamplingParams, greedy_tokens, seen_mask, to_probs, token_logprobs
 from verispec.tokentree import ancestor_mask, check_parents, depths, is_chain, keep_nodes, tree_attention_mask
-from verispec.types import Draft, GenerationResult, GenerationStats, Origin, StepRecord, TokenEvent, Verdict
+from verispec.types import (
+    Draft, GenerationResult, GenerationStats, Origin, StepRecord, TokenEvent, TokenLogprobs, Verdict,
+)
 from verispec.verify import verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_sampled
 
 __all__ = ["Engine", "Generation", "GenerationConfig", "StepPlan"]
@@ -75,8 +89,13 @@ class GenerationConfig:
     drafter: str | None = None  # a drafter spec for this request; None: the engine's own
     gamma: int | None = None  # (starting) draft length; None: the engine's
     gamma_policy: str | None = None  # constant | heuristic | analytic; None: the engine's
+    logprobs: int | None = None  # None: none; k: each emitted token's log-probability and its k most likely alternatives
+    response_format: dict | None = None  # {"type": "json_object"}, {"type": "json_schema", "json_schema": {"schema": …}}, …
 
     def __post_init__(self) -> None:
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidParameterError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, got {self.logprobs!r}")
+        check_response_format(self.response_format)
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise InvalidParameterError(f"max_new_tokens must be an integer ≥ 1, got {self.max_new_tokens!r}")
         if any(not s for s in self.stop):
@@ -253,6 +272,7 @@ class Generation:
         self.stats = GenerationStats(prompt_tokens=self.prompt_len)
         self.output_ids: list[int] = []
         self.origins: list[Origin] = []
+        self.logprobs: list[TokenLogprobs] | None = [] if config.logprobs is not None else None  # one per output token
         self.text = ""  # the output text, cut before a stop string
         self._emitted = 0  # characters of `text` already given out in events
         self.finish_reason: str | None = None
@@ -268,6 +288,8 @@ class Generation:
         except VerispecError as error:
             error.param = "drafter"  # the field a server names in its 400
             raise
+        self.constraint = Constraint.from_response_format(
+            config.response_format, self.target.tokenizer, self.target.vocab_size, self.target.eos_ids)
         policy = config.gamma_policy or engine.gamma_policy
         gamma = config.gamma if config.gamma is not None else engine.gamma
         self.policy = make_gamma_policy(policy, gamma, engine.costs_for(self.drafter, policy), engine.max_gamma)
@@ -317,6 +339,10 @@ class Generation:
         """Verify `plan` against the target's logits [n+1, vocab]; keep the accepted path; emit tokens."""
         start = time.perf_counter()
         draft, tree = plan.draft, plan.draft.parents
+        raw_logits = logits
+        if self.constraint is not None:  # forbidden tokens get probability 0: a forbidden draft token is rejected
+            allowed = self.constraint.masks(draft.tokens.tolist(), None if tree is None else tree.tolist())  # [n+1, vocab]
+            logits = logits.masked_fill(~allowed, float("-inf"))
         seen = None
         if self.params.repetition_penalty != 1.0:
             ancestors = ancestor_mask(tree) if tree is not None else None
@@ -344,7 +370,10 @@ class Generation:
         verify_seconds = time.perf_counter() - start
         self.stats.record(StepRecord(plan.depth, verdict.accepted, plan.draft_seconds, target_seconds + verify_seconds))
         self.policy.update(plan.depth, verdict.accepted)
-        return self._emit(new_tokens, origins)
+        if self.constraint is not None:
+            self.constraint.advance(new_tokens)
+        logprobs = None if self.config.logprobs is None else token_logprobs(raw_logits[rows], new_tokens, self.config.logprobs)
+        return self._emit(new_tokens, origins, logprobs)
 
     def _verify(self, draft: Draft, logits: torch.Tensor, target_probs: torch.Tensor | None, seen) -> Verdict:
         """Chain or tree, greedy or sampled: the verifier that fits this draft."""
@@ -371,7 +400,7 @@ class Generation:
         )  # [n+1, vocab]
         return self.commit(plan, logits, time.perf_counter() - start)
 
-    def _emit(self, tokens: list[int], origins: list[Origin]) -> list[TokenEvent]:
+    def _emit(self, tokens: list[int], origins: list[Origin], logprobs: list[TokenLogprobs] | None = None) -> list[TokenEvent]:
         """Record accepted tokens; each event carries the text its token made final.
 
         Text that could still begin a stop string is held back and released by a later token, so the
@@ -379,9 +408,11 @@ class Generation:
         held-back text.
         """
         events = []
-        for token, origin in zip(tokens, origins):
+        for i, (token, origin) in enumerate(zip(tokens, origins)):
             self.output_ids.append(token)
             self.origins.append(origin)
+            if logprobs is not None:
+                self.logprobs.append(logprobs[i])
             eos = token in self.target.eos_ids
             if eos:
                 self._finish("stop")
@@ -391,7 +422,7 @@ class Generation:
                     self._finish("length")
             released = self._release()
             if not eos or released:
-                events.append(TokenEvent(token, released, origin))
+                events.append(TokenEvent(token, released, origin, None if logprobs is None else logprobs[i]))
             if self.done:
                 break
         return events
@@ -451,6 +482,8 @@ class Generation:
         self.cache.release()
 
     def result(self) -> GenerationResult:
-        """What the request produced so far: text, token ids, statistics; finish_reason is "stop" or
-        "length" once done ("length" also for a request read before it finished)."""
-        return GenerationResult(self.text, list(self.output_ids), self.finish_reason or "length", self.stats, list(self.origins))
+        """What the request produced so far: text, token ids, statistics (and log-probabilities when
+        asked for); finish_reason is "stop", "length" or the reason given to `cancel` once done ("length"
+        also for a request read before it finished)."""
+        return GenerationResult(self.text, list(self.output_ids), self.finish_reason or "length", self.stats, list(self.origins),
+                                None if self.logprobs is None else list(self.logprobs))

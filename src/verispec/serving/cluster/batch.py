@@ -55,6 +55,7 @@ class BatchRecord(CompletionRequest):
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="default: the job's --max-new-tokens")
     chat: bool = Field(True, description="wrap a text prompt in the model's chat template (when it has one)")
+    logprobs: None = Field(None, description="not returned by batch jobs: absent only")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> BatchRecord:
