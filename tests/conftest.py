@@ -88,6 +88,30 @@ def draft(tiny_draft):
 
 
 @pytest.fixture(scope="session")
+def small_dirs(tmp_path_factory) -> tuple[Path, Path]:
+    """A 12-token (target, draft) pair, small enough that the exact distribution of a few new tokens
+    can be enumerated."""
+    folder = tmp_path_factory.mktemp("small")
+    return (make_tiny_model(folder / "t", vocab_size=12, seed=21, layers=2),
+            make_tiny_model(folder / "d", vocab_size=12, seed=22, layers=1))
+
+
+@pytest.fixture(scope="module")
+def small_pair(small_dirs):
+    """The 12-token pair loaded by verispec, one per test module, with no eos (fixed-length sequences,
+    so the exact distribution is a simple product), and the target as a Hugging Face model."""
+    from transformers import AutoModelForCausalLM
+
+    from verispec.models.loading import load_model
+
+    target_dir, draft_dir = small_dirs
+    target, draft = load_model(target_dir), load_model(draft_dir)
+    target.eos_ids = frozenset()
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    return target, draft, hf
+
+
+@pytest.fixture(scope="session")
 def tiny_other_vocab(tiny_dir) -> Path:
     return make_tiny_model(tiny_dir / "other", vocab_size=40, seed=3, layers=1)
 

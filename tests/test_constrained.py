@@ -22,9 +22,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_tiny_model
 from distribution import assert_rejected, assert_same_distribution
-from transformers import AutoModelForCausalLM
 
 from verispec import Engine, GenerationConfig, SamplingParams
 from verispec.drafters import DraftModelDrafter, ExpansionDrafter, NgramDrafter
@@ -178,17 +176,6 @@ def small_rule(prefix: tuple[int, ...]) -> torch.Tensor:
     mask = torch.zeros(12, dtype=torch.bool)
     mask[[2, 3] if len(prefix) % 2 == 0 else [4, 5, 6]] = True
     return mask
-
-
-@pytest.fixture(scope="module")
-def small_pair(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("small")
-    target_dir = make_tiny_model(folder / "t", vocab_size=12, seed=21, layers=2)
-    draft_dir = make_tiny_model(folder / "d", vocab_size=12, seed=22, layers=1)
-    target, draft = load_model(target_dir), load_model(draft_dir)
-    target.eos_ids = frozenset()  # fixed-length sequences
-    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    return target, draft, hf
 
 
 def _constrained_samples(engine, n: int) -> list[tuple[int, ...]]:

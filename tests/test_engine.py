@@ -12,9 +12,7 @@ draft token.
 
 import pytest
 import torch
-from conftest import make_tiny_model
 from distribution import accept_every_draft_token, assert_rejected, assert_same_distribution, sample_sequences
-from transformers import AutoModelForCausalLM
 
 from verispec import Engine, GenerationConfig, SamplingParams, load
 from verispec.engine import EngineBuilder
@@ -134,17 +132,6 @@ SAMPLED = [
     SamplingParams(temperature=1.0, epsilon=0.05),
     SamplingParams(temperature=1.2, repetition_penalty=1.5),
 ]
-
-
-@pytest.fixture(scope="module")
-def small_pair(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("small")
-    target_dir = make_tiny_model(folder / "t", vocab_size=12, seed=21, layers=2)
-    draft_dir = make_tiny_model(folder / "d", vocab_size=12, seed=22, layers=1)
-    target, draft = load_model(target_dir), load_model(draft_dir)
-    target.eos_ids = frozenset()  # fixed-length sequences, so the exact distribution is a simple product
-    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    return target, draft, hf
 
 
 PROMPT, LENGTH, GAMMA, SAMPLES = [3, 7], 3, 2, 3_000

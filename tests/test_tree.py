@@ -12,13 +12,10 @@ that emits token 0 as every bonus token.
 
 import pytest
 import torch
-from conftest import make_tiny_model
 from distribution import assert_rejected, assert_same_distribution, sample_sequences, token_0_as_every_bonus
-from transformers import AutoModelForCausalLM
 
 from verispec import Engine, GenerationConfig, SamplingParams
 from verispec.drafters.tree import ExpansionDrafter, MergeDrafter
-from verispec.models.loading import load_model
 from verispec.testing.reference import reference_generate, sequence_distribution
 from verispec.tokentree import ancestor_mask, path_to, tree_attention_mask
 
@@ -93,17 +90,6 @@ def test_caches_hold_exactly_the_accepted_path_after_tree_steps(target, draft, k
 
 
 # --- sampling: equal in distribution -------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def small_pair(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("small_tree")
-    target_dir = make_tiny_model(folder / "t", vocab_size=12, seed=21, layers=2)
-    draft_dir = make_tiny_model(folder / "d", vocab_size=12, seed=22, layers=1)
-    target, draft = load_model(target_dir), load_model(draft_dir)
-    target.eos_ids = frozenset()  # fixed-length sequences
-    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    return target, draft, hf
 
 
 PROMPT, LENGTH, GAMMA, SAMPLES = [3, 7, 3], 3, 2, 1_000
