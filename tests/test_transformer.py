@@ -1,5 +1,6 @@
 """The runner against the transformers implementation, and its KV cache operations."""
 
+import pytest
 import torch
 from conftest import make_tiny_model
 from transformers import AutoModelForCausalLM
@@ -107,3 +108,15 @@ def test_forward_ragged_takes_tree_rows(tiny_target):
         torch.testing.assert_close(have, expected, atol=1e-4, rtol=1e-4)
     sibling_logits = model.forward(model.new_cache(), torch.cat([prefix, tree[[0, 2]]]))[-1]  # 7 sees 23 only
     torch.testing.assert_close(got[0][2], sibling_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_forward_ragged_refuses_a_cache_twice_or_a_missing_feed(tiny_target):
+    """`forward_ragged` checks its rows before any work (the check `ragged_rows` the backends share).
+    Fails on a check that lets the same cache stand for two rows, which would feed it twice."""
+    model = Transformer.from_folder(tiny_target)
+    cache, other, feed = model.new_cache(), model.new_cache(), torch.tensor([3, 4])
+    with pytest.raises(ValueError, match="the same cache twice"):
+        model.forward_ragged([cache, cache], [feed, feed])
+    with pytest.raises(ValueError, match="one feed per cache, got 2 caches and 1 feeds"):
+        model.forward_ragged([cache, other], [feed])
+    assert cache.length == other.length == 0  # nothing was fed

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from verispec.errors import InvalidParameterError, ModelNotFoundError, PromptError
+from verispec.models.runner import ragged_rows
 
 __all__ = ["HFCache", "HFConfig", "HFRunner"]
 
@@ -211,12 +212,7 @@ class HFRunner:
                        positions: list[torch.Tensor | None] | None = None,
                        tree_masks: list[torch.Tensor | None] | None = None, logits: str = "all") -> list[torch.Tensor | None]:
         """Several sequences' feeds, one forward each; per sequence the logits `forward` gives."""
-        if len(caches) != len(feeds) or not feeds:
-            raise ValueError(f"forward_ragged needs one feed per cache, got {len(caches)} caches and {len(feeds)} feeds")
-        if len({id(c) for c in caches}) != len(caches):
-            raise ValueError("forward_ragged got the same cache twice: each row needs its own cache")
-        positions = positions or [None] * len(feeds)
-        tree_masks = tree_masks or [None] * len(feeds)
+        positions, tree_masks = ragged_rows(caches, feeds, positions, tree_masks)
         return [self.forward(cache, feed, pos, mask, logits)
                 for cache, feed, pos, mask in zip(caches, feeds, positions, tree_masks)]
 

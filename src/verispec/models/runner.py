@@ -2,6 +2,7 @@
 
 Two backends implement it: verispec's own `Transformer` (torch; float32, bfloat16, int8) and
 `LlamaCppRunner` (a GGUF file in llama.cpp). Nothing above `models/` knows which one runs.
+`ragged_rows` is the argument check the backends' `forward_ragged` share.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["Cache", "Runner"]
+__all__ = ["Cache", "Runner", "ragged_rows"]
 
 
 class Cache(Protocol):
@@ -53,3 +54,16 @@ class Runner(Protocol):
                        positions: list[torch.Tensor | None] | None = None,
                        tree_masks: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
         """Several sequences' feeds in one pass; per sequence its logits [n_i, vocab]."""
+
+
+def ragged_rows(
+    caches: list, feeds: list[torch.Tensor], positions: list[torch.Tensor | None] | None,
+    tree_masks: list[torch.Tensor | None] | None,
+) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """Check a `forward_ragged` call (one feed per cache, no cache twice) and return its positions
+    and tree masks per row, None (consecutive positions, causal mask) where the caller gave none."""
+    if len(caches) != len(feeds) or not feeds:
+        raise ValueError(f"forward_ragged needs one feed per cache, got {len(caches)} caches and {len(feeds)} feeds")
+    if len({id(c) for c in caches}) != len(caches):
+        raise ValueError("forward_ragged got the same cache twice: each row needs its own cache")
+    return positions or [None] * len(feeds), tree_masks or [None] * len(feeds)

@@ -34,6 +34,7 @@ from verispec.models import kernels
 from verispec.models.int8 import Int8Linear
 from verispec.models.int8_store import Int8Store
 from verispec.models.linear import PackedLinear
+from verispec.models.runner import ragged_rows
 
 __all__ = ["ModelConfig", "KVCache", "Transformer"]
 
@@ -344,12 +345,7 @@ class Transformer:
         `forward` (None: consecutive positions, causal mask), so a row may be a token tree.
         Returns logits [n_i, vocab] per row.
         """
-        if len(caches) != len(feeds) or not feeds:
-            raise ValueError(f"forward_ragged needs one feed per cache, got {len(caches)} caches and {len(feeds)} feeds")
-        if len({id(c) for c in caches}) != len(caches):
-            raise ValueError("forward_ragged got the same KV cache twice: each row needs its own cache")
-        positions = positions or [None] * len(feeds)
-        tree_masks = tree_masks or [None] * len(feeds)
+        positions, tree_masks = ragged_rows(caches, feeds, positions, tree_masks)
         rows = [
             self._row(cache, feed.shape[0], pos, mask)
             for cache, feed, pos, mask in zip(caches, feeds, positions, tree_masks)
