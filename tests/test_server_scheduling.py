@@ -171,3 +171,27 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_short_requests_steps(t
 
     turns, long_id, short_id, _ = _interleaving(tiny_target, 0)
     assert [turn.prefilled[long_id] for turn in turns if long_id in turn.prefilled] == [positions]
+
+
+def test_the_soak_and_interference_commands_run(tiny_target, capsys):
+    """Both new load-test modes, briefly, against a tiny server (their numbers mean nothing here): the
+    soak's bad requests are 4xx, nothing is lost, garbled or a 5xx; the interference run measures
+    tokens in both phases."""
+    import json
+    import os
+
+    from verispec.serving.http.loadtest import main
+
+    app = create_app(tiny_engine(tiny_target), model_name=MODEL, prefill_chunk=8)
+    with LocalServer(app) as server:
+        common = ["--url", server.url, "--long-tokens", "60", "--max-tokens", "8", "--prompt", PROMPT, "--json"]
+        assert main(["--mode", "soak", "--clients", "3", "--minutes", "0.04", "--server-pid", str(os.getpid()), *common]) == 0
+        soak = json.loads(capsys.readouterr().out.splitlines()[-1])
+        assert soak["requests"] > 0 and soak["lost"] == soak["server_errors"] == soak["garbled"] == 0
+        assert soak["statuses"]["200"] > 0 and soak["statuses"]["400"] > 0 and soak["server_rss_peak_mib"] > 0
+        assert main(["--mode", "interference", "--short-clients", "2", "--long-repeats", "1", "--baseline-seconds", "0.5",
+                     *common]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        row = json.loads(lines[-1])
+        assert lines[0].startswith("cpu: ") and row["long_prompt_tokens"] > 50
+        assert row["seconds_per_output_token_alone"]["n"] > 0 and "n" in row["seconds_per_output_token_during_long_prefill"]
