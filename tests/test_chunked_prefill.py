@@ -1,7 +1,8 @@
 """Chunked prefill (`Generation(..., prefill=False)` + `prefill_step`): the prompt fed a chunk at a
 time gives the tokens of one whole prefill, for chunk sizes from 1 to larger than the prompt, with
 chain, draft-model and token-tree drafters, greedy and seeded sampling; the drafter's session opens
-only once the whole prompt is in; a cache never doubles past what its request can use."""
+only once the whole prompt is in, and a draft model's own prefill is chunked too; a cache never
+doubles past what its request can use."""
 
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ def chunked(engine, ids, config, chunk: int) -> tuple[list[int], list[int]]:
     generation = Generation(engine, ids, config, prefill=False)
     lengths = []
     while not generation.prefill_step(chunk):
-        assert generation.session is None, "the drafter's session opened before the prompt was in"
+        if generation.cache.length < len(ids) - 1:
+            assert generation.session is None, "the drafter's session opened before the prompt was in"
         lengths.append(generation.cache.length)
     lengths.append(generation.cache.length)
+    lengths = sorted(set(lengths))  # turns that fed the draft model's prefill leave the target's cache as it was
     while not generation.done:
         generation.step()
     return generation.result().token_ids, lengths
@@ -81,3 +84,31 @@ def test_a_cache_doubles_no_further_than_its_request_can_use(tiny_target, monkey
     assert generation.cache.capacity == start and start < most < 2 * start  # [2 prompt + 90 new + a step]
     generation.cache.ensure(start + 1)
     assert generation.cache.capacity == most
+
+
+def test_a_draft_models_own_prefill_is_chunked_too(tiny_target, tiny_draft):
+    """With the draft-model drafter, a 3-token chunk fills the target's cache in 8 calls, then the draft
+    model's in 8 more, never more than 3 positions of either at once. Fails if the draft session
+    prefills the whole prompt when it opens (the target's 8 calls would be all)."""
+    engine = tiny_engine(tiny_target, draft=tiny_draft)
+    generation = Generation(engine, PROMPT, CONFIGS[0], prefill=False)
+    fed = []  # (target positions, draft positions) after each call
+    while not generation.prefill_step(3):
+        fed.append((generation.cache.length, generation.session.cache.length if generation.session else 0))
+    fed.append((generation.cache.length, generation.session.cache.length))
+    assert len(fed) == 16 and fed[-1] == (24, 24)
+    steps = [(b[0] - a[0], b[1] - a[1]) for a, b in zip([(0, 0), *fed], fed)]
+    assert all(0 <= t <= 3 and 0 <= d <= 3 and (t == 0) != (d == 0) for t, d in steps)
+
+
+def test_chunked_prefill_on_the_hugging_face_runner(tiny_target):
+    """The HF runner's cache takes chunks too: the tokens of one whole prefill, greedy and sampled."""
+    from verispec import Engine
+    from verispec.drafters import NgramDrafter
+    from verispec.models.loading import load_model
+
+    engine = Engine(load_model(tiny_target, "hf"), NgramDrafter(max_n=3), gamma=3, gamma_policy="constant")
+    for config in CONFIGS:
+        whole = engine.generate(PROMPT, config).token_ids
+        for chunk in (1, 7):
+            assert chunked(engine, PROMPT, config, chunk)[0] == whole, chunk

@@ -11,7 +11,8 @@ Two optional hooks show a session the target's side. `attach_target_cache` gets 
 cache once (TriForce builds its retrieval cache from it). Sessions that learn from the target (STAND,
 the online drafter) set `observes_target = True`; the engine then calls `observe(ids, target_probs)`
 after each commit with the target's distributions at the newly committed positions. `finish()`
-tells a session its request is over.
+tells a session its request is over. `start_chunked` opens a session whose own prefill (a draft
+model's) is fed later, a chunk per `prefill_step`; by default it is `start`.
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ class DraftSession(ABC):
     def finish(self) -> None:
         """The request is over (finished, stopped or cancelled). Default: nothing to do."""
 
+    def prefill_step(self, max_tokens: int | None = None) -> bool:
+        """Feed at most `max_tokens` more prompt tokens (None: all the rest; 0: only ask) into the
+        session's own state; returns whether its prefill is complete. Only sessions opened with
+        `Drafter.start_chunked` may have any left. Default: nothing to feed."""
+        return True
+
 
 class Drafter(ABC):
     name: str = "drafter"
@@ -59,3 +66,8 @@ class Drafter(ABC):
     @abstractmethod
     def start(self, prompt_ids: list[int]) -> DraftSession:
         """Open the per-request state for a prompt."""
+
+    def start_chunked(self, prompt_ids: list[int]) -> DraftSession:
+        """A session whose own prefill the caller feeds a chunk at a time with `session.prefill_step`
+        (a server interleaving long prompts with other requests' steps). Default: `start`, whole."""
+        return self.start(prompt_ids)

@@ -74,13 +74,26 @@ class DraftModelDrafter(Drafter):
     def start(self, prompt_ids: list[int]) -> DraftSession:
         return _DraftModelSession(self, prompt_ids)
 
+    def start_chunked(self, prompt_ids: list[int]) -> DraftSession:
+        return _DraftModelSession(self, prompt_ids, prefill=False)
+
 
 class _DraftModelSession(DraftSession):
-    def __init__(self, drafter: DraftModelDrafter, prompt_ids: list[int]):
+    def __init__(self, drafter: DraftModelDrafter, prompt_ids: list[int], prefill: bool = True):
         self.drafter = drafter
         self.runner = drafter.model.runner
-        self.cache = self.runner.prefilled_cache(prompt_ids)
+        self.prompt = list(prompt_ids)
+        # unfilled: prefill_step feeds it; a proposal would feed whatever is still missing anyway
+        self.cache = self.runner.prefilled_cache(prompt_ids) if prefill else self.runner.new_cache(len(prompt_ids) + 64)
         self.base, self.drafted = 0, []  # last proposal: committed length then, and the tokens drafted
+
+    def prefill_step(self, max_tokens=None):
+        done, end = self.cache.length, len(self.prompt) - 1
+        if max_tokens is not None:
+            end = min(end, done + max_tokens)
+        if end > done:
+            self.runner.forward(self.cache, torch.tensor(self.prompt[done:end]), logits="none")
+        return self.cache.length >= len(self.prompt) - 1
 
     def propose(self, ids, gamma, params, generator):
         if gamma == 0:

@@ -235,7 +235,7 @@ class Generation:
         # room for the first tokens; a cache grows as the sequence does, never by the request's promise
         self.initial_capacity, self.max_capacity = self.capacities(engine, self.prompt_len, config)
         spare = self.initial_capacity - self.prompt_len
-        self.session, self.prefilled = None, False
+        self.session, self.prefilled, self._session_opened = None, False, False
         if not prefill:  # the caller feeds the prompt with prefill_step(), a chunk at a time
             self.cache = self.target.runner.new_cache(self.initial_capacity)
             self._cap_growth()
@@ -261,18 +261,24 @@ class Generation:
         if hasattr(self.cache, "ceiling"):
             self.cache.ceiling = self.max_capacity
 
-    def _open_session(self) -> None:
-        """The prompt is in the target's cache: open the drafter's session (its own prefill) on it."""
-        self.prefilled = True
-        self.session = self.drafter.start(self.ids) if self.drafter is not None else None
+    def _open_session(self, chunked: bool = False) -> None:
+        """The prompt is in the target's cache: open the drafter's session on it (chunked: its own
+        prefill, a draft model's, is left to later prefill_step calls)."""
+        self._session_opened = True
+        if self.drafter is None:
+            self.session = None
+        else:
+            self.session = self.drafter.start_chunked(self.ids) if chunked else self.drafter.start(self.ids)
         if self.session is not None:
             self.session.attach_target_cache(self.cache)
+        self.prefilled = self.session is None or self.session.prefill_step(0 if chunked else None)
 
     def prefill_step(self, max_tokens: int | None = None) -> bool:
         """Feed at most `max_tokens` more prompt tokens (None: all the rest) into the target's cache;
         once the whole prompt (but its last token, fed with the first step) is in, open the drafter's
-        session. Returns whether the prefill is complete. Chunks give the same cache as one prefill,
-        up to the rounding of a forward's width."""
+        session, then feed its own prefill (a draft model's) in calls of its own. Returns whether the
+        prefill is complete. Chunks give the same cache as one prefill, up to the rounding of a
+        forward's width."""
         if self.prefilled:
             return True
         if max_tokens is not None and max_tokens < 1:
@@ -283,8 +289,10 @@ class Generation:
             end = min(end, done + max_tokens)
         if end > done:
             self.target.runner.forward(self.cache, torch.tensor(self.ids[done:end]), logits="none")
-        if self.cache.length == self.prompt_len - 1:
-            self._open_session()
+        elif self._session_opened:
+            self.prefilled = self.session.prefill_step(max_tokens)
+        if self.cache.length == self.prompt_len - 1 and not self._session_opened:
+            self._open_session(chunked=max_tokens is not None)
         self.stats.prefill_seconds += time.perf_counter() - start
         return self.prefilled
 

@@ -33,6 +33,7 @@ Results travel to the request's asyncio loop as `JobUpdate`s through `call_soon_
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import threading
 import time
@@ -120,7 +121,7 @@ class Job:
     `encode` is the prompt's token ids, or a function that makes them on the worker (the HTTP server
     tokenizes in its handlers, off the worker; the Ray batch job lets the worker do it)."""
 
-    _ids = iter(range(1, 1 << 62))
+    _ids = itertools.count(1)
 
     def __init__(self, encode: Encoder | list[int], config: GenerationConfig, loop: asyncio.AbstractEventLoop, deadline: float):
         self.encode, self.config, self.loop, self.deadline = encode, config, loop, deadline
@@ -246,6 +247,11 @@ class Scheduler:
             config = self.limit_config(len(encode), config)
         job = Job(encode, config, loop or asyncio.get_running_loop(), time.monotonic() + self.request_timeout)
         with self._work:
+            if len(self._waiting) >= self.max_queue:  # clients that left while waiting give their place up
+                gone = [waiting for waiting in self._waiting if waiting.cancelled]
+                self._waiting = deque(waiting for waiting in self._waiting if not waiting.cancelled)
+                for _ in gone:
+                    self.metrics.record_finished("cancelled")
             if len(self._waiting) >= self.max_queue:
                 raise QueueFullError(
                     f"the server is at capacity ({len(self._active)} running, {len(self._waiting)} waiting): retry later",
