@@ -8,8 +8,9 @@ Every turn of the worker:
   2. drop cancelled or timed-out requests (freeing their slot, caches and pool share);
   3. feed ONE prefill chunk of at most `prefill_chunk` prompt tokens to one request still prefilling
      (round-robin; 0: a whole prompt at once), so a long prompt delays the others by at most one
-     chunk per turn; a request opens its drafter's session (the draft's own prefill) when its
-     target prefill completes;
+     chunk per turn; when the target's prefill completes the request opens its drafter's session,
+     whose own prefill (the `model` drafter's) follows in chunks the same way (other drafters
+     prefill their draft whole then);
   4. one step for every prefilled request: `plan()` each (drafts) → ONE `forward_ragged` target pass
      over every row's feed → `commit()` each. Acceptance is ragged: each row keeps its own prefix.
 
