@@ -8,8 +8,12 @@ import pytest
 import torch
 
 
-def make_tiny_model(folder: Path, vocab_size: int = 48, seed: int = 0, layers: int = 2, arch: str = "qwen2", hidden: int = 32) -> Path:
-    """Save a random model + tokenizer ("t0" … "t{V-1}", eos = t0) into `folder`."""
+def make_tiny_model(
+    folder: Path, vocab_size: int = 48, seed: int = 0, layers: int = 2, arch: str = "qwen2", hidden: int = 32,
+    words: list[str] | None = None,
+) -> Path:
+    """Save a random model + word-level tokenizer into `folder`: token i is `words[i]` (default "t{i}"),
+    eos = token 0, unknown = token 1."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
@@ -24,10 +28,11 @@ def make_tiny_model(folder: Path, vocab_size: int = 48, seed: int = 0, layers: i
     with torch.no_grad():  # larger logits than the default init, so distributions are not near-uniform
         model.lm_head.weight.mul_(20.0)
     model.save_pretrained(folder)
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t1"))
+    words = words or [f"t{i}" for i in range(vocab_size)]
+    assert len(words) == vocab_size
+    tokenizer = Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token=words[1]))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="t0", unk_token="t1").save_pretrained(folder)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=words[0], unk_token=words[1]).save_pretrained(folder)
     return folder
 
 

@@ -20,7 +20,7 @@ from verispec.verify import verify_sampled, verify_tree_sampled
 
 __all__ = [
     "random_dists", "product_distribution", "sample_sequences", "assert_same_distribution", "assert_rejected",
-    "bonus_from_the_wrong_row", "token_0_as_every_bonus",
+    "accept_every_draft_token", "bonus_from_the_wrong_row", "token_0_as_every_bonus",
 ]
 
 
@@ -77,6 +77,11 @@ def assert_rejected(samples: list, exact: dict, min_expected: float = 5.0) -> Ch
 # --- deliberately wrong rules (positive controls) ------------------------------------------------
 # Both bugs touch only the bonus token, so a test whose event stops at γ tokens (or at the tree's
 # depth) cannot see them: the tests check sequences one token longer.
+
+
+def accept_every_draft_token(draft_tokens, draft_probs, target_probs, generator) -> Verdict:
+    """`verify_sampled` with no rejection at all: every draft token kept, then a bonus from the last row."""
+    return Verdict(len(draft_tokens), int(torch.multinomial(target_probs[-1], 1, generator=generator)), Origin.BONUS)
 
 
 def bonus_from_the_wrong_row(draft_tokens, draft_probs, target_probs, generator) -> Verdict:

@@ -78,3 +78,18 @@ def test_cli_models_says_which_precisions_run_each_model(capsys, monkeypatch, tm
     for name in ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"):
         assert "float32, bfloat16, int8 (verispec) · hf (transformers) · gguf (llama.cpp)" in lines[name]
     assert "gguf (llama.cpp)" in lines["smollm2-135m-instruct"]  # not pulled: llama.cpp runs any shipped GGUF
+
+
+def test_cli_models_says_which_models_share_a_tokenizer(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    vocabs = {"qwen2.5-coder-0.5b-instruct": {"a": 0, "b": 1}, "qwen2.5-coder-1.5b-instruct": {"b": 1, "a": 0},
+              "gemma-3-270m": {"a": 1, "b": 0}}
+    for name, vocab in vocabs.items():
+        (tmp_path / "hf" / name).mkdir(parents=True)
+        (tmp_path / "hf" / name / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}, "added_tokens": []}))
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    drafts = {line.split()[0]: out[i + 1] for i, line in enumerate(out[:-1]) if "drafts:" in out[i + 1]}
+    assert "every drafter with qwen2.5-coder-1.5b-instruct" in drafts["qwen2.5-coder-0.5b-instruct"]
+    assert "every drafter" not in drafts["gemma-3-270m"]  # same tokens, other ids: only through the text
+    assert "smollm2-135m-instruct" not in drafts  # no tokenizer here yet: nothing claimed

@@ -13,14 +13,15 @@ draft token.
 import pytest
 import torch
 from conftest import make_tiny_model
-from distribution import assert_rejected, assert_same_distribution, sample_sequences
+from distribution import accept_every_draft_token, assert_rejected, assert_same_distribution, sample_sequences
 from transformers import AutoModelForCausalLM
 
 from verispec import Engine, GenerationConfig, SamplingParams, load
+from verispec.engine import EngineBuilder
 from verispec.drafters import DraftModelDrafter, NgramDrafter, make_drafter
 from verispec.errors import IncompatibleModelsError, InvalidParameterError, ModelNotFoundError, PromptError
 from verispec.models.linear import VERIFY_ROWS
-from verispec.models.loading import load_model
+from verispec.models.loading import ModelCache, load_model
 from verispec.testing.reference import reference_generate, sequence_distribution
 
 PROMPTS = [[5, 9, 2, 7], [11, 3, 3, 3, 8, 1, 30, 12, 5], [40]]
@@ -87,6 +88,41 @@ def test_caches_hold_exactly_the_accepted_path(target, draft):
         assert generation.cache.length == len(generation.ids) - 1
 
 
+@pytest.mark.parametrize("spec", ["model", "tree", "merge", "hybrid", "cascade:draft={draft}",
+                                  "cascade:kind=horizontal,strong=1,draft={draft}"])
+def test_every_draft_cache_is_released_when_a_request_ends(target, tiny_draft, monkeypatch, spec):
+    """Every cache a request prefilled (the target's and each model-backed draft session's) is
+    released when the generation ends. Fails on the sessions before the ModelSession and
+    ComposedSession bases: tree, merge, hybrid and both cascades never released their draft caches
+    (a llama.cpp draft would keep its sequence)."""
+    from verispec.models.transformer import KVCache, Transformer
+
+    made, released = [], []
+    prefill = Transformer.prefilled_cache
+    monkeypatch.setattr(Transformer, "prefilled_cache", lambda self, *args, **kwargs: made.append(prefill(self, *args, **kwargs)) or made[-1])
+    monkeypatch.setattr(KVCache, "release", lambda self: released.append(self))
+    models = ModelCache(target)
+    models.default_draft = str(tiny_draft)
+    engine = Engine(target, make_drafter(spec.format(draft=tiny_draft), target, load=models), gamma=3, gamma_policy="constant")
+    engine.generate(PROMPTS[1], GenerationConfig(max_new_tokens=6))
+    assert len(made) >= 2 and all(any(cache is r for r in released) for cache in made)
+
+
+def test_a_stream_closed_early_ends_its_request(target, draft, monkeypatch):
+    """Closing `Engine.stream`'s iterator after its first event ends the request: the target's and the
+    draft's caches are released. Fails on a stream without the try/finally, which left it open."""
+    from verispec.models.transformer import KVCache
+
+    released = []
+    monkeypatch.setattr(KVCache, "release", lambda self: released.append(self))
+    engine = Engine(target, DraftModelDrafter(draft, target.vocab_size), gamma=3, gamma_policy="constant")
+    events = engine.stream(PROMPTS[1], GenerationConfig(max_new_tokens=30))
+    next(events)
+    assert not released  # still running
+    events.close()
+    assert len(released) == 2
+
+
 # --- sampling: equal in distribution -------------------------------------------------------------
 
 SAMPLED = [
@@ -134,12 +170,8 @@ def test_sampled_ngram_drafts_are_lossless(small_pair):
 def test_the_end_to_end_test_catches_a_wrong_rule(small_pair, monkeypatch):
     """Accepting every draft token (no rejection) must be detected by the same test, on a third of the samples."""
     import verispec.engine.loop as engine_module
-    from verispec.types import Origin, Verdict
 
-    def accept_all(draft_tokens, draft_probs, target_probs, generator):
-        return Verdict(len(draft_tokens), int(torch.multinomial(target_probs[-1], 1, generator=generator)), Origin.BONUS)
-
-    monkeypatch.setattr(engine_module, "verify_sampled", accept_all)
+    monkeypatch.setattr(engine_module, "verify_sampled", accept_every_draft_token)
     target, draft, hf = small_pair
     params = SamplingParams(temperature=1.0)
     engine = Engine(target, DraftModelDrafter(draft, target.vocab_size), gamma=GAMMA, gamma_policy="constant")
@@ -213,7 +245,7 @@ def test_bad_inputs_raise_clear_errors(target, tiny_other_vocab):
     with pytest.raises(ModelNotFoundError, match="unknown model"):
         load_model("no-such-model-7b")
     with pytest.raises(IncompatibleModelsError, match="vocabularies differ"):
-        make_drafter(str(tiny_other_vocab), target)
+        make_drafter(f"cascade:draft={tiny_other_vocab}", target)  # a plain draft model may, see test_cross_vocab
     with pytest.raises(InvalidParameterError, match="name=integer"):
         make_drafter("ngram:max_n=three", target)
 
@@ -233,6 +265,22 @@ def test_a_request_drafts_with_models_already_loaded_never_new_ones(tiny_target,
     for width in range(1, Engine.MAX_EXTRA_DRAFTERS + 3):  # the per-request drafters kept stay bounded
         engine.drafter_for(f"ngram:max_n={width}")
     assert len(engine._drafters) == Engine.MAX_EXTRA_DRAFTERS
+
+
+def test_an_engine_builder_loads_each_model_once_and_builds_each_drafter_once(tiny_target, tiny_draft):
+    """EngineBuilder, what `load` and the benchmarks build engines with: engines with one drafter spec
+    share one drafter, every model-backed drafter drafts with the one loaded draft model (the
+    builder's default draft), and `freeze` makes it the loaded models' default. A builder that built
+    a drafter per engine or loaded a model per drafter fails here."""
+    builder = EngineBuilder(str(tiny_target), default_draft=str(tiny_draft))
+    first, second = builder.engine("model", 3, "constant"), builder.engine("model", 4, "constant")
+    assert first.drafter is second.drafter and first.target is second.target and (first.gamma, second.gamma) == (3, 4)
+    tree = builder.engine("tree:k=2,depth=3", gamma_policy="constant")
+    assert tree.drafter.model is first.drafter.model and tree.models is first.models is builder.models
+    assert builder.engine("none").drafter is None and builder.drafter(None) is None
+    assert builder.models.names == [first.target.name, first.drafter.model.name]
+    builder.freeze()
+    assert builder.models.frozen and builder.models.default_draft == first.drafter.model.name
 
 
 def test_a_request_sets_gamma_and_policy(target):

@@ -74,6 +74,17 @@ def test_held_back_text_comes_with_the_eos_token(engines, target):
     assert all(event.token_id not in target.eos_ids for event in plain)  # nothing held: no EOS event
 
 
+def test_cancel_gives_back_the_held_back_text(engines):
+    """A request stopped early (Ctrl-C) returns the text it was holding for a possible stop string, so
+    what was printed joins to the returned text; the old way (finishing privately) lost it."""
+    stop = tuple(f"{digit}~" for digit in "0123456789")  # every word ends in a digit: its last one is held
+    generation = engines["none"].start(ENDS_BY["length"], GenerationConfig(max_new_tokens=MAX_NEW, stop=stop))
+    streamed = "".join(event.text for _ in range(3) for event in generation.step())
+    held_back = generation.cancel("interrupted")
+    assert held_back and held_back[-1].isdigit() and streamed + held_back == generation.result().text
+    assert generation.result().finish_reason == "interrupted" and generation.cancel() == ""
+
+
 @pytest.mark.parametrize("draft_arg", ["none", "ngram"])
 def test_cli_prints_the_json_text(capsys, tiny_target, draft_arg):
     common = ["generate", "t5 t9 t2 t7", "--raw", "--target", str(tiny_target), "--max-new-tokens", "12",

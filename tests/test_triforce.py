@@ -1,13 +1,15 @@
 """TriForce hierarchy on tiny random models: sparse caches, chunk retrieval, and losslessness.
 
 Greedy output must equal the reference decoder token for token with a ~100-token prompt and a
-budget far below it; sampled output must pass the same chi-square test as the plain engine.
+budget far below it; sampled output must pass the same chi-square test as the plain engine (its
+significance, sample size and power are stated at the test), and that test must reject a rule that
+accepts every draft token (the positive control).
 """
 
 import pytest
 import torch
 from conftest import make_tiny_model
-from stats import SIGNIFICANCE, chi_square_pvalue
+from distribution import accept_every_draft_token, assert_rejected, bonus_from_the_wrong_row, assert_same_distribution, sample_sequences
 from transformers import AutoModelForCausalLM
 
 from verispec import Engine, GenerationConfig, SamplingParams
@@ -94,21 +96,53 @@ def test_repetition_penalty_stays_exact(target, draft, hf_target):
     assert engine.generate(LONG_PROMPT, GenerationConfig(max_new_tokens=12, sampling=params)).token_ids == expected
 
 
-def test_sampled_output_is_distributed_as_the_target(tmp_path_factory):
+@pytest.fixture(scope="module")
+def sampled_setup(tmp_path_factory):
+    """A 12-token pair, a prompt whose 19 cached tokens (3 chunks of 4) exceed the budget of 8, the
+    TriForce engine and the exact distribution of the next LENGTH tokens."""
     folder = tmp_path_factory.mktemp("triforce-small")
     target_dir = make_tiny_model(folder / "t", vocab_size=12, seed=21, layers=2)
     target, draft = load_model(target_dir), load_model(make_tiny_model(folder / "d", vocab_size=12, seed=22, layers=1))
     target.eos_ids = frozenset()  # fixed-length sequences
     hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    prompt = [(5 * i + 2) % 11 + 1 for i in range(20)]  # 19 cached: 3 chunks of 4 > budget 8
+    prompt = [(5 * i + 2) % 11 + 1 for i in range(20)]
     drafter = TriForceDrafter(target, draft, budget=8, chunk=4, recent=4, sinks=2, window=6, gamma1=2)
-    engine = Engine(target, drafter, gamma=3, gamma_policy="constant")
-    params = SamplingParams(temperature=1.0)
-    samples = [
-        tuple(engine.generate(prompt, GenerationConfig(max_new_tokens=3, sampling=params, seed=seed)).token_ids)
-        for seed in range(1500)
-    ]
-    assert chi_square_pvalue(samples, sequence_distribution(hf, prompt, 3, params)) > SIGNIFICANCE
+    engine = Engine(target, drafter, gamma=GAMMA, gamma_policy="constant")
+    return engine, prompt, sequence_distribution(hf, prompt, LENGTH, SAMPLED)
+
+
+# γ = 3 with 3 new tokens: the first step drafts 2 (one token is left for the target's own), so a
+# fully accepted block's bonus token is in the tested event
+# top-k 4 keeps the outcomes to at most 4³ sequences, so little mass is pooled (untruncated, 12³
+# sequences, about a quarter of it would be, and a bias inside the pool is invisible)
+LENGTH, GAMMA, SAMPLES = 3, 3, 1_000
+SAMPLED = SamplingParams(temperature=1.0, top_k=4)
+
+
+def test_sampled_output_is_distributed_as_the_target(sampled_setup):
+    """Chi-square at α = SIGNIFICANCE (1e-3) on n = 1 000 sequences of 3 tokens (top-k 4 of a 12-token
+    vocabulary, the rare sequences pooled): detects any bias of total variation ≥ 0.18 with ≥ 90 % power
+    (printed). Positive controls: the next test."""
+    engine, prompt, exact = sampled_setup
+    result = assert_same_distribution(sample_sequences(engine, prompt, SAMPLED, SAMPLES, LENGTH), exact)
+    assert result.detectable_tv < 0.2  # the power the docstring states
+
+
+@pytest.mark.parametrize("where", ["level 2", "engine"])
+def test_the_sampled_test_catches_a_wrong_rule(sampled_setup, monkeypatch, where):
+    """Positive controls: the same test, on a third of the samples, rejects TriForce when its level 2
+    keeps every level-1 token (its proposal is then not drawn from the level-2 distribution it
+    reports), and when the engine draws the bonus token after a fully accepted block from the wrong
+    row of the target's distributions."""
+    import verispec.drafters.triforce as triforce_module
+    import verispec.engine.loop as engine_module
+
+    if where == "level 2":
+        monkeypatch.setattr(triforce_module, "verify_sampled", accept_every_draft_token)
+    else:
+        monkeypatch.setattr(engine_module, "verify_sampled", bonus_from_the_wrong_row)
+    engine, prompt, exact = sampled_setup
+    assert_rejected(sample_sequences(engine, prompt, SAMPLED, SAMPLES // 3, LENGTH), exact)
 
 
 def test_bad_options_raise_clear_errors(target, draft):

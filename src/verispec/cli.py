@@ -83,8 +83,9 @@ def _generate(args: argparse.Namespace) -> int:
                     out.print(Text(event.text, style=ORIGIN_STYLES[event.origin]), end="")
     except KeyboardInterrupt:  # Ctrl-C: stop cleanly and say what was produced so far
         interrupted = True
-        if not generation.done:
-            generation._finish("interrupted")  # statistics cover the tokens produced so far; caches freed
+        held_back = generation.cancel("interrupted")  # statistics cover the tokens produced so far
+        if held_back and not args.json:
+            out.print(held_back, end="")
     if args.json:
         print(json.dumps(generation.result().to_dict(), ensure_ascii=False))
         return 130 if interrupted else 0
@@ -130,6 +131,7 @@ def _models(args: argparse.Namespace) -> int:
         for name in args.pull:
             print(prepare_shipped_model(name))
         return 0
+    families = _tokenizer_families([cache_dir() / "hf" / name for name in SHIPPED_MODELS])
     for name in SHIPPED_MODELS:
         folder = cache_dir() / "hf" / name
         model_type = _shipped_model_type(name)
@@ -142,7 +144,26 @@ def _models(args: argparse.Namespace) -> int:
                 by_backend.setdefault(backend, []).append(precision)
             runs = " · ".join(f"{', '.join(names)} ({backend})" for backend, names in by_backend.items())
         print(f"{name:30s} {model_type or '?':12s} {state:40s} {runs}")
+        if folder in families:
+            same = [other.name for other in families if other != folder and families[other] == families[folder]]
+            pairs = f"every drafter with {', '.join(same)} (same tokenizer); " if same else ""
+            print(f"{'':30s} drafts: {pairs}model:NAME / gguf:NAME with any other model (through the text)")
     return 0
+
+
+def _tokenizer_families(folders: list) -> dict:
+    """{converted folder: a key equal for folders whose tokenizers agree on every token id}."""
+    import hashlib
+    import json
+
+    keys = {}
+    for folder in folders:
+        if (path := folder / "tokenizer.json").exists():
+            data = json.loads(path.read_text())
+            vocab = (data.get("model") or {}).get("vocab")  # {token: id} (BPE) or [[piece, score], …] (Unigram)
+            added = sorted((token["id"], token["content"]) for token in data.get("added_tokens", []))
+            keys[folder] = hashlib.sha256(json.dumps([vocab, added], sort_keys=True).encode()).hexdigest()
+    return keys
 
 
 def _shipped_model_type(name: str) -> str | None:

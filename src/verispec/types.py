@@ -39,6 +39,11 @@ class Draft:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
+    @property
+    def is_tree(self) -> bool:
+        """A token tree (parents given, even when they form a chain) rather than a chain."""
+        return self.parents is not None
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -54,13 +59,92 @@ class Verdict:
     path: tuple[int, ...] | None = None
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The target's log-probabilities at one emitted token (its raw distribution: before temperature,
+    top-k/p, penalties or a grammar mask).
+
+    logprob: log p(the emitted token); top: the k most likely tokens as (id, log p), most likely first.
+    """
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class TokenEvent:
-    """One emitted token, as streamed to callers."""
+    """One emitted token, as streamed to callers; `logprobs` only when the request asked for them."""
 
     token_id: int
     text: str
     origin: Origin
+    logprobs: TokenLogprobs | None = None
+
+
+@dataclass
+class AcceptanceStats:
+    """Acceptance counted over verification steps: α, τ and the acceptance rate per draft position.
+
+    One step drafted `proposed` tokens (a tree: its depth, the longest path it offered) and the
+    rejection rule kept the first `accepted` of them (0 ≤ accepted ≤ proposed); a step that drafted
+    nothing (plain decoding) still counts as a step. The engine, the server's metrics, the batch
+    tally, the γ policies and the online drafter all count with this one type.
+    """
+
+    steps: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    judged: int = 0  # draft tokens the rule decided on: the accepted ones and the first rejected one per step
+    offered: list[int] = field(default_factory=list)  # [i]: steps that drafted position i (proposed > i)
+    kept: list[int] = field(default_factory=list)  # [i]: steps that kept position i (accepted > i)
+    histogram: dict[int, int] = field(default_factory=dict)  # accepted count -> steps
+
+    def add(self, proposed: int, accepted: int) -> None:
+        """Count one step that drafted `proposed` tokens and kept `accepted`."""
+        if not 0 <= accepted <= max(proposed, 0):
+            raise ValueError(f"a step keeps between 0 and its {proposed} drafted tokens, not {accepted}")
+        self.steps += 1
+        self.proposed += proposed
+        self.accepted += accepted
+        self.judged += accepted + (accepted < proposed)
+        self._grow(proposed)
+        for i in range(proposed):
+            self.offered[i] += 1
+            self.kept[i] += accepted > i
+        self.histogram[accepted] = self.histogram.get(accepted, 0) + 1
+
+    def merge(self, other: AcceptanceStats) -> None:
+        """Add every step `other` counted (the same as adding them one by one)."""
+        self.steps += other.steps
+        self.proposed += other.proposed
+        self.accepted += other.accepted
+        self.judged += other.judged
+        self._grow(len(other.offered))
+        for i, (offered, kept) in enumerate(zip(other.offered, other.kept)):
+            self.offered[i] += offered
+            self.kept[i] += kept
+        for accepted, steps in other.histogram.items():
+            self.histogram[accepted] = self.histogram.get(accepted, 0) + steps
+
+    def _grow(self, positions: int) -> None:
+        while len(self.offered) < positions:
+            self.offered.append(0)
+            self.kept.append(0)
+
+    @property
+    def alpha(self) -> float:
+        """α estimate: accepted / judged draft tokens (the geometric MLE); 0 before any judged token."""
+        return self.accepted / self.judged if self.judged else 0.0
+
+    @property
+    def tau(self) -> float:
+        """τ: tokens emitted per step, the accepted ones plus the target's own (recovered or bonus) one."""
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+    @property
+    def per_position(self) -> list[float]:
+        """Share of steps whose draft reached and kept position i, over the steps that drafted it."""
+        return [kept / offered for offered, kept in zip(self.offered, self.kept)]
 
 
 @dataclass
@@ -83,53 +167,46 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     wall_seconds: float = 0.0
     records: list[StepRecord] = field(default_factory=list)
+    acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
 
     def record(self, record: StepRecord) -> None:
         self.records.append(record)
+        self.acceptance.add(record.proposed, record.accepted)
         self.steps += 1
         self.draft_seconds += record.draft_seconds
         self.target_seconds += record.target_seconds
 
     @property
     def proposed_tokens(self) -> int:
-        return sum(r.proposed for r in self.records)
+        return self.acceptance.proposed
 
     @property
     def accepted_tokens(self) -> int:
-        return sum(r.accepted for r in self.records)
+        return self.acceptance.accepted
 
     @property
     def mean_accepted_length(self) -> float:
         """τ: tokens emitted per target forward (accepted + 1)."""
-        return (self.accepted_tokens + self.steps) / self.steps if self.steps else 0.0
+        return self.acceptance.tau
 
     @property
     def judged_tokens(self) -> int:
         """Draft tokens the rejection rule decided on: the accepted ones and the first rejected one per step."""
-        return sum(r.accepted + (r.accepted < r.proposed) for r in self.records)
+        return self.acceptance.judged
 
     @property
     def acceptance_rate(self) -> float:
         """α estimate: accepted / drafted positions that were actually judged (the geometric MLE)."""
-        judged = self.judged_tokens
-        return self.accepted_tokens / judged if judged else 0.0
+        return self.acceptance.alpha
 
     @property
     def per_position_acceptance(self) -> list[float]:
         """Share of steps whose draft reached and kept position i (over steps that proposed ≥ i+1)."""
-        longest = max((r.proposed for r in self.records), default=0)
-        rates = []
-        for i in range(longest):
-            offered = [r for r in self.records if r.proposed > i]
-            rates.append(sum(r.accepted > i for r in offered) / len(offered))
-        return rates
+        return self.acceptance.per_position
 
     @property
     def accepted_histogram(self) -> dict[int, int]:
-        hist: dict[int, int] = {}
-        for r in self.records:
-            hist[r.accepted] = hist.get(r.accepted, 0) + 1
-        return dict(sorted(hist.items()))
+        return dict(sorted(self.acceptance.histogram.items()))
 
     @property
     def cost_ratio(self) -> float:
@@ -169,11 +246,15 @@ class GenerationResult:
     finish_reason: str  # "stop" (EOS or stop string) or "length"
     stats: GenerationStats
     origins: list[Origin] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asked for them
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             "stats": self.stats.to_dict(),
         }
+        if self.logprobs is not None:
+            out["logprobs"] = [{"logprob": lp.logprob, "top": [list(pair) for pair in lp.top]} for lp in self.logprobs]
+        return out

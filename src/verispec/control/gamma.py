@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from verispec.control.theory import optimal_gamma
 from verispec.control.costs import CostModel
 from verispec.errors import InvalidParameterError
+from verispec.types import AcceptanceStats
 
 __all__ = ["GammaPolicy", "ConstantGamma", "HeuristicGamma", "AnalyticGamma", "make_gamma_policy", "POLICIES"]
 
@@ -52,12 +53,14 @@ class AnalyticGamma(GammaPolicy):
 
     def __init__(self, costs: CostModel, gamma: int = 4, max_gamma: int = 12, prior_alpha: float = 0.7, prior_weight: float = 8.0):
         self.costs, self.max_gamma = costs, max_gamma
-        self.accepted, self.judged = prior_alpha * prior_weight, prior_weight
+        self.prior_alpha, self.prior_weight = prior_alpha, prior_weight
+        self.seen = AcceptanceStats()  # this request's steps
         self.gamma = gamma
 
     @property
     def alpha(self) -> float:
-        return min(max(self.accepted / self.judged, 0.01), 0.99)
+        accepted = self.prior_alpha * self.prior_weight + self.seen.accepted
+        return min(max(accepted / (self.prior_weight + self.seen.judged), 0.01), 0.99)
 
     def next_gamma(self) -> int:
         return self.gamma
@@ -65,8 +68,7 @@ class AnalyticGamma(GammaPolicy):
     def update(self, proposed: int, accepted: int) -> None:
         if proposed == 0:
             return
-        self.accepted += accepted
-        self.judged += accepted + (accepted < proposed)
+        self.seen.add(proposed, accepted)
         c = self.costs.draft_cost_ratio()
         if c is not None:
             self.gamma = optimal_gamma(self.alpha, c, self.max_gamma, self.costs.verify_cost)

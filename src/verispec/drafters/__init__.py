@@ -2,7 +2,8 @@
 
 Specs (`KIND` alone uses the defaults; options are `name=integer`, comma-separated):
   none                          plain decoding of the target
-  model | model:NAME_OR_PATH    the default (or named) draft model; a model name/path alone also works
+  model | model:NAME_OR_PATH    the default (or named) draft model; a model name/path alone also works;
+                                one with another tokenizer drafts through the text (`drafters.cross_vocab`)
   gguf | gguf:NAME_OR_GGUF      the draft model run by llama.cpp from its GGUF file, whatever runs the
                                 target (`model:NAME` in precision gguf)
   ngram[:max_n=3,min_n=1,oldest=0]   prompt lookup (latest longest match; oldest=1: the first, as HF)
@@ -42,7 +43,7 @@ from verispec.drafters.hybrid import HybridDrafter
 from verispec.drafters.ngram import NgramDrafter
 from verispec.drafters.online import OnlineDrafter
 from verispec.drafters.specs import (
-    MAX_TREE_NODES, SPEC_KINDS, draft_model, integer_option, is_derived_spec, make_derived_drafter, tree_nodes,
+    MAX_TREE_NODES, SPEC_KINDS, draft_model, integer_option, is_derived_spec, make_derived_drafter, model_drafter, tree_nodes,
 )
 from verispec.drafters.stand import StandDrafter
 from verispec.drafters.tree import ExpansionDrafter, MergeDrafter
@@ -124,10 +125,10 @@ def make_drafter(
             return _build(OnlineDrafter, kind, rest, lambda: (derive_model(target, layers=self_layers), vocab))
         return _build(OnlineDrafter, kind, rest, with_model)
     if kind == "gguf":  # the draft model on the llama.cpp backend
-        return DraftModelDrafter(draft_model(rest or None, target, "gguf", load), vocab)
+        return model_drafter(rest or None, target, "gguf", load)
     if kind == "triforce":
         from verispec.drafters.triforce import make_triforce
 
         options = _options(rest, kind)  # ranges checked before the draft model loads
         return make_triforce(target, draft_model(None, target, dtype, load), options)
-    return DraftModelDrafter(draft_model((rest or None) if kind == "model" else spec, target, dtype, load), vocab)
+    return model_drafter((rest or None) if kind == "model" else spec, target, dtype, load)

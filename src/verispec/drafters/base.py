@@ -12,21 +12,30 @@ cache once (TriForce builds its retrieval cache from it). Sessions that learn fr
 the online drafter) set `observes_target = True`; the engine then calls `observe(ids, target_probs)`
 after each commit with the target's distributions at the newly committed positions. `finish()`
 tells a session its request is over. `start_chunked` opens a session whose own prefill (a draft
-model's) is fed later, a chunk per `prefill_step`; by default it is `start`.
+model's) is fed later, a chunk per `prefill_step` (a server interleaving a long prompt with other
+requests' steps); by default it is `start`, and sessions have nothing left to feed.
+
+`ModelSession` is the base of every session that drafts with a model of its own KV cache (draft
+model, tree expansion, vertical cascade): it prefills the cache, feeds it the committed tokens it
+lacks, rolls it back to the committed prefix after verification and releases it at the end.
+`ComposedSession` is the base of sessions built from other drafters' sessions (merge, horizontal
+cascade, hybrid): commit, observe and finish reach every part.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import torch
 
+from verispec.drafters.prefix import common_prefix_length
 from verispec.models.loading import LoadedModel
 from verispec.models.runner import Cache
 from verispec.sampling.processors import SamplingParams
 from verispec.types import Draft
 
-__all__ = ["Drafter", "DraftSession"]
+__all__ = ["Drafter", "DraftSession", "ModelSession", "ComposedSession"]
 
 
 class DraftSession(ABC):
@@ -68,6 +77,86 @@ class Drafter(ABC):
         """Open the per-request state for a prompt."""
 
     def start_chunked(self, prompt_ids: list[int]) -> DraftSession:
-        """A session whose own prefill the caller feeds a chunk at a time with `session.prefill_step`
-        (a server interleaving long prompts with other requests' steps). Default: `start`, whole."""
+        """A session whose own prefill the caller feeds a chunk at a time with `session.prefill_step`.
+        Default: `start` (the whole prefill now)."""
         return self.start(prompt_ids)
+
+
+class ModelSession(DraftSession):
+    """A session drafting with `model` over a KV cache of its own that always holds a prefix of the
+    sequence: `cached` is the ids whose keys/values it holds, the prompt but its last token at the start.
+
+    Subclasses feed it with `_feed` (tokens appended to the sequence) and `_catch_up` (the committed
+    ids it lacks first); `commit` keeps the part of `cached` the committed sequence agrees with, never
+    the sequence's last token (the draft has not seen it yet, or it is fed again with the next step);
+    `finish` releases the cache.
+    """
+
+    def __init__(self, model: LoadedModel, prompt_ids: list[int], prefill: bool = True):
+        self.runner = model.runner
+        self._prompt = list(prompt_ids[:-1])  # what the prefill feeds (the last token comes with the first step)
+        if prefill:
+            self.cache = self.runner.prefilled_cache(prompt_ids)
+            self.cached: list[int] = list(self._prompt)
+        else:  # prefill_step feeds it; a proposal would first feed whatever is still missing anyway
+            self.cache = self.runner.new_cache(len(prompt_ids) + 64)
+            self.cached = []
+        # cached[:checked] is a prefix of the sequence the last commit got, and the next commit's sequence
+        # agrees with that one before its own last token (it only adds accepted drafts and one token), so
+        # a commit compares only from there on: a few tokens, not the whole context
+        self._checked = len(self.cached)
+
+    def prefill_step(self, max_tokens=None):
+        if len(self.cached) < len(self._prompt) and self._prompt[: len(self.cached)] == self.cached:
+            end = len(self._prompt) if max_tokens is None else min(len(self._prompt), len(self.cached) + max_tokens)
+            if end > len(self.cached):
+                self._feed(self._prompt[len(self.cached) : end], logits="none")
+                self._checked = len(self.cached)
+        return len(self.cached) >= len(self._prompt)
+
+    def _feed(self, tokens: list[int], logits: str = "last") -> torch.Tensor | None:
+        """Append `tokens` to the cache; the runner's logits for them ("last" [1, vocab], "all" [n, vocab])."""
+        out = self.runner.forward(self.cache, torch.tensor(tokens, dtype=torch.long), logits=logits)
+        self.cached += tokens
+        return out
+
+    def _catch_up(self, ids: list[int], extra: Sequence[int] = (), logits: str = "last") -> torch.Tensor | None:
+        """Feed the committed `ids` the cache lacks (at least the last one), then `extra` tokens after them."""
+        return self._feed(list(ids[len(self.cached) :]) + list(extra), logits)
+
+    def _rollback(self, length: int) -> None:
+        """Keep the first `length` cached positions."""
+        self.cache.truncate(length)
+        del self.cached[length:]
+        self._checked = min(self._checked, length)
+
+    def commit(self, ids):
+        start = min(self._checked, len(ids) - 1)
+        keep = min(start + common_prefix_length(self.cached[start:], ids[start:]), len(ids) - 1)
+        self._rollback(keep)
+        self._checked = keep
+
+    def finish(self):
+        self.cache.release()
+
+
+class ComposedSession(DraftSession):
+    """A session that drafts with other sessions (`sessions`): each is told every commit, sees the
+    target when it asks to, and is finished with this one."""
+
+    def __init__(self, sessions: list[DraftSession]):
+        self.sessions = sessions
+        self.observes_target = any(s.observes_target for s in sessions)
+
+    def commit(self, ids):
+        for session in self.sessions:
+            session.commit(ids)
+
+    def observe(self, ids, target_probs):
+        for session in self.sessions:
+            if session.observes_target:
+                session.observe(ids, target_probs)
+
+    def finish(self):
+        for session in self.sessions:
+            session.finish()

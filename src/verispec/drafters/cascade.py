@@ -20,8 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from verispec.drafters.base import Drafter, DraftSession
-from verispec.drafters.prefix import common_prefix_length
+from verispec.drafters.base import ComposedSession, Drafter, DraftSession, ModelSession
 from verispec.errors import InvalidParameterError
 from verispec.models.loading import LoadedModel
 from verispec.sampling.processors import SamplingParams, greedy_tokens, seen_mask, to_probs
@@ -65,12 +64,10 @@ class VerticalCascadeDrafter(Drafter):
         return _VerticalSession(self, prompt_ids)
 
 
-class _VerticalSession(DraftSession):
+class _VerticalSession(ModelSession):
     def __init__(self, drafter: VerticalCascadeDrafter, prompt_ids: list[int]):
+        super().__init__(drafter.model, prompt_ids)
         self.drafter = drafter
-        self.runner = drafter.model.runner
-        self.cache = self.runner.prefilled_cache(prompt_ids)
-        self.cached: list[int] = list(prompt_ids[:-1])  # the ids whose keys/values the cache holds
         self.inner = drafter.inner.start(prompt_ids)
 
     def propose(self, ids, gamma, params, generator):
@@ -99,8 +96,7 @@ class _VerticalSession(DraftSession):
         the draft model's distributions at those positions [len(new tokens), vocab].
         """
         drafted = len(inner)
-        feed = context[self.cache.length :] + inner.tokens.tolist()
-        logits = self.runner.forward(self.cache, torch.tensor(feed), logits="all")[-(drafted + 1) :]  # [m+1, vocab]
+        logits = self._catch_up(context, inner.tokens.tolist(), logits="all")[-(drafted + 1) :]  # [m+1, vocab]
         vocab = logits.shape[-1]
         seen = seen_mask(vocab, context, inner.tokens) if params.repetition_penalty != 1.0 else None  # [m+1, vocab]
         model_probs = None
@@ -112,16 +108,16 @@ class _VerticalSession(DraftSession):
             inner_probs = None if inner.probs is None else _widen(inner.probs, width)
             verdict = verify_sampled(inner.tokens, inner_probs, _widen(model_probs, width), generator)
             model_probs = model_probs[: verdict.accepted + 1]
-        accepted = inner.tokens[: verdict.accepted].tolist()
-        self.cache.truncate(len(context) + verdict.accepted)  # keys of the accepted path only
-        self.cached = context + accepted
-        return accepted + [verdict.next_token], model_probs
+        self._rollback(len(context) + verdict.accepted)  # keys of the accepted path only
+        return inner.tokens[: verdict.accepted].tolist() + [verdict.next_token], model_probs
 
     def commit(self, ids):
-        keep = min(common_prefix_length(self.cached, ids), len(ids) - 1)
-        self.cache.truncate(keep)
-        self.cached = self.cached[:keep]
+        super().commit(ids)
         self.inner.commit(ids)
+
+    def finish(self):
+        super().finish()
+        self.inner.finish()
 
 
 # --- horizontal ----------------------------------------------------------------------------------
@@ -142,10 +138,11 @@ class HorizontalCascadeDrafter(Drafter):
         return _HorizontalSession(self, prompt_ids)
 
 
-class _HorizontalSession(DraftSession):
+class _HorizontalSession(ComposedSession):
     def __init__(self, drafter: HorizontalCascadeDrafter, prompt_ids: list[int]):
         self.drafter = drafter
         self.strong, self.weak = drafter.strong.start(prompt_ids), drafter.weak.start(prompt_ids)
+        super().__init__([self.strong, self.weak])
 
     def propose(self, ids, gamma, params, generator):
         first = min(gamma, self.drafter.strong_positions)
@@ -159,7 +156,3 @@ class _HorizontalSession(DraftSession):
             return Draft(tokens)
         width = self.drafter.target_vocab_size
         return Draft(tokens, torch.cat([_rows(strong, width), _rows(weak, width)]))  # [γ', vocab]
-
-    def commit(self, ids):
-        self.strong.commit(ids)
-        self.weak.commit(ids)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from verispec.drafters.base import Drafter, DraftSession
+from verispec.drafters.base import Drafter, DraftSession, ModelSession
 from verispec.models.loading import LoadedModel
 from verispec.sampling.processors import SamplingParams, greedy_tokens, seen_mask, to_probs
 from verispec.sampling.samplers import multinomial
@@ -56,15 +56,6 @@ def sample_chain(
     return Draft(torch.tensor(tokens, dtype=torch.long), draft_probs)
 
 
-def _kept_length(ids: list[int], base: int, drafted: list[int]) -> int:
-    """How much of a draft's context stays valid after verification: the committed sequence `ids` up
-    to where it stops agreeing with the tokens `drafted` after position `base` (in a merged tree
-    another branch may have been accepted), and never its last token, which the draft has not seen."""
-    committed = ids[base : base + len(drafted)]
-    agree = next((i for i, (a, b) in enumerate(zip(drafted, committed)) if a != b), len(committed))
-    return min(base + agree, len(ids) - 1)
-
-
 class DraftModelDrafter(Drafter):
     def __init__(self, model: LoadedModel, target_vocab_size: int):
         self.model = model
@@ -78,36 +69,14 @@ class DraftModelDrafter(Drafter):
         return _DraftModelSession(self, prompt_ids, prefill=False)
 
 
-class _DraftModelSession(DraftSession):
+class _DraftModelSession(ModelSession):
     def __init__(self, drafter: DraftModelDrafter, prompt_ids: list[int], prefill: bool = True):
-        self.drafter = drafter
-        self.runner = drafter.model.runner
-        self.prompt = list(prompt_ids)
-        # unfilled: prefill_step feeds it; a proposal would feed whatever is still missing anyway
-        self.cache = self.runner.prefilled_cache(prompt_ids) if prefill else self.runner.new_cache(len(prompt_ids) + 64)
-        self.base, self.drafted = 0, []  # last proposal: committed length then, and the tokens drafted
-
-    def prefill_step(self, max_tokens=None):
-        done, end = self.cache.length, len(self.prompt) - 1
-        if max_tokens is not None:
-            end = min(end, done + max_tokens)
-        if end > done:
-            self.runner.forward(self.cache, torch.tensor(self.prompt[done:end]), logits="none")
-        return self.cache.length >= len(self.prompt) - 1
+        super().__init__(drafter.model, prompt_ids, prefill)
+        self.target_vocab_size = drafter.target_vocab_size
 
     def propose(self, ids, gamma, params, generator):
         if gamma == 0:
             return Draft(torch.zeros(0, dtype=torch.long))
-        runner = self.runner
-        logits = runner.forward(self.cache, torch.tensor(ids[self.cache.length :]), logits="last")  # [1, vocab]
-        step = lambda token: runner.forward(self.cache, torch.tensor([token]), logits="last")  # noqa: E731
-        draft = sample_chain(logits, step, ids, gamma, params, generator, self.drafter.target_vocab_size)
-        self.base, self.drafted = len(ids), draft.tokens.tolist()
-        return draft
-
-    def commit(self, ids):
-        self.cache.truncate(min(self.cache.length, _kept_length(ids, self.base, self.drafted)))
-        self.base, self.drafted = len(ids), []
-
-    def finish(self):
-        self.cache.release()
+        logits = self._catch_up(ids)  # [1, vocab]
+        step = lambda token: self._feed([token])  # noqa: E731
+        return sample_chain(logits, step, ids, gamma, params, generator, self.target_vocab_size)

@@ -10,9 +10,10 @@ model's cache simply lags during n-gram steps and catches up on its next proposa
 
 from __future__ import annotations
 
-from verispec.drafters.base import Drafter, DraftSession
+from verispec.drafters.base import ComposedSession, Drafter, DraftSession
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.ngram import NgramDrafter
+from verispec.drafters.prefix import common_prefix_length
 from verispec.errors import InvalidParameterError
 from verispec.models.loading import LoadedModel
 
@@ -37,11 +38,12 @@ class HybridDrafter(Drafter):
         return _HybridSession(self, prompt_ids)
 
 
-class _HybridSession(DraftSession):
+class _HybridSession(ComposedSession):
     def __init__(self, drafter: HybridDrafter, prompt_ids: list[int]):
         self.drafter = drafter
         self.model = drafter.model_drafter.start(prompt_ids)
         self.ngram = drafter.ngram_drafter.start(prompt_ids)
+        super().__init__([self.model, self.ngram])
         self.counts = {"ngram": [1, 2], "model": [1, 2]}  # source -> [accepted, proposed], prior 1/2
         self.last: tuple[str, list[int], int] | None = None  # (source, proposal, committed length then)
 
@@ -63,10 +65,7 @@ class _HybridSession(DraftSession):
     def commit(self, ids):
         if self.last is not None:
             source, proposal, start = self.last
-            committed = ids[start : start + len(proposal)]
-            accepted = next((i for i, (a, b) in enumerate(zip(proposal, committed)) if a != b), len(committed))
-            self.counts[source][0] += accepted
+            self.counts[source][0] += common_prefix_length(proposal, ids[start : start + len(proposal)])
             self.counts[source][1] += len(proposal)
             self.last = None
-        self.model.commit(ids)
-        self.ngram.commit(ids)
+        super().commit(ids)

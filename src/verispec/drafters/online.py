@@ -43,6 +43,7 @@ from verispec.drafters.base import Drafter, DraftSession
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.models.loading import LoadedModel, require_own_runner
 from verispec.paths import cache_dir
+from verispec.types import AcceptanceStats
 
 __all__ = ["LowRankHead", "OnlineDrafter", "distill"]
 
@@ -163,8 +164,8 @@ class OnlineDrafter(Drafter):
         self.new_misses += 1
 
     def _finished(self, session: _OnlineSession) -> None:
-        if session.judged:
-            self.alphas.append(session.accepted / session.judged)
+        if session.acceptance.judged:
+            self.alphas.append(session.acceptance.alpha)
 
     def _judge_probation(self) -> None:
         if self._probation is None:
@@ -269,7 +270,7 @@ class _OnlineSession(DraftSession):
     def __init__(self, drafter: OnlineDrafter, inner: DraftSession):
         self.drafter, self.inner = drafter, inner
         self.hidden: list[torch.Tensor] = []  # the head's input at each drafted position, [hidden] each
-        self.accepted = self.judged = 0
+        self.acceptance = AcceptanceStats()  # this request's steps, for its α
 
     def propose(self, ids, gamma, params, generator):
         head = self.drafter.head
@@ -293,8 +294,7 @@ class _OnlineSession(DraftSession):
         accepted, proposed = target_probs.shape[0] - 1, len(self.hidden)
         if not proposed:
             return
-        self.accepted += accepted
-        self.judged += accepted + (accepted < proposed)
+        self.acceptance.add(proposed, accepted)
         self.drafter.anchors.extend(self.hidden[:accepted])  # where the draft agreed: keep it so
         if accepted < proposed:  # a miss: the target's distribution where the draft went wrong
             self.drafter.add_miss(self.hidden[accepted], target_probs[-1])

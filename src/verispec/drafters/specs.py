@@ -23,17 +23,18 @@ from __future__ import annotations
 
 from verispec.drafters.base import Drafter
 from verispec.drafters.cascade import HorizontalCascadeDrafter, VerticalCascadeDrafter
+from verispec.drafters.cross_vocab import CrossVocabDrafter
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.ngram import NgramDrafter
 from verispec.errors import InvalidParameterError
 from verispec.models.int8 import int8_available
-from verispec.models.loading import LoadedModel, ModelLoader, check_compatible, load_model
+from verispec.models.loading import LoadedModel, ModelLoader, check_compatible, load_model, tokenizer_problems
 from verispec.models.registry import DEFAULT_DRAFT
 from verispec.models.variants import derive_model
 
 __all__ = [
     "SPEC_KINDS", "MAX_GAMMA", "MAX_TREE_NODES", "OPTION_RANGES", "draft_model", "draft_precision", "integer_option",
-    "is_derived_spec", "make_derived_drafter", "tree_nodes",
+    "is_derived_spec", "make_derived_drafter", "model_drafter", "tree_nodes",
 ]
 
 MAX_GAMMA = 32  # the longest draft (γ) any option or request may ask for
@@ -119,12 +120,24 @@ def draft_precision(target: LoadedModel) -> str:
     return "int8" if target.precision == "float32" and int8_available() else target.precision
 
 
-def draft_model(name: str | None, target: LoadedModel, dtype: str | None, load: ModelLoader) -> LoadedModel:
+def draft_model(
+    name: str | None, target: LoadedModel, dtype: str | None, load: ModelLoader, same_tokenizer: bool = True
+) -> LoadedModel:
     """The named draft model (default: the loader's, else the shipped one) in `dtype` (default:
-    `draft_precision`), checked against the target's tokenizer."""
+    `draft_precision`), checked against the target's tokenizer unless `same_tokenizer` is False."""
     draft = load(name or getattr(load, "default_draft", DEFAULT_DRAFT), dtype or draft_precision(target), pack_rows=1)
-    check_compatible(target, draft)
+    if same_tokenizer:
+        check_compatible(target, draft)
     return draft
+
+
+def model_drafter(name: str | None, target: LoadedModel, dtype: str | None, load: ModelLoader) -> Drafter:
+    """A plain draft model: in the target's token ids when it shares its tokenizer, else through the
+    committed text and the shared vocabulary (`cross_vocab`)."""
+    draft = draft_model(name, target, dtype, load, same_tokenizer=False)
+    if tokenizer_problems(target, draft):
+        return CrossVocabDrafter(draft, target)
+    return DraftModelDrafter(draft, target.vocab_size)
 
 
 def _cascade(spec: str, rest: str, target: LoadedModel, dtype: str | None, load: ModelLoader) -> Drafter:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.drafters.base import Drafter, DraftSession
+from verispec.drafters.base import ComposedSession, Drafter, DraftSession, ModelSession
 from verispec.drafters.branching import TreeBuilder, choose_children, node_distributions, static_shape
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.ngram import NgramDrafter
@@ -40,12 +40,14 @@ class ExpansionDrafter(Drafter):
     def start(self, prompt_ids: list[int]) -> DraftSession:
         return _ExpansionSession(self, prompt_ids)
 
+    def start_chunked(self, prompt_ids: list[int]) -> DraftSession:
+        return _ExpansionSession(self, prompt_ids, prefill=False)
 
-class _ExpansionSession(DraftSession):
-    def __init__(self, drafter: ExpansionDrafter, prompt_ids: list[int]):
+
+class _ExpansionSession(ModelSession):
+    def __init__(self, drafter: ExpansionDrafter, prompt_ids: list[int], prefill: bool = True):
+        super().__init__(drafter.model, prompt_ids, prefill)
         self.drafter = drafter
-        self.runner = drafter.model.runner
-        self.cache = self.runner.prefilled_cache(prompt_ids)
 
     def _distributions(self, ids, builder: TreeBuilder, logits: torch.Tensor, params) -> torch.Tensor:
         """Distributions [rows, vocab] after the root (row 0) and after each node (rows 1..)."""
@@ -61,7 +63,7 @@ class _ExpansionSession(DraftSession):
         if not shape:
             return Draft(torch.zeros(0, dtype=torch.long))
         committed = len(ids)
-        root_logits = self.runner.forward(self.cache, torch.tensor(ids[self.cache.length :]), logits="last")  # [1, vocab]
+        root_logits = self._catch_up(ids)  # [1, vocab]
         builder = TreeBuilder()
         dists = self._distributions(ids, builder, root_logits, params)  # [1, vocab]
         frontier = {-1: dists[0]}
@@ -77,13 +79,10 @@ class _ExpansionSession(DraftSession):
             logits = self.runner.forward(
                 self.cache, tokens, positions=committed + depths(parents) - 1, tree_mask=ancestor_mask(parents)
             )  # [nodes, vocab]
-            self.cache.truncate(committed)
+            self._rollback(committed)  # the cache holds committed tokens only
             dists = self._distributions(ids, builder, torch.cat([root_logits, logits]), params)  # [nodes+1, vocab]
             frontier = {node: dists[node + 1] for node in added}
         return builder.build(self.drafter.target_vocab_size)
-
-    def commit(self, ids):
-        self.cache.truncate(min(self.cache.length, len(ids) - 1))
 
 
 class MergeDrafter(Drafter):
@@ -108,25 +107,16 @@ class MergeDrafter(Drafter):
         return _MergeSession([d.start(prompt_ids) for d in self.drafters], self.target_vocab_size)
 
 
-class _MergeSession(DraftSession):
+class _MergeSession(ComposedSession):
     def __init__(self, sessions: list[DraftSession], vocab_size: int):
-        self.sessions, self.vocab_size = sessions, vocab_size
-        self.observes_target = any(s.observes_target for s in sessions)
+        super().__init__(sessions)
+        self.vocab_size = vocab_size
 
     def propose(self, ids, gamma, params, generator):
         builder = TreeBuilder()
         for session in self.sessions:
             draft = session.propose(ids, gamma, params, generator)
-            if draft.parents is not None:
+            if draft.is_tree:
                 raise InvalidParameterError("a merge drafter merges chains: give it chain drafters, not tree drafters")
             builder.add_chain(draft.tokens[:gamma].tolist(), None if draft.probs is None else draft.probs[:gamma])
         return builder.build(self.vocab_size)
-
-    def commit(self, ids):
-        for session in self.sessions:
-            session.commit(ids)
-
-    def observe(self, ids, target_probs):
-        for session in self.sessions:
-            if session.observes_target:
-                session.observe(ids, target_probs)

@@ -20,6 +20,17 @@ On a row-invariant target (int8) a verification pass is exact only up to the run
 queries), so there a step drafts at most that many − 1 tokens: γ is capped, and a tree keeps its first
 nodes.
 
+Log-probabilities (`GenerationConfig.logprobs`): every emitted token was scored by the target in
+the verification pass that emitted it, so its log-probability is exact under speculation: the
+log-softmax of the target's logits row that predicted it. They are the target's raw distribution
+(before temperature, top-k/p, penalties and any grammar mask; as OpenAI and vLLM report them), and
+are computed only when asked for.
+
+Constrained output (`GenerationConfig.response_format`, `verispec.sampling.grammar`): each row of a
+verification pass is masked to what the grammar allows after the committed text plus the draft
+before it (in a tree: plus the path to the node), before the verifier sees the logits; a forbidden draft
+token has target probability 0 and is rejected, so the output is exactly the masked target's.
+
 Stop strings: the text is cut before the first stop string, and an event's text is only what no stop
 string can still claim, so streamed text joins to exactly the returned text (text that could begin a
 stop string is held back until it cannot, or until the request ends by length or EOS).
@@ -38,9 +49,12 @@ from verispec.control import CostModel, make_gamma_policy
 from verispec.drafters.base import Drafter
 from verispec.errors import InvalidParameterError, PromptError, VerispecError
 from verispec.models.loading import LoadedModel, ModelCache
-from verispec.sampling.processors import SamplingParams, greedy_tokens, seen_mask, to_probs
+from verispec.sampling.grammar import Constraint, check_response_format
+from verispec.sampling.processors import MAX_TOP_LOGPROBS, SamplingParams, greedy_tokens, seen_mask, to_probs, token_logprobs
 from verispec.tokentree import ancestor_mask, check_parents, depths, is_chain, keep_nodes, tree_attention_mask
-from verispec.types import Draft, GenerationResult, GenerationStats, Origin, StepRecord, TokenEvent, Verdict
+from verispec.types import (
+    Draft, GenerationResult, GenerationStats, Origin, StepRecord, TokenEvent, TokenLogprobs, Verdict,
+)
 from verispec.verify import verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_sampled
 
 __all__ = ["Engine", "Generation", "GenerationConfig", "StepPlan"]
@@ -48,6 +62,25 @@ __all__ = ["Engine", "Generation", "GenerationConfig", "StepPlan"]
 
 @dataclass(frozen=True)
 class GenerationConfig:
+    """How one request generates; every field has a default.
+
+    max_new_tokens: the most tokens to generate (≥ 1); the engine also stops where the target's
+      context is full, so a very large value means "until the model stops".
+    sampling: temperature and truncation (`SamplingParams`); temperature 0, the default, is greedy.
+    seed: seeds this request's own random generator, so a sampled output is reproducible; None draws
+      a fresh seed (torch's global generator is never touched).
+    stop: strings that end the generation; the text is cut before the first one found, and streamed
+      text never shows any part of it.
+    chat: wrap a text prompt in the target's chat template (when it has one); token ids are used as given.
+    drafter: a drafter spec for this request only (`ngram`, `tree`, `model:NAME`, `none`, …), built
+      over the engine's loaded models and kept for later requests; None: the engine's own.
+    gamma: the (starting) number of tokens drafted per step; None: the engine's.
+    gamma_policy: constant, heuristic or analytic; None: the engine's.
+
+    Raises InvalidParameterError when built with a bad value (max_new_tokens < 1, an empty stop string,
+    γ < 1, an unknown γ policy); a bad drafter spec is refused when the request starts.
+    """
+
     max_new_tokens: int = 128
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: int | None = None
@@ -56,8 +89,13 @@ class GenerationConfig:
     drafter: str | None = None  # a drafter spec for this request; None: the engine's own
     gamma: int | None = None  # (starting) draft length; None: the engine's
     gamma_policy: str | None = None  # constant | heuristic | analytic; None: the engine's
+    logprobs: int | None = None  # None: none; k: each emitted token's log-probability and its k most likely alternatives
+    response_format: dict | None = None  # {"type": "json_object"}, {"type": "json_schema", "json_schema": {"schema": …}}, …
 
     def __post_init__(self) -> None:
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidParameterError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, got {self.logprobs!r}")
+        check_response_format(self.response_format)
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise InvalidParameterError(f"max_new_tokens must be an integer ≥ 1, got {self.max_new_tokens!r}")
         if any(not s for s in self.stop):
@@ -139,15 +177,36 @@ class Engine:
         return ids
 
     def start(self, prompt: str | Sequence[int], config: GenerationConfig | None = None) -> Generation:
+        """Open a request: prefill the target's (and the drafter's) cache and return its `Generation`,
+        to advance with `step()` until `done` (then `result()`); `close()` one abandoned early.
+
+        prompt: text (chat-templated unless `config.chat` is False) or token ids; config: defaults if
+        None. Raises PromptError (an empty prompt, one that fills the context, token ids outside the
+        vocabulary) and InvalidParameterError (a drafter spec that is unknown or names a model this
+        engine has not loaded; its `param` is "drafter").
+        """
         config = config or GenerationConfig()
         return Generation(self, self.prompt_ids(prompt, config.chat), config)
 
     def stream(self, prompt: str | Sequence[int], config: GenerationConfig | None = None) -> Iterator[TokenEvent]:
+        """Generate, yielding each token as a `TokenEvent` (its id, the text it made final, its origin)
+        as soon as its step is verified; the events' texts join to the result's text.
+
+        Arguments and errors as `start` (raised by the first `next()`: this is a generator). Closing
+        the iterator early (`close()`, or a `for` loop left by break and the iterator dropped) ends the
+        request and releases its caches.
+        """
         generation = self.start(prompt, config)
-        while not generation.done:
-            yield from generation.step()
+        try:
+            while not generation.done:
+                yield from generation.step()
+        finally:
+            generation.close()
 
     def generate(self, prompt: str | Sequence[int], config: GenerationConfig | None = None) -> GenerationResult:
+        """Generate to the end (EOS, a stop string, `max_new_tokens` or a full context) and return the
+        `GenerationResult`: text, token ids, finish reason ("stop" or "length") and statistics.
+        Arguments and errors as `start`."""
         generation = self.start(prompt, config)
         while not generation.done:
             generation.step()
@@ -171,7 +230,7 @@ class StepPlan:
     @property
     def depth(self) -> int:
         """The longest path the draft offers (γ for a chain)."""
-        if self.draft.parents is None:
+        if not self.draft.is_tree:
             return len(self.draft)
         return int(depths(self.draft.parents).max()) if len(self.draft) else 0
 
@@ -213,6 +272,7 @@ class Generation:
         self.stats = GenerationStats(prompt_tokens=self.prompt_len)
         self.output_ids: list[int] = []
         self.origins: list[Origin] = []
+        self.logprobs: list[TokenLogprobs] | None = [] if config.logprobs is not None else None  # one per output token
         self.text = ""  # the output text, cut before a stop string
         self._emitted = 0  # characters of `text` already given out in events
         self.finish_reason: str | None = None
@@ -228,6 +288,8 @@ class Generation:
         except VerispecError as error:
             error.param = "drafter"  # the field a server names in its 400
             raise
+        self.constraint = Constraint.from_response_format(
+            config.response_format, self.target.tokenizer, self.target.vocab_size, self.target.eos_ids)
         policy = config.gamma_policy or engine.gamma_policy
         gamma = config.gamma if config.gamma is not None else engine.gamma
         self.policy = make_gamma_policy(policy, gamma, engine.costs_for(self.drafter, policy), engine.max_gamma)
@@ -296,15 +358,6 @@ class Generation:
         self.stats.prefill_seconds += time.perf_counter() - start
         return self.prefilled
 
-    def end(self, reason: str) -> list[TokenEvent]:
-        """End the request now (a server out of cache room: reason "length"); returns an event with
-        the text held back for a possible stop string, if any, so streamed text still joins to `text`."""
-        if self.done:
-            return []
-        self._finish(reason)
-        released = self._release()
-        return [TokenEvent(self.output_ids[-1], released, self.origins[-1])] if released and self.output_ids else []
-
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
@@ -315,7 +368,7 @@ class Generation:
         if self.max_draft_nodes is not None:
             gamma = min(gamma, self.max_draft_nodes)
         draft = self.session.propose(self.ids, gamma, self.params, self.generator)
-        if draft.parents is None or is_chain(draft.parents):
+        if not draft.is_tree or is_chain(draft.parents):
             return Draft(draft.tokens[:gamma], None if draft.probs is None else draft.probs[:gamma])
         check_parents(draft.parents)
         keep = depths(draft.parents) <= gamma  # γ caps the depth
@@ -333,7 +386,7 @@ class Generation:
         draft = self._draft(gamma)
         feed = torch.cat([torch.tensor(self.ids[-1:]), draft.tokens])  # [n+1]
         seconds = time.perf_counter() - start
-        if draft.parents is None:
+        if not draft.is_tree:
             return StepPlan(draft, feed, seconds)
         last = len(self.ids) - 1  # position of the last committed token
         positions = last + torch.cat([torch.zeros(1, dtype=torch.long), depths(draft.parents)])  # [n+1]
@@ -343,6 +396,10 @@ class Generation:
         """Verify `plan` against the target's logits [n+1, vocab]; keep the accepted path; emit tokens."""
         start = time.perf_counter()
         draft, tree = plan.draft, plan.draft.parents
+        raw_logits = logits
+        if self.constraint is not None:  # forbidden tokens get probability 0: a forbidden draft token is rejected
+            allowed = self.constraint.masks(draft.tokens.tolist(), None if tree is None else tree.tolist())  # [n+1, vocab]
+            logits = logits.masked_fill(~allowed, float("-inf"))
         seen = None
         if self.params.repetition_penalty != 1.0:
             ancestors = ancestor_mask(tree) if tree is not None else None
@@ -370,21 +427,27 @@ class Generation:
         verify_seconds = time.perf_counter() - start
         self.stats.record(StepRecord(plan.depth, verdict.accepted, plan.draft_seconds, target_seconds + verify_seconds))
         self.policy.update(plan.depth, verdict.accepted)
-        return self._emit(new_tokens, origins)
+        if self.constraint is not None:
+            self.constraint.advance(new_tokens)
+        logprobs = None if self.config.logprobs is None else token_logprobs(raw_logits[rows], new_tokens, self.config.logprobs)
+        return self._emit(new_tokens, origins, logprobs)
 
     def _verify(self, draft: Draft, logits: torch.Tensor, target_probs: torch.Tensor | None, seen) -> Verdict:
         """Chain or tree, greedy or sampled: the verifier that fits this draft."""
         if self.params.greedy:
             target_tokens = greedy_tokens(logits, self.params, seen)  # [n+1]
-            if draft.parents is None:
+            if not draft.is_tree:
                 return verify_greedy(draft.tokens, target_tokens)
             return verify_tree_greedy(draft.tokens, draft.parents, target_tokens)
-        if draft.parents is None:
+        if not draft.is_tree:
             return verify_sampled(draft.tokens, draft.probs, target_probs, self.generator)
         return verify_tree_sampled(draft.tokens, draft.parents, draft.probs, target_probs, self.generator)
 
     def step(self) -> list[TokenEvent]:
-        """One draft + verify step; returns the tokens it emitted."""
+        """One draft + verify step: the drafter proposes, the target scores the proposal in one forward,
+        the rejection rule keeps a prefix and adds one token of the target's. Returns the events of
+        the tokens it emitted (one or more; an EOS token only when it releases held-back text); [] once
+        `done`. The request finishes (and releases its caches) on EOS, a stop string or its length."""
         if self.done:
             return []
         plan = self.plan()
@@ -394,7 +457,7 @@ class Generation:
         )  # [n+1, vocab]
         return self.commit(plan, logits, time.perf_counter() - start)
 
-    def _emit(self, tokens: list[int], origins: list[Origin]) -> list[TokenEvent]:
+    def _emit(self, tokens: list[int], origins: list[Origin], logprobs: list[TokenLogprobs] | None = None) -> list[TokenEvent]:
         """Record accepted tokens; each event carries the text its token made final.
 
         Text that could still begin a stop string is held back and released by a later token, so the
@@ -402,9 +465,11 @@ class Generation:
         held-back text.
         """
         events = []
-        for token, origin in zip(tokens, origins):
+        for i, (token, origin) in enumerate(zip(tokens, origins)):
             self.output_ids.append(token)
             self.origins.append(origin)
+            if logprobs is not None:
+                self.logprobs.append(logprobs[i])
             eos = token in self.target.eos_ids
             if eos:
                 self._finish("stop")
@@ -414,7 +479,7 @@ class Generation:
                     self._finish("length")
             released = self._release()
             if not eos or released:
-                events.append(TokenEvent(token, released, origin))
+                events.append(TokenEvent(token, released, origin, None if logprobs is None else logprobs[i]))
             if self.done:
                 break
         return events
@@ -453,9 +518,19 @@ class Generation:
         self.stats.wall_seconds = time.perf_counter() - self._started
         self.close()
 
+    def cancel(self, reason: str = "cancelled") -> str:
+        """Stop the request now (a user's Ctrl-C, a client gone): statistics cover the tokens produced so
+        far, caches are freed, and the text held back for a possible stop string is returned, since no
+        later token will release it. Nothing happens once the request is done ("")."""
+        if self.done:
+            return ""
+        self._finish(reason)
+        return self._release()
+
     def close(self) -> None:
         """Tell the drafter's session the request is over (done or abandoned) and free the target's
-        cache, once."""
+        cache, once: a finished request has closed itself, an abandoned one needs this call; calling
+        it again does nothing. Do not `step()` a closed request."""
         if self._closed:
             return
         self._closed = True
@@ -464,4 +539,8 @@ class Generation:
         self.cache.release()
 
     def result(self) -> GenerationResult:
-        return GenerationResult(self.text, list(self.output_ids), self.finish_reason or "length", self.stats, list(self.origins))
+        """What the request produced so far: text, token ids, statistics (and log-probabilities when
+        asked for); finish_reason is "stop", "length" or the reason given to `cancel` once done ("length"
+        also for a request read before it finished)."""
+        return GenerationResult(self.text, list(self.output_ids), self.finish_reason or "length", self.stats, list(self.origins),
+                                None if self.logprobs is None else list(self.logprobs))

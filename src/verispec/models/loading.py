@@ -1,7 +1,8 @@
 """Turn a model spec (shipped name, Hugging Face folder, or .gguf path) into a ready model.
 
 A `LoadedModel` bundles the runner (`Transformer`), the tokenizer, the stop ids and the context
-length. `check_compatible` refuses a draft whose tokenizer differs from the target's. A
+length. `tokenizer_problems` says whether a draft shares the target's tokenizer (a draft that does
+not is run by `drafters/cross_vocab.py`; `check_compatible` refuses it where token ids must agree). A
 `ModelCache` loads each (spec, dtype) once; a server freezes it so a request can pick another
 drafter built from the models already in memory, never make it read new weights.
 
@@ -49,7 +50,7 @@ from verispec.paths import cache_dir
 from verispec.progress import status
 
 __all__ = [
-    "LoadedModel", "ModelCache", "ModelLoader", "require_own_runner", "load_model", "load_tokenizer", "resolve_folder", "check_compatible", "parse_dtype",
+    "LoadedModel", "ModelCache", "ModelLoader", "require_own_runner", "load_model", "load_tokenizer", "resolve_folder", "check_compatible", "tokenizer_problems", "parse_dtype",
     "parse_precision", "precisions_for", "Precision", "PRECISIONS",
 ]
 
@@ -288,8 +289,9 @@ class ModelCache:
         return self._models[key]
 
 
-def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
-    """Refuse a draft that does not share the target's tokenizer (vocabulary and special ids)."""
+def tokenizer_problems(target: LoadedModel, draft: LoadedModel) -> list[str]:
+    """How the draft's tokenizer differs from the target's (vocabulary, special ids, logits width); [] if
+    it drafts in the target's own token ids."""
     t_tok, d_tok = target.tokenizer, draft.tokenizer
     problems = []
     if t_tok.get_vocab() != d_tok.get_vocab():
@@ -299,8 +301,14 @@ def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
             problems.append(f"{attr} differs ({getattr(t_tok, attr)} vs {getattr(d_tok, attr)})")
     if draft.vocab_size > target.vocab_size:
         problems.append(f"draft logits are wider than the target's ({draft.vocab_size} > {target.vocab_size})")
-    if problems:
+    return problems
+
+
+def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
+    """Refuse a draft that does not share the target's tokenizer (vocabulary and special ids)."""
+    if problems := tokenizer_problems(target, draft):
         raise IncompatibleModelsError(
-            f"draft {draft.name!r} cannot draft for target {target.name!r}: " + "; ".join(problems)
-            + ". Use a draft from the same model family (same tokenizer), or --draft ngram / none."
+            f"draft {draft.name!r} cannot draft for target {target.name!r} in its token ids: " + "; ".join(problems)
+            + ". Only a plain draft model (model:NAME, gguf:NAME) may use another tokenizer; use a draft of the "
+            "same family (same tokenizer), or --draft ngram / none."
         )

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from verispec.errors import InvalidParameterError
+from verispec.types import TokenLogprobs
 
 MIN_TEMPERATURE = 1e-3  # logits / smaller temperatures overflow float32: the distribution turns NaN
 MIN_REPETITION_PENALTY = 1e-2  # the same overflow, through the penalty's division
 
-__all__ = ["SamplingParams", "MIN_TEMPERATURE", "MIN_REPETITION_PENALTY", "apply_repetition_penalty", "to_probs", "greedy_tokens", "seen_mask"]
+__all__ = ["SamplingParams", "MIN_TEMPERATURE", "MIN_REPETITION_PENALTY", "apply_repetition_penalty", "to_probs", "greedy_tokens", "seen_mask", "token_logprobs", "MAX_TOP_LOGPROBS"]
 
 
 @dataclass(frozen=True)
@@ -140,3 +141,18 @@ def greedy_tokens(logits: torch.Tensor, params: SamplingParams, seen: torch.Tens
     if seen is not None:
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
     return logits.argmax(dim=-1)
+
+
+MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for per token (OpenAI's bound)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprobs]:
+    """Log-probabilities of `tokens` under the raw distribution of each logits row [len(tokens), vocab],
+    with the `top` most likely alternatives of each row (no temperature, top-k/p or penalty applied)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [n, vocab]
+    chosen = logp.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()  # [n]
+    if top <= 0:
+        return [TokenLogprobs(value) for value in chosen]
+    values, ids = logp.topk(top, dim=-1)  # [n, top] each
+    return [TokenLogprobs(value, tuple(zip(row_ids, row_values)))
+            for value, row_ids, row_values in zip(chosen, ids.tolist(), values.tolist())]

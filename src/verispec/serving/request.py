@@ -101,6 +101,25 @@ def _max_new_tokens(body: CompletionRequest | ChatCompletionRequest, default: in
     return requested or (default if limit is None else min(default, limit))
 
 
+def _logprobs(body: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """None: no log-probabilities; k: each token's and its k most likely alternatives."""
+    if not isinstance(body, ChatCompletionRequest):
+        return body.logprobs
+    if body.top_logprobs is not None and not body.logprobs:
+        raise invalid("top_logprobs: needs logprobs: true", "top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
+def _response_format(body: CompletionRequest | ChatCompletionRequest) -> dict | None:
+    """The grammar constraint for the engine (`GenerationConfig.response_format`); None: free text."""
+    fmt = getattr(body, "response_format", None)
+    if fmt is None:
+        return None
+    if (fmt.type == "json_schema") != (fmt.json_schema is not None):
+        raise invalid("response_format: json_schema goes with type json_schema, and type json_schema needs it", "response_format")
+    return None if fmt.type == "text" else fmt.model_dump(by_alias=True, exclude_none=True)
+
+
 def request_config(body: CompletionRequest | ChatCompletionRequest, default_max_tokens: int,
                    max_tokens_limit: int | None = None) -> GenerationConfig:
     sampling = SamplingParams(
@@ -115,4 +134,5 @@ def request_config(body: CompletionRequest | ChatCompletionRequest, default_max_
     if body.stream_options is not None and not body.stream:
         raise invalid("stream_options: only allowed with stream: true", "stream_options")
     return GenerationConfig(max_new_tokens=_max_new_tokens(body, default_max_tokens, max_tokens_limit), sampling=sampling,
-                            seed=body.seed, stop=stop, drafter=body.drafter, gamma=body.gamma, gamma_policy=body.gamma_policy)
+                            seed=body.seed, stop=stop, drafter=body.drafter, gamma=body.gamma, gamma_policy=body.gamma_policy,
+                            logprobs=_logprobs(body), response_format=_response_format(body))

@@ -3,10 +3,14 @@
 It uses the Hugging Face transformers implementation of the model (independent of verispec's
 runner), recomputes the whole sequence every token (no cache), and samples one token at a time
 with the same processors. `sequence_distribution` enumerates the exact probability of every
-continuation of a given length, for distribution tests on tiny vocabularies.
+continuation of a given length, for distribution tests on tiny vocabularies. `allowed` (the
+continuation so far → bool [vocab]) constrains every step the obvious way: forbidden logits are −inf
+before the processors, as a grammar constraint asks.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -21,9 +25,14 @@ def _last_logits(hf_model, ids: list[int]) -> torch.Tensor:
     return hf_model(torch.tensor([ids])).logits[0, -1:].float()  # [1, vocab]
 
 
-def next_token_probs(hf_model, ids: list[int], params: SamplingParams) -> torch.Tensor:
-    """The processed next-token distribution after `ids`: [vocab]."""
+Allowed = Callable[[tuple[int, ...]], torch.Tensor]  # the new tokens so far -> bool [vocab]
+
+
+def next_token_probs(hf_model, ids: list[int], params: SamplingParams, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """The processed next-token distribution after `ids`: [vocab]; `allowed` bool [vocab] masks the logits first."""
     logits = _last_logits(hf_model, ids)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed[: logits.shape[-1]], float("-inf"))  # [1, vocab]
     seen = seen_mask(logits.shape[-1], ids) if params.repetition_penalty != 1.0 else None
     if params.greedy:
         probs = torch.zeros_like(logits[0])
@@ -39,11 +48,13 @@ def reference_generate(
     params: SamplingParams = SamplingParams(),
     generator: torch.Generator | None = None,
     eos_ids: frozenset[int] = frozenset(),
+    allowed: Allowed | None = None,
 ) -> list[int]:
     """Token-by-token decoding of the target alone; returns the new ids (eos included if hit)."""
     ids = list(prompt_ids)
     for _ in range(max_new_tokens):
-        probs = next_token_probs(hf_model, ids, params)
+        mask = None if allowed is None else allowed(tuple(ids[len(prompt_ids) :]))
+        probs = next_token_probs(hf_model, ids, params, mask)
         token = int(probs.argmax()) if params.greedy else int(multinomial(probs[None], generator))
         ids.append(token)
         if token in eos_ids:
@@ -51,13 +62,16 @@ def reference_generate(
     return ids[len(prompt_ids) :]
 
 
-def sequence_distribution(hf_model, prompt_ids: list[int], length: int, params: SamplingParams) -> dict[tuple[int, ...], float]:
+def sequence_distribution(
+    hf_model, prompt_ids: list[int], length: int, params: SamplingParams, allowed: Allowed | None = None
+) -> dict[tuple[int, ...], float]:
     """Exact probability of every continuation of `length` tokens (no early stop); zero-mass ones omitted."""
     dist: dict[tuple[int, ...], float] = {(): 1.0}
     for _ in range(length):
         grown: dict[tuple[int, ...], float] = {}
         for prefix, mass in dist.items():
-            probs = next_token_probs(hf_model, list(prompt_ids) + list(prefix), params)
+            mask = None if allowed is None else allowed(prefix)
+            probs = next_token_probs(hf_model, list(prompt_ids) + list(prefix), params, mask)
             for token in probs.nonzero().flatten().tolist():
                 grown[prefix + (token,)] = mass * float(probs[token])
         dist = grown

@@ -37,6 +37,7 @@ from verispec.serving.cluster.batch_io import FORMATS, IdCheck, InputRecord, Par
 from verispec.serving.cluster.cluster import require_ray, worker_threads
 from verispec.errors import InvalidParameterError, VerispecError
 from verispec.serving.http.schemas import ChatMessage, CompletionRequest
+from verispec.types import AcceptanceStats
 
 __all__ = ["BatchRecord", "BatchOptions", "BatchReport", "EngineActor", "Tally", "run_batch", "print_report"]
 
@@ -54,6 +55,7 @@ class BatchRecord(CompletionRequest):
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="default: the job's --max-new-tokens")
     chat: bool = Field(True, description="wrap a text prompt in the model's chat template (when it has one)")
+    logprobs: None = Field(None, description="not returned by batch jobs: absent only")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> BatchRecord:
@@ -160,10 +162,9 @@ class Tally:
     results: int = 0
     errors: int = 0
     new_tokens: int = 0
-    steps: int = 0
-    accepted: int = 0
-    judged: int = 0
     seconds: float = 0.0
+    # the records' step totals (a result row carries no per-position counts, so those stay empty)
+    acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
 
     def add(self, kind: str, row: dict, seconds: float) -> None:
         self.seconds += seconds
@@ -172,18 +173,24 @@ class Tally:
             return
         self.results += 1
         self.new_tokens += row["new_tokens"]
-        self.steps += row["steps"]
-        self.accepted += row["accepted_tokens"]
-        self.judged += row["judged_tokens"]
+        self.acceptance.merge(AcceptanceStats(steps=row["steps"], proposed=row["proposed_tokens"],
+                                              accepted=row["accepted_tokens"], judged=row["judged_tokens"]))
 
     @property
     def tau(self) -> float:
         """τ: tokens per verification step (accepted + 1)."""
-        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+        return self.acceptance.tau
 
     @property
     def alpha(self) -> float:
-        return self.accepted / self.judged if self.judged else 0.0
+        return self.acceptance.alpha
+
+    def to_dict(self, seconds: float | None = None) -> dict:
+        acceptance = self.acceptance
+        return {"results": self.results, "errors": self.errors, "new_tokens": self.new_tokens, "steps": acceptance.steps,
+                "accepted": acceptance.accepted, "judged": acceptance.judged, "seconds": self.seconds,
+                "tau": round(self.tau, 4), "alpha": round(self.alpha, 4),
+                "tokens_per_second": round(self.tokens_per_second(seconds), 3)}
 
     def tokens_per_second(self, seconds: float | None = None) -> float:
         seconds = self.seconds if seconds is None else seconds
@@ -204,12 +211,9 @@ class BatchReport:
     interrupted: bool = False
 
     def to_dict(self) -> dict:
-        def tally(t: Tally, seconds: float | None = None) -> dict:
-            return {**asdict(t), "tau": round(t.tau, 4), "alpha": round(t.alpha, 4),
-                    "tokens_per_second": round(t.tokens_per_second(seconds), 3)}
         return {"skipped": self.skipped, "ran": self.ran, "left": self.left, "wall_seconds": round(self.wall_seconds, 3),
-                "interrupted": self.interrupted, "total": tally(self.total, self.wall_seconds),
-                "actors": {name: tally(t) for name, t in self.actors.items()},
+                "interrupted": self.interrupted, "total": self.total.to_dict(self.wall_seconds),
+                "actors": {name: t.to_dict() for name, t in self.actors.items()},
                 "check": None if self.check is None else {**asdict(self.check), "complete": self.check.complete}}
 
 

@@ -90,6 +90,11 @@ async def _next(job: Job, request: Request) -> JobUpdate:
                 raise ClientDisconnected from None
 
 
+def _tokenizer(request: Request):
+    """The served target's tokenizer (token strings in log-probabilities)."""
+    return request.app.state.scheduler.engine.target.tokenizer
+
+
 def create_app(
     engine_or_loader: Engine | Callable[[], Engine],
     *,
@@ -136,6 +141,19 @@ def create_app(
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
 
+    default_openapi = app.openapi
+
+    def openapi() -> dict:
+        """FastAPI's schema, with `model` limited to the one model this server serves (known once loaded)."""
+        schema = default_openapi()
+        name = getattr(app.state, "model_name", None)
+        if name is not None:
+            for body in ("CompletionRequest", "ChatCompletionRequest"):
+                schema["components"]["schemas"][body]["properties"]["model"]["enum"] = [name]
+        return schema
+
+    app.openapi = openapi
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(*describe_invalid(exc.errors()))
@@ -174,11 +192,11 @@ def create_app(
         return response
 
     async def collect(job: Job, request: Request, fmt: CompletionFormat) -> dict:
-        text, origins = [], []
+        events = []
         while (update := await _next(job, request)).kind == "tokens":
-            text += [event.text for event in update.events]
-            origins += [event.origin.value for event in update.events]
-        return fmt.response("".join(text), origins, update.finish_reason, update.stats)
+            events += update.events
+        return fmt.response("".join(event.text for event in events), [event.origin.value for event in events],
+                            update.finish_reason, update.stats, events)
 
     async def stream(job: Job, fmt: CompletionFormat, endpoint: str, started: float, include_usage: bool) -> AsyncIterator[str]:
         status, first = 200, True
@@ -206,13 +224,13 @@ def create_app(
     async def completions(body: CompletionRequest, request: Request) -> Response:
         prompt = body.prompt
         encode = (lambda engine: engine.prompt_ids(prompt, chat=False)) if isinstance(prompt, str) else (lambda engine: engine.prompt_ids(prompt))
-        return await serve(request, body, "completions", encode, CompletionFormat(request.app.state.model_name))
+        return await serve(request, body, "completions", encode, CompletionFormat(request.app.state.model_name, _tokenizer(request)))
 
     @app.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}, **ERROR_RESPONSES})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         messages = body.messages
         return await serve(request, body, "chat", lambda engine: chat_prompt_ids(engine, messages),
-                           ChatFormat(request.app.state.model_name))
+                           ChatFormat(request.app.state.model_name, _tokenizer(request)))
 
     @app.get("/v1/models", response_model=ModelList)
     async def models(request: Request) -> dict:

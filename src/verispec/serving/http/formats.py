@@ -5,6 +5,10 @@ so the request handler streams or collects without knowing which endpoint it ser
 token chunks carry two extras the playground reads: the token's `origin` on the choice and the
 request's live `speculative` statistics at the top level. The finishing chunk carries `usage`; with
 `stream_options.include_usage` a last chunk follows with empty `choices` and the `usage`, as OpenAI's.
+
+Log-probabilities (when the request asked): completions use OpenAI's legacy shape (`tokens`,
+`token_logprobs`, `top_logprobs` as {token: logprob}, `text_offset`), chat its `content` list of
+{token, logprob, bytes, top_logprobs}; a token's string is the tokenizer's decoding of that id alone.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import json
 import time
 import uuid
 
-from verispec.types import GenerationStats, TokenEvent
+from verispec.types import GenerationStats, TokenEvent, TokenLogprobs
 
 __all__ = ["CompletionFormat", "ChatFormat", "usage", "sse"]
 
@@ -38,8 +42,9 @@ def usage(stats: GenerationStats) -> dict:
 class CompletionFormat:
     object_name, chunk_name, id_prefix = "text_completion", "text_completion", "cmpl"
 
-    def __init__(self, model: str):
-        self.model = model
+    def __init__(self, model: str, tokenizer=None):
+        self.model, self.tokenizer = model, tokenizer
+        self._offset = 0  # characters of the token strings given out so far (completions' text_offset)
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
 
@@ -55,6 +60,8 @@ class CompletionFormat:
     def token_chunk(self, event: TokenEvent, live: dict | None) -> dict:
         choice = {"index": 0, **self._content(event.text), "finish_reason": None,
                   "origin": event.origin.value, "token_id": event.token_id}
+        if event.logprobs is not None:
+            choice["logprobs"] = self.logprobs([event])
         return self._envelope(self.chunk_name, [choice], speculative=live)
 
     def final_chunk(self, finish_reason: str, stats: GenerationStats) -> dict:
@@ -64,9 +71,28 @@ class CompletionFormat:
     def usage_chunk(self, stats: GenerationStats) -> dict:
         return self._envelope(self.chunk_name, [], usage=usage(stats))
 
-    def response(self, text: str, origins: list[str], finish_reason: str, stats: GenerationStats) -> dict:
-        choice = {"index": 0, **self._final_content(text), "finish_reason": finish_reason, "logprobs": None, "origins": origins}
+    def response(self, text: str, origins: list[str], finish_reason: str, stats: GenerationStats,
+                 events: list[TokenEvent] = ()) -> dict:
+        scored = [event for event in events if event.logprobs is not None]
+        logprobs = self.logprobs(scored) if scored else None
+        choice = {"index": 0, **self._final_content(text), "finish_reason": finish_reason, "logprobs": logprobs, "origins": origins}
         return self._envelope(self.object_name, [choice], usage=usage(stats))
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+
+    def logprobs(self, events: list[TokenEvent]) -> dict:
+        """The legacy completions shape for these tokens (text_offset continues across calls)."""
+        tokens = [self._token(event.token_id) for event in events]
+        offsets = []
+        for token in tokens:
+            offsets.append(self._offset)
+            self._offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [event.logprobs.logprob for event in events],
+                "top_logprobs": [self._top(event.logprobs) for event in events], "text_offset": offsets}
+
+    def _top(self, scored: TokenLogprobs) -> dict[str, float]:
+        return {self._token(token): value for token, value in scored.top}
 
     def _final_content(self, text: str) -> dict:
         return {"text": text}
@@ -83,3 +109,13 @@ class ChatFormat(CompletionFormat):
 
     def _final_content(self, text: str) -> dict:
         return {"message": {"role": "assistant", "content": text}}
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        token = self._token(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    def logprobs(self, events: list[TokenEvent]) -> dict:
+        """OpenAI's chat shape: one `content` entry per token, with its top alternatives."""
+        content = [{**self._entry(event.token_id, event.logprobs.logprob),
+                    "top_logprobs": [self._entry(token, value) for token, value in event.logprobs.top]} for event in events]
+        return {"content": content, "refusal": None}

@@ -12,6 +12,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from verispec.types import AcceptanceStats
+
 __all__ = ["Metrics", "LATENCY_BUCKETS"]
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -49,9 +51,7 @@ class Metrics:
         self._lock = threading.Lock()
         self.requests: dict[tuple[str, int], int] = {}  # (endpoint, status) -> count
         self.prompt_tokens = self.generated_tokens = 0
-        self.steps = self.proposed = self.accepted = self.judged = 0
-        self.position_offered: list[int] = []
-        self.position_accepted: list[int] = []
+        self.acceptance = AcceptanceStats()  # every verified row of every step
         self.finished: dict[str, int] = {}  # finish reason (stop / length / cancelled / timeout / error) -> count
         self.request_latency: dict[str, _Histogram] = {}
         self.time_to_first_token = _Histogram(LATENCY_BUCKETS)
@@ -82,17 +82,8 @@ class Metrics:
         """One row of one step: `proposed` draft tokens, `accepted` kept, `emitted` tokens streamed."""
         now = time.monotonic()
         with self._lock:
-            self.steps += 1
-            self.proposed += proposed
-            self.accepted += accepted
-            self.judged += accepted + (accepted < proposed)
+            self.acceptance.add(proposed, accepted)
             self.generated_tokens += emitted
-            while len(self.position_offered) < proposed:
-                self.position_offered.append(0)
-                self.position_accepted.append(0)
-            for i in range(proposed):
-                self.position_offered[i] += 1
-                self.position_accepted[i] += accepted > i
             self._recent_tokens.append((now, emitted))
             self._forget_before(now - RATE_WINDOW_SECONDS)
 
@@ -122,27 +113,25 @@ class Metrics:
             out.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *lines])
 
         with self._lock:
+            acceptance = self.acceptance
             metric("verispec_requests_total", "counter", "HTTP requests by endpoint and status code.",
                    [f'verispec_requests_total{{endpoint="{e}",status="{s}"}} {n}' for (e, s), n in sorted(self.requests.items())])
             metric("verispec_generations_finished_total", "counter", "Generations by how they ended.",
                    [f'verispec_generations_finished_total{{reason="{r}"}} {n}' for r, n in sorted(self.finished.items())])
             metric("verispec_prompt_tokens_total", "counter", "Prompt tokens admitted.", [f"verispec_prompt_tokens_total {self.prompt_tokens}"])
             metric("verispec_generated_tokens_total", "counter", "Tokens generated.", [f"verispec_generated_tokens_total {self.generated_tokens}"])
-            metric("verispec_steps_total", "counter", "Verification steps (one per request per target pass).", [f"verispec_steps_total {self.steps}"])
-            metric("verispec_draft_tokens_proposed_total", "counter", "Draft tokens proposed.", [f"verispec_draft_tokens_proposed_total {self.proposed}"])
-            metric("verispec_draft_tokens_accepted_total", "counter", "Draft tokens accepted.", [f"verispec_draft_tokens_accepted_total {self.accepted}"])
+            metric("verispec_steps_total", "counter", "Verification steps (one per request per target pass).", [f"verispec_steps_total {acceptance.steps}"])
+            metric("verispec_draft_tokens_proposed_total", "counter", "Draft tokens proposed.", [f"verispec_draft_tokens_proposed_total {acceptance.proposed}"])
+            metric("verispec_draft_tokens_accepted_total", "counter", "Draft tokens accepted.", [f"verispec_draft_tokens_accepted_total {acceptance.accepted}"])
             metric("verispec_draft_tokens_judged_total", "counter", "Draft tokens the rejection rule decided on (accepted + first rejected per step): α = accepted / judged.",
-                   [f"verispec_draft_tokens_judged_total {self.judged}"])
+                   [f"verispec_draft_tokens_judged_total {acceptance.judged}"])
             metric("verispec_tokens_per_second", "gauge", f"Tokens generated per second over the last {RATE_WINDOW_SECONDS:.0f} s.",
                    [f"verispec_tokens_per_second {tokens_per_second:.4f}"])
-            alpha = self.accepted / self.judged if self.judged else 0.0
-            tau = (self.accepted + self.steps) / self.steps if self.steps else 0.0
-            metric("verispec_acceptance_rate", "gauge", "α: accepted / judged draft tokens since start.", [f"verispec_acceptance_rate {alpha:.4f}"])
+            metric("verispec_acceptance_rate", "gauge", "α: accepted / judged draft tokens since start.", [f"verispec_acceptance_rate {acceptance.alpha:.4f}"])
             metric("verispec_mean_accepted_length", "gauge", "τ: tokens emitted per verification step since start.",
-                   [f"verispec_mean_accepted_length {tau:.4f}"])
+                   [f"verispec_mean_accepted_length {acceptance.tau:.4f}"])
             metric("verispec_position_acceptance_rate", "gauge", "Share of steps whose draft reached and kept position i.",
-                   [f'verispec_position_acceptance_rate{{position="{i}"}} {a / o:.4f}'
-                    for i, (o, a) in enumerate(zip(self.position_offered, self.position_accepted)) if o])
+                   [f'verispec_position_acceptance_rate{{position="{i}"}} {rate:.4f}' for i, rate in enumerate(acceptance.per_position)])
             for name, (help_text, read) in self.gauges.items():
                 metric(name, "gauge", help_text, [f"{name} {read()}"])
             metric("verispec_request_latency_seconds", "histogram", "Request latency, end to end.",

@@ -409,9 +409,11 @@ class Scheduler:
             return True
         grown = max(needed, min(2 * job.reserved, job.generation.max_capacity))
         if self.reserved_tokens - job.reserved + grown > self.kv_pool_tokens:
-            events = job.generation.end("length")
-            if events:
-                job.push(JobUpdate("tokens", events=events, live=live_stats(job.generation.stats)))
+            generation = job.generation
+            held_back = generation.cancel("length")  # text kept for a stop string that can no longer come
+            if held_back:  # carried by an event repeating the last token
+                event = TokenEvent(generation.output_ids[-1], held_back, generation.origins[-1])
+                job.push(JobUpdate("tokens", events=[event], live=live_stats(generation.stats)))
             self._finished(job)
             return False
         self.reserved_tokens += grown - job.reserved

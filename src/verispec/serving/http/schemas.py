@@ -3,10 +3,11 @@
 Requests accept OpenAI's fields (model, max_tokens / max_completion_tokens, temperature, top_p,
 stop, seed, stream, stream_options, user) and verispec's extras: sampling (top_k, min_p, eta,
 epsilon, repetition_penalty) and speculation (drafter, gamma, gamma_policy) for this one request.
+`logprobs` (completions: how many alternatives; chat: `logprobs` + `top_logprobs`, at most
+`MAX_TOP_LOGPROBS`) and, on chat, `response_format` (text, json_object, json_schema) are implemented.
 Ranges are checked here so that a bad value is a 422 naming the field. OpenAI fields this server
-does not implement (`UNSUPPORTED`: n > 1, logprobs, tools, response_format other than text, echo,
-suffix, best_of, penalties, logit_bias) are declared with the one neutral value they accept, so the
-OpenAPI schema says exactly what is accepted; any other value is a 400 naming the field, and an
+does not implement (`UNSUPPORTED`: n > 1, tools, echo, suffix, best_of, penalties, logit_bias) are
+declared with the one neutral value they accept, so the OpenAPI schema says exactly what is accepted; any other value is a 400 naming the field, and an
 unknown field is refused, never silently ignored. Text must be valid Unicode (no lone surrogates).
 """
 
@@ -18,7 +19,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from pydantic_core import PydanticCustomError
 
 from verispec.drafters.specs import MAX_GAMMA
-from verispec.sampling.processors import MIN_REPETITION_PENALTY, MIN_TEMPERATURE
+from verispec.sampling.processors import MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY, MIN_TEMPERATURE
 
 __all__ = [
     "CompletionRequest", "ChatCompletionRequest", "ChatMessage", "Usage", "CompletionResponse",
@@ -31,9 +32,6 @@ UNSUPPORTED = {
     "best_of": "this server generates one candidate per request (best_of must be 1 or absent)",
     "echo": "this server does not echo the prompt back (echo must be false)",
     "suffix": "this server does not insert text (suffix must be empty or absent)",
-    "logprobs": "this server does not return log-probabilities (logprobs must be absent or false)",
-    "top_logprobs": "this server does not return log-probabilities (top_logprobs must be absent or 0)",
-    "response_format": "this server generates free text only (response_format must be {{\"type\": \"text\"}} or absent)",
     "tools": "this server does not call tools (tools must be empty or absent)",
     "tool_choice": "this server does not call tools (tool_choice must be \"none\" or absent)",
     "functions": "this server does not call functions (functions must be empty or absent)",
@@ -109,7 +107,8 @@ class _GenerationFields(_Body):
 class CompletionRequest(_GenerationFields):
     prompt: Text | list[int] = Field(description="text, or token ids")
     max_tokens: int | None = Field(16, ge=1, description="new tokens at most")
-    logprobs: None = Field(None, description="not implemented: absent only")
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
+        "return the target's log-probability of each token and of its `logprobs` most likely alternatives"))
     echo: Literal[False] = Field(False, description="not implemented: false only")
     suffix: Literal[""] | None = Field(None, description="not implemented: empty only")
     best_of: Literal[1] | None = Field(None, description="not implemented: 1 only")
@@ -130,16 +129,27 @@ class ChatMessage(_Body):
         return self.content or ""
 
 
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: Text | None = Field(None, max_length=64)
+    description: Text | None = None
+    schema_: dict[str, Any] = Field(alias="schema", description="the JSON Schema the answer must follow")
+    strict: bool | None = Field(None, description="accepted; the schema is always enforced")
+
+
 class ResponseFormat(_Body):
-    type: Literal["text"] = "text"
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaFormat | None = Field(None, description="with type json_schema only")
 
 
 class ChatCompletionRequest(_GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="the same as max_tokens (OpenAI's newer name)")
-    logprobs: Literal[False] | None = Field(None, description="not implemented: false only")
-    top_logprobs: Literal[0] | None = Field(None, description="not implemented: 0 only")
-    response_format: ResponseFormat | None = Field(None, description="text only")
+    logprobs: bool | None = Field(None, description="return the target's log-probability of each output token")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="alternatives per token (needs logprobs: true)")
+    response_format: ResponseFormat | None = Field(None, description=(
+        "json_object: any JSON value; json_schema: JSON following `json_schema.schema` (grammar-constrained, "
+        "lossless w.r.t. the constrained target)"))
     tools: Empty | None = Field(None, description="not implemented: empty only")
     tool_choice: Literal["none"] | None = Field(None, description="not implemented: \"none\" only")
     parallel_tool_calls: bool | None = Field(None, description="accepted; no tools are called")
@@ -166,7 +176,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: dict | None = Field(None, description="tokens, token_logprobs, top_logprobs, text_offset")
     origins: list[str] = Field(default_factory=list, description="per token: accepted / recovered / bonus / target")
 
 
@@ -188,7 +198,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: dict | None = Field(None, description="content: [{token, logprob, bytes, top_logprobs}]")
     origins: list[str] = Field(default_factory=list)
 
 

@@ -2,7 +2,9 @@
 
 Methods (comma list for --methods):
   hf-plain      the target's `generate`, greedy: the baseline every speedup is measured against;
-  hf-assisted   the same with `assistant_model=<--draft>` (Hugging Face's assisted generation defaults);
+  hf-assisted   the same with `assistant_model=<--draft>` (Hugging Face's assisted generation defaults;
+                a draft with another tokenizer gets `tokenizer=` and `assistant_tokenizer=`, HF's
+                universal assisted generation);
   hf-pld        the same with `prompt_lookup_num_tokens=10` (prompt lookup decoding);
   vs:SPEC[@POLICY][[PRECISION]]  a verispec Engine with the drafter spec SPEC (`none`, `model`,
                 `ngram`, …; see `verispec.drafters.make_drafter`), γ policy POLICY (default analytic)
@@ -57,10 +59,9 @@ from verispec.tools.bench.prompts import Prompt
 from verispec.tools.bench.questions import load_sources, select
 from verispec.tools.bench.report import BASELINE, markdown_report, summarize, write_json
 from verispec.control import POLICIES
-from verispec.drafters import Drafter, make_drafter
-from verispec.engine import Engine, GenerationConfig
+from verispec.engine import Engine, EngineBuilder, GenerationConfig
 from verispec.errors import InvalidParameterError, VerispecError
-from verispec.models.loading import PRECISIONS, LoadedModel, ModelCache, parse_dtype, parse_precision, resolve_folder
+from verispec.models.loading import PRECISIONS, LoadedModel, load_tokenizer, parse_dtype, parse_precision, resolve_folder
 from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, gguf_file
 from verispec.sampling.processors import SamplingParams
 from verispec.progress import console, status
@@ -220,9 +221,7 @@ class Models:
 
     def __init__(self, target: str, draft: str, dtype: str, temperature: float = 0.0):
         self.target_spec, self.draft_spec, self.dtype, self.temperature = target, draft, dtype, temperature
-        self._drafters: dict[tuple[str, str], Drafter | None] = {}
-        self._models = ModelCache()
-        self._models.default_draft = draft  # what `tree`, `hybrid`, … draft with
+        self.builder = EngineBuilder(target, dtype, default_draft=draft)  # `model`, `tree`, `hybrid`, … draft with --draft
 
     @property
     def target(self) -> LoadedModel:
@@ -230,7 +229,7 @@ class Models:
         return self.target_in(self.dtype)
 
     def target_in(self, precision: str) -> LoadedModel:
-        return self._models(self.target_spec, precision)
+        return self.builder.target(precision)
 
     def _hf(self, spec: str) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
@@ -246,27 +245,26 @@ class Models:
     def hf_draft(self) -> torch.nn.Module:
         return self._hf(self.draft_spec)
 
-    def drafter(self, spec: str, precision: str | None = None) -> Drafter | None:
-        """A verispec drafter, shared by every engine that uses the same spec and precision."""
-        precision = parse_precision(precision or self.dtype).name
-        if spec == "model":
-            spec = f"model:{self.draft_spec}"
-        if (spec, precision) not in self._drafters:
-            self._drafters[spec, precision] = make_drafter(spec, self.target_in(precision), load=self._models)
-        return self._drafters[spec, precision]
+    @cached_property
+    def assistant_tokenizers(self) -> dict:
+        """generate()'s tokenizer arguments for a draft of another tokenizer (none for the same one)."""
+        target, draft = load_tokenizer(resolve_folder(self.target_spec)), load_tokenizer(resolve_folder(self.draft_spec))
+        return {} if target.get_vocab() == draft.get_vocab() else {"tokenizer": target, "assistant_tokenizer": draft}
 
     def method(self, spec: MethodSpec) -> Method:
         if spec.is_verispec:
-            target = self.target_in(spec.precision or self.dtype)
-            engine = Engine(target, self.drafter(spec.drafter, spec.precision), gamma_policy=spec.policy)
+            engine = self.builder.engine(spec.drafter, gamma_policy=spec.policy, precision=spec.precision)
             return VerispecMethod(spec.name, engine, self.temperature)
         if spec.is_llama_cpp:
             return LlamaCppMethod.load(spec.name, gguf_file(self.target_spec), self.target.eos_ids, self.temperature)
         eos = self.target.eos_ids
         pad = self.target.tokenizer.eos_token_id
         pad = pad if pad is not None else min(eos)
-        extra = {"hf-plain": {}, "hf-assisted": {"assistant_model": self.hf_draft},
-                 "hf-pld": {"prompt_lookup_num_tokens": PLD_TOKENS}}[spec.name]
+        extra = {}  # hf-plain; the HF draft loads only for hf-assisted
+        if spec.name == "hf-assisted":
+            extra = {"assistant_model": self.hf_draft, **self.assistant_tokenizers}
+        elif spec.name == "hf-pld":
+            extra = {"prompt_lookup_num_tokens": PLD_TOKENS}
         return HFMethod(spec.name, self.hf_target, eos, pad, extra, self.temperature)
 
     def weights_mib(self, method: Method) -> float | None:

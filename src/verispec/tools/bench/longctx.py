@@ -18,9 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from verispec.tools.bench.memory import PeakMeter
-from verispec.drafters import make_drafter
-from verispec.engine import Engine, GenerationConfig
-from verispec.models.loading import LoadedModel, ModelCache
+from verispec.engine import Engine, EngineBuilder, GenerationConfig
+from verispec.models.loading import LoadedModel
 from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
 
 __all__ = ["LongTask", "make_document", "make_tasks", "measure", "main"]
@@ -115,14 +114,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench-results/longctx"), help="where rows.json and longctx-<task>.png go")
     args = parser.parse_args(argv)
 
-    models = ModelCache()  # the draft model is loaded once, for both drafters
-    target = models(args.target)
-    models.default_draft = args.draft
-    drafters = {
-        "plain": None,
-        "model": make_drafter(f"model:{args.draft}", target, load=models),
-        "triforce": make_drafter(args.triforce, target, load=models),
-    }
+    builder = EngineBuilder(args.target, default_draft=args.draft)  # the draft model is loaded once, for both drafters
+    target = builder.target()
+    drafters = {"plain": None, "model": builder.drafter(f"model:{args.draft}"), "triforce": builder.drafter(args.triforce)}
     kinds = set(args.tasks.split(","))
     records = []
     print(f"{'len':>6} {'task':9} {'method':9} {'tok/s':>7} {'×plain':>7} {'×model':>7} {'α':>6} {'τ':>5} {'prefill s':>9} {'peak MiB':>9} same")

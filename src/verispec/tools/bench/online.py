@@ -20,9 +20,7 @@ from rich.progress import track
 from rich.table import Table
 
 from verispec.tools.bench.questions import load_sources
-from verispec.drafters import make_drafter
-from verispec.engine import Engine, GenerationConfig
-from verispec.models.loading import ModelCache
+from verispec.engine import Engine, EngineBuilder, GenerationConfig
 from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
 from verispec.drafters.online import OnlineDrafter
 
@@ -100,11 +98,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench-results/online"))
     args = parser.parse_args(argv)
 
-    models = ModelCache()
-    target = models(args.target)
-    models.default_draft = args.draft
-    frozen = Engine(target, make_drafter(args.frozen or f"model:{args.draft}", target, load=models), args.gamma, "constant")
-    online = Engine(target, make_drafter(args.online, target, load=models), args.gamma, "constant")
+    builder = EngineBuilder(args.target, default_draft=args.draft)
+    frozen = builder.engine(args.frozen or f"model:{args.draft}", args.gamma, "constant")
+    online = builder.engine(args.online, args.gamma, "constant")
     if args.passes < 1 or args.requests < 1:
         parser.error("--requests and --passes must be at least 1")
     prompts = [p.text for p in load_sources(args.source)][: args.requests] * args.passes

@@ -1,0 +1,125 @@
+"""`logprobs` / `top_logprobs` and `response_format` through the official `openai` client.
+
+Log-probabilities: the server's values (streamed and not, completions and chat) are the engine's own,
+which tests/test_logprobs.py checks against a direct forward of the target. JSON: a tiny random model
+over single characters (tests/char_model.py) answers `response_format` json_schema / json_object with
+text that parses (and follows the schema); on the old server these fields were a 400.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from server_helpers import MODEL, LocalServer, tiny_engine
+
+from verispec import Engine, GenerationConfig
+from verispec.drafters import DraftModelDrafter
+from verispec.serving.http import create_app
+
+PROMPT = "t20 t21 t22 t20 t21"
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_target):
+    return tiny_engine(tiny_target)
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    with LocalServer(create_app(engine, model_name=MODEL)) as running:
+        yield openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _expected(engine, prompt_ids, k: int, n: int = 8):
+    """The events (with log-probabilities) the engine itself gives for this greedy request."""
+    return list(engine.stream(prompt_ids, GenerationConfig(max_new_tokens=n, logprobs=k)))
+
+
+def test_completion_logprobs_streamed_and_not(client, engine):
+    events = _expected(engine, engine.prompt_ids(PROMPT, chat=False), 2)
+    tokenizer = engine.target.tokenizer
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2)
+    lp = whole.choices[0].logprobs
+    assert lp.tokens == [tokenizer.decode([e.token_id]) for e in events]
+    assert lp.token_logprobs == pytest.approx([e.logprobs.logprob for e in events], abs=1e-6)
+    assert [list(top.values()) for top in lp.top_logprobs] == [[pytest.approx(v, abs=1e-6) for _, v in e.logprobs.top] for e in events]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2, stream=True)
+    chunks = [chunk.choices[0].logprobs for chunk in streamed if chunk.choices and chunk.choices[0].logprobs]
+    assert sum((c.tokens for c in chunks), []) == lp.tokens
+    assert sum((c.text_offset for c in chunks), []) == lp.text_offset
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).choices[0].logprobs is None
+
+
+def test_chat_logprobs_streamed_and_not(client, engine):
+    from verispec.serving.request import chat_prompt_ids
+    from verispec.serving.http.schemas import ChatMessage
+
+    events = _expected(engine, chat_prompt_ids(engine, [ChatMessage(role="user", content=PROMPT)]), 3)
+    messages = [{"role": "user", "content": PROMPT}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+    content = whole.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([e.logprobs.logprob for e in events], abs=1e-6)
+    assert all(len(c.top_logprobs) == 3 and c.bytes == list(c.token.encode()) for c in content)
+    streamed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, logprobs=True,
+                                              top_logprobs=3, stream=True)
+    tokens = [c.token for chunk in streamed if chunk.choices and chunk.choices[0].logprobs for c in chunk.choices[0].logprobs.content]
+    assert tokens == [c.token for c in content]
+    only = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, logprobs=True)
+    assert all(c.top_logprobs == [] for c in only.choices[0].logprobs.content)
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [
+    ({"top_logprobs": 2}, 400, "top_logprobs"),  # without logprobs: true
+    ({"logprobs": True, "top_logprobs": 21}, 422, "top_logprobs"),
+    ({"response_format": {"type": "json_schema"}}, 400, "response_format"),
+    ({"response_format": {"type": "xml"}}, 422, "response_format"),
+])
+def test_bad_values_are_refused_by_name(client, body, status, param):
+    url = str(client.base_url).rstrip("/") + "/chat/completions"
+    response = httpx.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": "t5"}], "max_tokens": 4, **body}, timeout=60)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["param"] == param
+
+
+@pytest.fixture(scope="module")
+def json_client(tmp_path_factory):
+    from char_model import char_model
+
+    target = char_model(tmp_path_factory.mktemp("chars") / "model")
+    engine = Engine(target, DraftModelDrafter(target, target.vocab_size), gamma=3, gamma_policy="constant")
+    with LocalServer(create_app(engine, model_name=MODEL)) as running:
+        yield openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_response_format_json_schema_and_json_object(json_client):
+    messages = [{"role": "user", "content": "ok?"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
+    for stream in (False, True):
+        for seed in range(3):
+            kwargs = dict(model=MODEL, messages=messages, max_tokens=60, temperature=1.0, seed=seed, response_format=fmt)
+            if stream:
+                text = "".join(c.choices[0].delta.content or "" for c in json_client.chat.completions.create(**kwargs, stream=True) if c.choices)
+            else:
+                reply = json_client.chat.completions.create(**kwargs)
+                text = reply.choices[0].message.content
+                assert reply.choices[0].finish_reason == "stop"
+            assert isinstance(json.loads(text)["ok"], bool) and set(json.loads(text)) == {"ok"}
+    anything = json_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
+                                                   response_format={"type": "json_object"})
+    if anything.choices[0].finish_reason == "stop":
+        json.loads(anything.choices[0].message.content)
+
+
+def test_batch_records_refuse_logprobs_they_would_not_return():
+    """A batch job writes text and statistics only: a record asking for logprobs is refused, not ignored."""
+    from pydantic import ValidationError
+
+    from verispec.serving.cluster.batch import BatchRecord
+
+    with pytest.raises(ValidationError, match="logprobs"):
+        BatchRecord.model_validate({"id": 1, "prompt": "t5", "logprobs": 2})
