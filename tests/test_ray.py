@@ -146,7 +146,8 @@ def test_serve_run_builder_takes_string_arguments():
 # ---- serving on Ray Serve --------------------------------------------------------------------------
 
 def test_cli_serve_ray_comes_up_answers_and_cleans_up(cluster, tiny_target):
-    """`verispec serve --ray --ray-address …` joins the cluster, serves, and on SIGTERM removes what it started."""
+    """`verispec serve --ray --ray-address …` joins the cluster, serves with the limits it was given (an API
+    key, a prefill chunk, a KV pool: refused with --ray before), and on SIGTERM removes what it started."""
     from verispec.serving.cluster.serve import serve_running
 
     if serve_running():
@@ -155,7 +156,8 @@ def test_cli_serve_ray_comes_up_answers_and_cleans_up(cluster, tiny_target):
     process = subprocess.Popen(
         [sys.executable, "-m", "verispec.cli", "serve", "--ray", "--ray-address", cluster["address"], "--replicas", "1",
          "--replica-cpus", "0.5", "--port", str(port), "--target", str(tiny_target), "--draft", "ngram",
-         "--gamma-policy", "constant", "--model-name", MODEL],
+         "--gamma-policy", "constant", "--model-name", MODEL, "--api-key", "k3y", "--prefill-chunk", "16",
+         "--kv-pool-tokens", "3000"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
@@ -167,7 +169,10 @@ def test_cli_serve_ray_comes_up_answers_and_cleans_up(cluster, tiny_target):
         wait_for(serving, 180, "verispec serve --ray to deploy")
         health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).json()
         assert health["model"] == MODEL and health["drafter"].startswith("ngram")
-        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": MODEL, "prompt": [20, 21, 22], "max_tokens": 5}, timeout=60)
+        assert (health["prefill_chunk"], health["kv_pool_tokens"]) == (16, 3000)
+        body = {"model": MODEL, "prompt": [20, 21, 22], "max_tokens": 5}
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).status_code == 401
+        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60, headers={"Authorization": "Bearer k3y"})
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] >= 1
         assert response.headers["x-verispec-replica"]
     finally:

@@ -363,13 +363,31 @@ def test_cli_serve_loads_once_and_answers(tiny_target):
         process.wait(10)
 
 
-def test_cli_serve_on_ray_refuses_limits_it_cannot_pass_on(tiny_target, capsys, monkeypatch):
+def test_cli_serve_on_ray_passes_every_limit_to_the_replicas(tiny_target, monkeypatch):
+    """Every limit of `serve` reaches the replicas' create_app (it was refused before); a bad value is
+    refused before Ray starts. Fails if an option is dropped on the way (Ray itself is not started)."""
     from verispec.cli import main
+    from verispec.serving.cluster import serve as cluster_serve
+    from verispec.serving.cluster.serve import build_app
 
-    monkeypatch.setenv("COLUMNS", "400")
+    deployed = []
+    monkeypatch.setattr(cluster_serve, "run_cli", lambda spec, options, address, describe: deployed.append(options) or 0)
     monkeypatch.setenv("VERISPEC_API_KEY", "k3y")
-    assert main(["serve", "--ray", "--target", str(tiny_target), "--cors-origin", "https://app.example"]) == 2
-    assert "--api-key, --cors-origin not supported with --ray yet" in capsys.readouterr().err
+    assert main(["serve", "--ray", "--target", str(tiny_target), "--cors-origin", "https://app.example", "--max-body-bytes", "999",
+                 "--max-tokens-limit", "77", "--stall-seconds", "5", "--prefill-chunk", "32", "--kv-pool-tokens", "5000",
+                 "--max-model-len", "100", "--max-queue", "3"]) == 0
+    app_options = deployed[0].app_options()
+    assert app_options == {**app_options, "api_key": "k3y", "cors_origins": ["https://app.example"], "max_body_bytes": 999,
+                           "max_tokens_limit": 77, "stall_seconds": 5.0, "prefill_chunk": 32, "kv_pool_tokens": 5000,
+                           "max_model_len": 100, "max_queue": 3}
+    assert main(["serve", "--ray", "--target", str(tiny_target), "--prefill-chunk", "-1"]) == 2
+    assert len(deployed) == 1
+    captured = []
+    monkeypatch.setattr(cluster_serve, "application", lambda spec, options: captured.append(options))
+    build_app({"target": str(tiny_target), "cors_origins": "https://a.example,https://b.example", "prefill_chunk": "64",
+               "kv_pool_tokens": "none", "api_key": "k"})
+    assert captured[0].cors_origins == ("https://a.example", "https://b.example") and captured[0].prefill_chunk == 64
+    assert captured[0].kv_pool_tokens is None and captured[0].api_key == "k"
 
 
 def test_schemathesis_finds_no_server_errors(server):

@@ -224,18 +224,33 @@ def _serve(args: argparse.Namespace) -> int:
     from verispec import load
     from verispec.serving.http import create_app
 
+    from verispec.serving.http.scheduler import default_kv_pool_tokens, kv_bytes_per_token
+
     _check_serve_limits(args)
     engine = load(args.target, args.draft, args.dtype, args.gamma, args.gamma_policy)  # once, before serving
     app = create_app(engine, model_name=args.model_name, max_batch=args.max_batch, max_queue=args.max_queue,
-                     request_timeout=args.timeout, api_key=args.api_key, cors_origins=args.cors_origin,
-                     max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit, stall_seconds=args.stall_seconds)
-    Console(stderr=True).print(f"serving {args.model_name or engine.target.name} on http://{args.host}:{args.port} "
-                               "(playground at /, OpenAI API under /v1)")
+                     request_timeout=args.timeout, **_serve_limits(args))
+    max_model_len = args.max_model_len or engine.target.context_length
+    pool = args.kv_pool_tokens or default_kv_pool_tokens(max_model_len, args.max_batch)
+    per_token = kv_bytes_per_token(engine)
+    size = f" = {pool * per_token / 2**30:.2f} GiB of target cache" if per_token else ""
+    console = Console(stderr=True)
+    console.print(f"KV pool {pool} positions{size}; at most {max_model_len} positions per request; "
+                  f"prefill chunk {args.prefill_chunk or 'whole prompt'}")
+    console.print(f"serving {args.model_name or engine.target.name} on http://{args.host}:{args.port} "
+                  "(playground at /, OpenAI API under /v1)")
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
 
 SERVE_LIMITS = {"api_key": None, "cors_origin": [], "max_body_bytes": 1 << 20, "max_tokens_limit": 4096, "stall_seconds": 60.0}
+
+
+def _serve_limits(args: argparse.Namespace) -> dict:
+    """create_app's limit arguments from serve's options (a single server and every Ray replica alike)."""
+    return {"api_key": args.api_key, "cors_origins": list(args.cors_origin), "max_body_bytes": args.max_body_bytes,
+            "max_tokens_limit": args.max_tokens_limit, "stall_seconds": args.stall_seconds,
+            "prefill_chunk": args.prefill_chunk, "kv_pool_tokens": args.kv_pool_tokens, "max_model_len": args.max_model_len}
 
 
 def _check_serve_limits(args: argparse.Namespace) -> None:
@@ -246,21 +261,24 @@ def _check_serve_limits(args: argparse.Namespace) -> None:
         raise InvalidParameterError(f"--gamma must lie in 1…{MAX_GAMMA}, got {args.gamma}")
     if args.max_body_bytes < 1 or args.max_tokens_limit < 1 or args.stall_seconds <= 0:
         raise InvalidParameterError("--max-body-bytes and --max-tokens-limit must be ≥ 1 and --stall-seconds > 0")
+    if args.prefill_chunk < 0 or (args.kv_pool_tokens is not None and args.kv_pool_tokens < 1):
+        raise InvalidParameterError("--prefill-chunk must be ≥ 0 (0: whole prompts) and --kv-pool-tokens ≥ 1")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise InvalidParameterError(f"--max-model-len must be ≥ 2, got {args.max_model_len}")
+    if args.max_batch < 1 or args.max_queue < 1:
+        raise InvalidParameterError("--max-batch and --max-queue must be ≥ 1")
 
 
 def _serve_on_ray(args: argparse.Namespace) -> int:
     from verispec.serving.cluster.serve import ServeOptions, run_cli
 
     _check_serve_limits(args)
-    changed = [name for name, default in SERVE_LIMITS.items() if getattr(args, name) != default]
-    if changed:  # Ray replicas do not take these yet: refuse rather than serve without them
-        raise VerispecError(f"--{', --'.join(n.replace('_', '-') for n in changed)} not supported with --ray yet "
-                            "(VERISPEC_API_KEY sets --api-key): serve without --ray, or drop them")
-
+    limits = _serve_limits(args)
     options = ServeOptions(
         replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas, replica_cpus=args.replica_cpus,
         target_ongoing_requests=args.target_ongoing_requests, host=args.host, port=args.port, model_name=args.model_name,
         max_batch=args.max_batch, max_queue=args.max_queue, request_timeout=args.timeout,
+        **{**limits, "cors_origins": tuple(limits["cors_origins"])},
     )
     spec = _engine_spec(args)
     return run_cli(spec, options, args.ray_address, spec.describe())
@@ -333,6 +351,18 @@ def build_parser() -> argparse.ArgumentParser:
                        help="most new tokens one request may ask for; more: HTTP 400")
     serve.add_argument("--stall-seconds", type=float, default=SERVE_LIMITS["stall_seconds"],
                        help="/health answers 503 degraded when the scheduler has work but has not advanced for this long")
+    serve.add_argument("--prefill-chunk", type=int, default=256,
+                       help="prompt tokens prefilled per scheduler turn, between the other requests' decode steps "
+                            "(0: each prompt whole, holding up everyone else meanwhile)")
+    serve.add_argument("--max-model-len", type=int, default=None,
+                       help="most positions per request, prompt + new tokens (default: the target's context); a longer "
+                            "prompt: HTTP 400; generation stops there with finish_reason length")
+    serve.add_argument("--kv-pool-tokens", type=int, default=None,
+                       help="target KV cache positions all running requests may hold together (default: the larger of "
+                            "--max-model-len + 64 and 2048 × --max-batch); a position costs 2 × layers × kv_heads × head_dim "
+                            "× bytes per value, 56 KiB for the default 1.5B target in float32, and the server prints the "
+                            "total at start. A request waits in the queue until its prompt + 256 fits; one that outgrows "
+                            "the pool ends with finish_reason length")
     _add_model_options(serve)
     ray_group = serve.add_argument_group("Ray Serve (needs verispec[ray])")
     ray_group.add_argument("--ray", action="store_true", help="serve as replicas on Ray Serve (the same API; Serve's proxy listens on --host/--port)")

@@ -11,7 +11,9 @@ Two optional hooks show a session the target's side. `attach_target_cache` gets 
 cache once (TriForce builds its retrieval cache from it). Sessions that learn from the target (STAND,
 the online drafter) set `observes_target = True`; the engine then calls `observe(ids, target_probs)`
 after each commit with the target's distributions at the newly committed positions. `finish()`
-tells a session its request is over.
+tells a session its request is over. `start_chunked` opens a session whose own prefill (a draft
+model's) is fed later, a chunk per `prefill_step` (a server interleaving a long prompt with other
+requests' steps); by default it is `start`, and sessions have nothing left to feed.
 
 `ModelSession` is the base of every session that drafts with a model of its own KV cache (draft
 model, tree expansion, vertical cascade): it prefills the cache, feeds it the committed tokens it
@@ -59,6 +61,12 @@ class DraftSession(ABC):
     def finish(self) -> None:
         """The request is over (finished, stopped or cancelled). Default: nothing to do."""
 
+    def prefill_step(self, max_tokens: int | None = None) -> bool:
+        """Feed at most `max_tokens` more prompt tokens (None: all the rest; 0: only ask) into the
+        session's own state; returns whether its prefill is complete. Only sessions opened with
+        `Drafter.start_chunked` may have any left. Default: nothing to feed."""
+        return True
+
 
 class Drafter(ABC):
     name: str = "drafter"
@@ -67,6 +75,11 @@ class Drafter(ABC):
     @abstractmethod
     def start(self, prompt_ids: list[int]) -> DraftSession:
         """Open the per-request state for a prompt."""
+
+    def start_chunked(self, prompt_ids: list[int]) -> DraftSession:
+        """A session whose own prefill the caller feeds a chunk at a time with `session.prefill_step`.
+        Default: `start` (the whole prefill now)."""
+        return self.start(prompt_ids)
 
 
 class ModelSession(DraftSession):
@@ -79,14 +92,27 @@ class ModelSession(DraftSession):
     `finish` releases the cache.
     """
 
-    def __init__(self, model: LoadedModel, prompt_ids: list[int]):
+    def __init__(self, model: LoadedModel, prompt_ids: list[int], prefill: bool = True):
         self.runner = model.runner
-        self.cache = self.runner.prefilled_cache(prompt_ids)
-        self.cached: list[int] = list(prompt_ids[:-1])
+        self._prompt = list(prompt_ids[:-1])  # what the prefill feeds (the last token comes with the first step)
+        if prefill:
+            self.cache = self.runner.prefilled_cache(prompt_ids)
+            self.cached: list[int] = list(self._prompt)
+        else:  # prefill_step feeds it; a proposal would first feed whatever is still missing anyway
+            self.cache = self.runner.new_cache(len(prompt_ids) + 64)
+            self.cached = []
         # cached[:checked] is a prefix of the sequence the last commit got, and the next commit's sequence
         # agrees with that one before its own last token (it only adds accepted drafts and one token), so
         # a commit compares only from there on: a few tokens, not the whole context
         self._checked = len(self.cached)
+
+    def prefill_step(self, max_tokens=None):
+        if len(self.cached) < len(self._prompt) and self._prompt[: len(self.cached)] == self.cached:
+            end = len(self._prompt) if max_tokens is None else min(len(self._prompt), len(self.cached) + max_tokens)
+            if end > len(self.cached):
+                self._feed(self._prompt[len(self.cached) : end], logits="none")
+                self._checked = len(self.cached)
+        return len(self.cached) >= len(self._prompt)
 
     def _feed(self, tokens: list[int], logits: str = "last") -> torch.Tensor | None:
         """Append `tokens` to the cache; the runner's logits for them ("last" [1, vocab], "all" [n, vocab])."""

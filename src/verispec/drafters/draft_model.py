@@ -65,10 +65,13 @@ class DraftModelDrafter(Drafter):
     def start(self, prompt_ids: list[int]) -> DraftSession:
         return _DraftModelSession(self, prompt_ids)
 
+    def start_chunked(self, prompt_ids: list[int]) -> DraftSession:
+        return _DraftModelSession(self, prompt_ids, prefill=False)
+
 
 class _DraftModelSession(ModelSession):
-    def __init__(self, drafter: DraftModelDrafter, prompt_ids: list[int]):
-        super().__init__(drafter.model, prompt_ids)
+    def __init__(self, drafter: DraftModelDrafter, prompt_ids: list[int], prefill: bool = True):
+        super().__init__(drafter.model, prompt_ids, prefill)
         self.target_vocab_size = drafter.target_vocab_size
 
     def propose(self, ids, gamma, params, generator):

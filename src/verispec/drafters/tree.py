@@ -40,10 +40,13 @@ class ExpansionDrafter(Drafter):
     def start(self, prompt_ids: list[int]) -> DraftSession:
         return _ExpansionSession(self, prompt_ids)
 
+    def start_chunked(self, prompt_ids: list[int]) -> DraftSession:
+        return _ExpansionSession(self, prompt_ids, prefill=False)
+
 
 class _ExpansionSession(ModelSession):
-    def __init__(self, drafter: ExpansionDrafter, prompt_ids: list[int]):
-        super().__init__(drafter.model, prompt_ids)
+    def __init__(self, drafter: ExpansionDrafter, prompt_ids: list[int], prefill: bool = True):
+        super().__init__(drafter.model, prompt_ids, prefill)
         self.drafter = drafter
 
     def _distributions(self, ids, builder: TreeBuilder, logits: torch.Tensor, params) -> torch.Tensor:

@@ -259,7 +259,7 @@ class Generation:
 
     INITIAL_SPARE = 256  # cache slots reserved past the prompt at the start (the cache doubles as needed)
 
-    def __init__(self, engine: Engine, prompt_ids: list[int], config: GenerationConfig):
+    def __init__(self, engine: Engine, prompt_ids: list[int], config: GenerationConfig, prefill: bool = True):
         self.engine, self.config = engine, config
         self.target = engine.target
         self.params = config.sampling
@@ -295,12 +295,68 @@ class Generation:
         self.policy = make_gamma_policy(policy, gamma, engine.costs_for(self.drafter, policy), engine.max_gamma)
         start = self._started = time.perf_counter()
         # room for the first tokens; a cache grows as the sequence does, never by the request's promise
-        spare = min(self.max_new, self.INITIAL_SPARE) + max(engine.max_gamma, gamma) + 2
+        self.initial_capacity, self.max_capacity = self.capacities(engine, self.prompt_len, config)
+        spare = self.initial_capacity - self.prompt_len
+        self.session, self.prefilled, self._session_opened = None, False, False
+        if not prefill:  # the caller feeds the prompt with prefill_step(), a chunk at a time
+            self.cache = self.target.runner.new_cache(self.initial_capacity)
+            self._cap_growth()
+            return
         self.cache = self.target.runner.prefilled_cache(self.ids, spare=spare)
-        self.session = self.drafter.start(self.ids) if self.drafter is not None else None
+        self._cap_growth()
+        self._open_session()
+        self.stats.prefill_seconds = time.perf_counter() - start
+
+    @classmethod
+    def capacities(cls, engine: Engine, prompt_len: int, config: GenerationConfig) -> tuple[int, int]:
+        """(cache positions a request over `prompt_len` prompt tokens reserves at its start, the most
+        its cache may grow to by doubling): prompt + up to INITIAL_SPARE new tokens + one step's
+        draft, and prompt + every new token + one step's draft. A token tree's step may still need
+        more than the second; the cache then grows to exactly what it needs."""
+        max_new = min(config.max_new_tokens, engine.target.context_length - prompt_len)
+        gamma = config.gamma if config.gamma is not None else engine.gamma
+        step = max(engine.max_gamma, gamma) + 2
+        return prompt_len + min(max_new, cls.INITIAL_SPARE) + step, prompt_len + max_new + step
+
+    def _cap_growth(self) -> None:
+        """A doubling cache (verispec's own runner) never doubles past what this request can use."""
+        if hasattr(self.cache, "ceiling"):
+            self.cache.ceiling = self.max_capacity
+
+    def _open_session(self, chunked: bool = False) -> None:
+        """The prompt is in the target's cache: open the drafter's session on it (chunked: its own
+        prefill, a draft model's, is left to later prefill_step calls)."""
+        self._session_opened = True
+        if self.drafter is None:
+            self.session = None
+        else:
+            self.session = self.drafter.start_chunked(self.ids) if chunked else self.drafter.start(self.ids)
         if self.session is not None:
             self.session.attach_target_cache(self.cache)
-        self.stats.prefill_seconds = time.perf_counter() - start
+        self.prefilled = self.session is None or self.session.prefill_step(0 if chunked else None)
+
+    def prefill_step(self, max_tokens: int | None = None) -> bool:
+        """Feed at most `max_tokens` more prompt tokens (None: all the rest) into the target's cache;
+        once the whole prompt (but its last token, fed with the first step) is in, open the drafter's
+        session, then feed its own prefill (a draft model's) in calls of its own. Returns whether the
+        prefill is complete. Chunks give the same cache as one prefill, up to the rounding of a
+        forward's width."""
+        if self.prefilled:
+            return True
+        if max_tokens is not None and max_tokens < 1:
+            raise InvalidParameterError(f"a prefill chunk must hold at least 1 token, got {max_tokens}")
+        start = time.perf_counter()
+        done, end = self.cache.length, self.prompt_len - 1
+        if max_tokens is not None:
+            end = min(end, done + max_tokens)
+        if end > done:
+            self.target.runner.forward(self.cache, torch.tensor(self.ids[done:end]), logits="none")
+        elif self._session_opened:
+            self.prefilled = self.session.prefill_step(max_tokens)
+        if self.cache.length == self.prompt_len - 1 and not self._session_opened:
+            self._open_session(chunked=max_tokens is not None)
+        self.stats.prefill_seconds += time.perf_counter() - start
+        return self.prefilled
 
     @property
     def done(self) -> bool:
@@ -323,6 +379,7 @@ class Generation:
 
     def plan(self) -> StepPlan:
         """Draft this step's tokens and say what the target must score."""
+        self.prefill_step()  # a prefill left unfinished: the rest of it now
         remaining = self.max_new - len(self.output_ids)
         gamma = min(self.policy.next_gamma(), remaining - 1) if self.session is not None else 0
         start = time.perf_counter()

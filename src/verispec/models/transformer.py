@@ -101,6 +101,7 @@ class KVCache:
         self.keys = torch.zeros(shape, dtype=dtype, device=device)  # [layers, kv_heads, capacity, head_dim]
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.length = 0
+        self.ceiling: int | None = None  # doubling stops here (what the sequence can use); None: no cap
 
     @property
     def capacity(self) -> int:
@@ -108,10 +109,11 @@ class KVCache:
 
     @torch.inference_mode()  # the slots are inference tensors once a forward has grown them
     def ensure(self, needed: int) -> None:
-        """Grow (doubling) so that `needed` slots fit."""
+        """Grow (doubling, at most to `ceiling` unless more is needed) so that `needed` slots fit."""
         if needed <= self.capacity:
             return
-        new = max(needed, 2 * self.capacity)
+        doubled = 2 * self.capacity if self.ceiling is None else min(2 * self.capacity, self.ceiling)
+        new = max(needed, doubled)
         for name in ("keys", "values"):
             old = getattr(self, name)
             grown = old.new_zeros((*old.shape[:2], new, old.shape[3]))

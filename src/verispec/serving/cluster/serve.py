@@ -5,7 +5,9 @@ continuous-batching `Scheduler`), loading the target and drafter once when it st
 proxy routes each request to a replica; with `min_replicas < max_replicas` Serve adds and removes
 replicas to keep about `target_ongoing_requests` requests on each (default: `max_batch`, what one
 replica verifies in one target pass). A replica accepts at most `max_batch + max_queue` requests,
-the same limit beyond which a single server answers 429.
+the same limit beyond which a single server answers 429. Every limit of a single server (API key,
+CORS origins, body and token limits, stall time, prefill chunk, KV pool, max model length) applies
+to each replica as given.
 
 A replica that dies is replaced by Serve; its in-flight requests get a 503 with a message that says
 to retry (`verispec.serving.cluster.proxy`), and new requests go to the live replicas. Responses carry
@@ -24,6 +26,7 @@ from dataclasses import dataclass, fields
 
 from verispec.serving.cluster.cluster import EngineSpec, require_ray, worker_threads
 from verispec.serving.cluster.proxy import SERVE_PROXY_ENV
+from verispec.serving.http.scheduler import DEFAULT_PREFILL_CHUNK
 from verispec.errors import InvalidParameterError
 
 __all__ = ["ServeOptions", "VerispecReplica", "application", "build_app", "deploy", "serve_running", "run_cli", "APP_NAME", "SERVE_PROXY_ENV"]
@@ -47,6 +50,15 @@ class ServeOptions:
     max_queue: int = 32
     request_timeout: float = 300.0
     app_name: str = APP_NAME
+    # the limits of `create_app`, the same on every replica (the key travels in the deployment's arguments)
+    api_key: str | None = None
+    cors_origins: tuple[str, ...] = ()
+    max_body_bytes: int = 1 << 20
+    max_tokens_limit: int = 4096
+    stall_seconds: float = 60.0
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    kv_pool_tokens: int | None = None
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         if (self.min_replicas is None) != (self.max_replicas is None):
@@ -73,7 +85,10 @@ class ServeOptions:
 
     def app_options(self) -> dict:
         return {"model_name": self.model_name, "max_batch": self.max_batch, "max_queue": self.max_queue,
-                "request_timeout": self.request_timeout}
+                "request_timeout": self.request_timeout, "api_key": self.api_key, "cors_origins": list(self.cors_origins),
+                "max_body_bytes": self.max_body_bytes, "max_tokens_limit": self.max_tokens_limit,
+                "stall_seconds": self.stall_seconds, "prefill_chunk": self.prefill_chunk,
+                "kv_pool_tokens": self.kv_pool_tokens, "max_model_len": self.max_model_len}
 
 
 class _ReplicaHeaders:
@@ -161,6 +176,8 @@ def build_app(args: dict):
         if value is None or not isinstance(value, str) or value.lower() == "none":
             return None if isinstance(value, str) else value
         kind = str(field.type)
+        if kind.startswith("tuple"):
+            return tuple(item.strip() for item in value.split(",") if item.strip())
         return int(value) if kind.startswith("int") else float(value) if kind.startswith("float") else value
 
     spec = EngineSpec(**{k: typed(spec_fields[k], v) for k, v in args.items() if k in spec_fields})

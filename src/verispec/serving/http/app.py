@@ -9,15 +9,21 @@ Endpoints: /v1/models, /v1/completions, /v1/chat/completions (streaming as SSE o
 "degraded" while the scheduler has work but has not gone round its loop for `stall_seconds`.
 
 Limits: `api_key` (every /v1 route and /metrics; `verispec.serving.http.guard`), `max_body_bytes`,
-`max_tokens_limit` (a request asking for more new tokens is refused, not capped), `max_queue`; a
-request's drafter may use only the loaded models and no spec that reads files
+`max_tokens_limit` (a request asking for more new tokens is refused, not capped), `max_queue` (429
+with Retry-After), `max_model_len` (prompt + new tokens per request), `kv_pool_tokens` (the target
+cache positions running requests share) and `prefill_chunk` (see `Scheduler`); a request's drafter
+may use only the loaded models and no spec that reads files
 (`verispec.serving.request.check_request_drafter`). `cors_origins` allows those browser origins.
+
+Prompts are tokenized in the handler, on one tokenizer thread of their own (never on the
+scheduler's worker), and a prompt longer than `max_model_len` is a 400 before it is queued.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -36,7 +42,9 @@ from verispec.serving.request import (
 from verispec.serving.http.formats import ChatFormat, CompletionFormat, sse
 from verispec.serving.http.guard import Guard
 from verispec.serving.http.metrics import Metrics
-from verispec.serving.http.scheduler import Job, JobUpdate, QueueFullError, RequestTimeoutError, Scheduler
+from verispec.serving.http.scheduler import (
+    DEFAULT_PREFILL_CHUNK, Job, JobUpdate, QueueFullError, RequestTimeoutError, Scheduler,
+)
 from verispec.serving.http.schemas import (
     ChatCompletionRequest, ChatCompletionResponse, ChatMessage, CompletionRequest, CompletionResponse, ErrorResponse,
     ModelList,
@@ -51,6 +59,11 @@ ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (400, 401, 413, 42
 
 class ClientDisconnected(Exception):
     """The client went away before its answer was ready."""
+
+
+def _error_headers(error: BaseException) -> dict[str, str] | None:
+    """Retry-After on a 429: when a queue place is likely free."""
+    return {"Retry-After": str(error.retry_after)} if isinstance(error, QueueFullError) else None
 
 
 def _error_status(error: BaseException) -> tuple[int, str, str | None]:
@@ -95,11 +108,15 @@ def create_app(
     cors_origins: list[str] | None = None,
     max_body_bytes: int = 1 << 20,
     stall_seconds: float = 60.0,
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    kv_pool_tokens: int | None = None,
+    max_model_len: int | None = None,
 ) -> FastAPI:
     """An app serving one engine. Pass a loader to load the models when the server starts."""
     if max_tokens_limit < 1 or stall_seconds <= 0:
         raise ValueError(f"max_tokens_limit must be ≥ 1 and stall_seconds > 0, got {max_tokens_limit} and {stall_seconds}")
     metrics = Metrics()
+    tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="verispec-tokenizer")  # one: a tokenizer is not shared
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -107,12 +124,14 @@ def create_app(
         engine.costs  # noqa: B018 — measure draft/target costs (analytic γ) now, not inside the first request
         app.state.model_name = model_name or engine.target.name
         app.state.created = int(time.time())
-        app.state.scheduler = Scheduler(engine, metrics, max_batch, max_queue, request_timeout)
+        app.state.scheduler = Scheduler(engine, metrics, max_batch, max_queue, request_timeout, prefill_chunk,
+                                        kv_pool_tokens, max_model_len)
         app.state.scheduler.start()
         try:
             yield
         finally:
             app.state.scheduler.stop()
+            tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="verispec", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible server for lossless speculative decoding")
@@ -154,8 +173,10 @@ def create_app(
             job = None
             try:
                 check_request_drafter(body.drafter, scheduler.engine.drafter_spec)
-                job = scheduler.submit(encode, request_config(body, default_max_tokens, max_tokens_limit))
-                await _next(job, request)  # "admitted": the prompt fits and is prefilled
+                config = request_config(body, default_max_tokens, max_tokens_limit)
+                ids = await asyncio.get_running_loop().run_in_executor(tokenizer_thread, encode, scheduler.engine)
+                job = scheduler.submit(ids, config)
+                await _next(job, request)  # "admitted": a batch slot and pool room (the prefill follows in chunks)
                 if body.stream:
                     include_usage = body.stream_options is not None and body.stream_options.include_usage
                     return StreamingResponse(stream(job, fmt, endpoint, started, include_usage), media_type="text/event-stream")
@@ -166,7 +187,7 @@ def create_app(
                 if job is not None:
                     job.cancel()  # whatever went wrong here, free its slot
                 status, message, param = _error_status(error)
-                response = error_response(status, message, param)
+                response = error_response(status, message, param, headers=_error_headers(error))
         metrics.record_request(endpoint, response.status_code, time.perf_counter() - started)
         return response
 
@@ -226,7 +247,9 @@ def create_app(
                 "drafter": engine.drafter.name if engine.drafter else "none", "drafter_spec": engine.drafter_spec,
                 "gamma": engine.gamma,
                 "gamma_policy": engine.gamma_policy, "max_batch": scheduler.max_batch,
-                "active": scheduler.active_count, "queued": scheduler.queue_length, "stalled_seconds": round(stalled, 3)}
+                "active": scheduler.active_count, "queued": scheduler.queue_length, "stalled_seconds": round(stalled, 3),
+                "max_model_len": scheduler.max_model_len, "prefill_chunk": scheduler.prefill_chunk,
+                "kv_pool_tokens": scheduler.kv_pool_tokens, "kv_pool_reserved_tokens": scheduler.reserved_tokens}
         if status == "degraded":
             body["reason"] = (f"the scheduler has not advanced for {stalled:.1f} s (limit {stall_seconds:g} s) "
                               "with requests waiting or running")

@@ -1,13 +1,32 @@
 """Continuous batching: one worker thread owns the models and steps every active request together.
 
-Requests wait in a bounded queue (full → `QueueFullError`, a 429). Between steps the worker admits
-waiting requests (tokenize + prefill) up to `max_batch`, drops cancelled or timed-out ones (freeing
-their slot and caches), then runs one step for all of them: `plan()` each (drafts) → ONE
-`forward_ragged` target pass over every row's feed → `commit()` each. Acceptance is ragged: each row
-keeps its own accepted prefix. Every request owns its `torch.Generator`, so a seeded request gives
-the same tokens alone or batched. An exception inside one request fails that request only; a request
-refused for its own input (a prompt too long, an unknown drafter) is not counted as a generation.
-The worker notes when it last went round its loop, so that `stalled_seconds` can tell a stuck step.
+Requests wait in a bounded FIFO queue (full → `QueueFullError`, a 429 with a Retry-After estimate).
+Every turn of the worker:
+  1. admit waiting requests, in order, up to `max_batch`, while the KV pool has room for the head
+     request's prompt + initial spare (`Generation.capacities`); otherwise the head waits (no
+     over-commit, no overtaking). A request whose own needs exceed the whole pool is refused (400).
+  2. drop cancelled or timed-out requests (freeing their slot, caches and pool share);
+  3. feed ONE prefill chunk of at most `prefill_chunk` prompt tokens to one request still prefilling
+     (round-robin; 0: a whole prompt at once), so a long prompt delays the others by at most one
+     chunk per turn; when the target's prefill completes the request opens its drafter's session,
+     whose own prefill (the `model` drafter's) follows in chunks the same way (other drafters
+     prefill their draft whole then);
+  4. one step for every prefilled request: `plan()` each (drafts) → ONE `forward_ragged` target pass
+     over every row's feed → `commit()` each. Acceptance is ragged: each row keeps its own prefix.
+
+KV pool: `kv_pool_tokens` cache positions of the target shared by the running requests. A request
+holds its reservation (prompt + initial spare at admission); when a step would write past it, the
+reservation grows as the cache does (doubling, capped at what the request can use, never less than
+the step needs). If the pool cannot give that, the request finishes with finish_reason "length"
+(its text so far is kept). Reservations return to the pool when requests end, fail or are
+cancelled. Draft models' caches are not counted (they grow the same way, at their own size per
+position). `max_model_len` caps prompt + new tokens.
+
+Every request owns its `torch.Generator`, so a seeded request gives the same tokens alone or
+batched. An exception inside one request fails that request only; a request refused for its own
+input (a prompt too long, an unknown drafter) is not counted as a generation. The worker notes when
+it last went round its loop (`stalled_seconds`) and keeps the last turns' work (`turns`: which
+requests were prefilled by how many tokens, which were stepped) for tests and debugging.
 
 Results travel to the request's asyncio loop as `JobUpdate`s through `call_soon_threadsafe`.
 """
@@ -15,26 +34,52 @@ Results travel to the request's asyncio loop as `JobUpdate`s through `call_soon_
 from __future__ import annotations
 
 import asyncio
-import queue
+import itertools
+import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from verispec.engine import Engine, Generation, GenerationConfig, StepPlan
-from verispec.errors import VerispecError
+from verispec.errors import PromptError, VerispecError
 from verispec.serving.http.metrics import Metrics
 from verispec.types import GenerationStats, TokenEvent
 
-__all__ = ["Scheduler", "Job", "JobUpdate", "QueueFullError", "RequestTimeoutError", "live_stats"]
+__all__ = ["Scheduler", "Job", "JobUpdate", "QueueFullError", "RequestTimeoutError", "Turn", "live_stats",
+           "DEFAULT_PREFILL_CHUNK", "default_kv_pool_tokens", "kv_bytes_per_token"]
 
 Encoder = Callable[[Engine], list[int]]  # runs on the worker: request → prompt token ids
+DEFAULT_PREFILL_CHUNK = 256
+POOL_TOKENS_PER_SLOT = 2048  # the default pool: this many positions per batch slot (at least one full-length request)
+POOL_HEADROOM = 64  # a full-length request's draft positions past max_model_len
+
+
+def default_kv_pool_tokens(max_model_len: int, max_batch: int) -> int:
+    """The pool `serve` uses unless told: room for one request of `max_model_len` positions, or
+    `POOL_TOKENS_PER_SLOT` per batch slot, whichever is more."""
+    return max(max_model_len + POOL_HEADROOM, POOL_TOKENS_PER_SLOT * max_batch)
+
+
+def kv_bytes_per_token(engine: Engine) -> int | None:
+    """Bytes one target cache position takes (keys + values of every layer), where the runner says
+    (verispec's own runner); None otherwise (llama.cpp and Hugging Face keep their own caches)."""
+    config, dtype = engine.target.runner.config, engine.target.runner.dtype
+    heads, head_dim = getattr(config, "num_kv_heads", None), getattr(config, "head_dim", None)
+    if heads is None or head_dim is None:
+        return None
+    return 2 * config.num_layers * heads * head_dim * torch.finfo(dtype).bits // 8
 
 
 class QueueFullError(VerispecError):
-    """Every slot and every queue place is taken."""
+    """Every slot and every queue place is taken; `retry_after` seconds is a guess of when one frees."""
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class RequestTimeoutError(VerispecError):
@@ -54,6 +99,14 @@ class JobUpdate:
     error: BaseException | None = None
 
 
+@dataclass(frozen=True)
+class Turn:
+    """What one turn of the worker did: prompt tokens fed per job id, and the job ids stepped."""
+
+    prefilled: dict[int, int]
+    stepped: tuple[int, ...]
+
+
 def live_stats(stats: GenerationStats) -> dict:
     return {
         "steps": stats.steps,
@@ -64,12 +117,21 @@ def live_stats(stats: GenerationStats) -> dict:
 
 
 class Job:
-    """One request as the worker sees it, and the asyncio side's handle to its updates."""
+    """One request as the worker sees it, and the asyncio side's handle to its updates.
 
-    def __init__(self, encode: Encoder, config: GenerationConfig, loop: asyncio.AbstractEventLoop, deadline: float):
+    `encode` is the prompt's token ids, or a function that makes them on the worker (the HTTP server
+    tokenizes in its handlers, off the worker; the Ray batch job lets the worker do it)."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, encode: Encoder | list[int], config: GenerationConfig, loop: asyncio.AbstractEventLoop, deadline: float):
         self.encode, self.config, self.loop, self.deadline = encode, config, loop, deadline
+        self.id = next(Job._ids)
+        self.prompt_ids: list[int] | None = list(encode) if isinstance(encode, list) else None
         self.updates: asyncio.Queue[JobUpdate] = asyncio.Queue()
         self.generation: Generation | None = None
+        self.reserved = 0  # KV pool positions this request holds
+        self.admitted_at = 0.0
         self._cancelled = threading.Event()
 
     def cancel(self) -> None:
@@ -95,25 +157,53 @@ class Job:
 
 
 class Scheduler:
-    """Owns the engine on one worker thread; `submit` from any thread or event loop."""
+    """Owns the engine on one worker thread; `submit` from any thread or event loop.
+
+    prefill_chunk: most prompt tokens fed per worker turn (0: a whole prompt at once);
+    kv_pool_tokens: target cache positions all running requests may hold together (default:
+    `default_kv_pool_tokens`); max_model_len: most positions (prompt + new tokens) per request
+    (default and at most: the target's context).
+    """
+
+    TURNS_KEPT = 4096
 
     def __init__(self, engine: Engine, metrics: Metrics | None = None, max_batch: int = 8, max_queue: int = 32,
-                 request_timeout: float = 300.0):
-        if max_batch < 1 or max_queue < 1 or request_timeout <= 0:
-            raise ValueError("max_batch and max_queue must be ≥ 1 and request_timeout > 0")
+                 request_timeout: float = 300.0, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 kv_pool_tokens: int | None = None, max_model_len: int | None = None):
+        if max_batch < 1 or max_queue < 1 or request_timeout <= 0 or prefill_chunk < 0:
+            raise ValueError("max_batch and max_queue must be ≥ 1, request_timeout > 0 and prefill_chunk ≥ 0")
+        context = engine.target.context_length
+        max_model_len = context if max_model_len is None else max_model_len
+        if not 2 <= max_model_len <= context:
+            raise ValueError(f"max_model_len must lie in 2…{context} (the target's context), got {max_model_len}")
+        kv_pool_tokens = default_kv_pool_tokens(max_model_len, max_batch) if kv_pool_tokens is None else kv_pool_tokens
+        if kv_pool_tokens < 1:
+            raise ValueError(f"kv_pool_tokens must be ≥ 1, got {kv_pool_tokens}")
         self.engine, self.metrics = engine, metrics or Metrics()
         self.max_batch, self.max_queue, self.request_timeout = max_batch, max_queue, request_timeout
-        self._waiting: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
+        self.prefill_chunk, self.kv_pool_tokens, self.max_model_len = prefill_chunk, kv_pool_tokens, max_model_len
+        self._waiting: deque[Job] = deque()
+        self._work = threading.Condition()  # guards _waiting; notified on submit
         self._active: list[Job] = []
+        self._prefilling: deque[Job] = deque()  # active jobs whose prompt is not all in, round-robin
+        self.reserved_tokens = 0  # KV pool positions held by the active jobs
+        self.turns: deque[Turn] = deque(maxlen=self.TURNS_KEPT)
+        self._request_seconds = 0.0  # moving average of a request's time from admission to its end
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_turn = time.monotonic()  # when the worker last went round its loop
-        self.metrics.add_gauge("verispec_queue_length", "Requests waiting for a batch slot.", lambda: self._waiting.qsize())
+        self.metrics.add_gauge("verispec_queue_length", "Requests waiting for a batch slot.", lambda: len(self._waiting))
         self.metrics.add_gauge("verispec_active_generations", "Requests being decoded now.", lambda: len(self._active))
+        self.metrics.add_gauge("verispec_prefilling_generations", "Requests whose prompt is being prefilled.",
+                               lambda: len(self._prefilling))
+        self.metrics.add_gauge("verispec_kv_pool_reserved_tokens", "Target cache positions the running requests hold.",
+                               lambda: self.reserved_tokens)
+        self.metrics.add_gauge("verispec_kv_pool_tokens", "Target cache positions the server may hand out.",
+                               lambda: self.kv_pool_tokens)
 
     @property
     def queue_length(self) -> int:
-        return self._waiting.qsize()
+        return len(self._waiting)
 
     @property
     def active_count(self) -> int:
@@ -122,7 +212,7 @@ class Scheduler:
     @property
     def stalled_seconds(self) -> float:
         """How long the worker has not gone round its loop while requests wait or run (0: no work)."""
-        if not (self._active or self._waiting.qsize()):
+        if not (self._active or self._waiting):
             return 0.0
         return max(0.0, time.monotonic() - self._last_turn)
 
@@ -137,18 +227,44 @@ class Scheduler:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
+        with self._work:
+            self._work.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def submit(self, encode: Encoder, config: GenerationConfig, loop: asyncio.AbstractEventLoop | None = None) -> Job:
+    def limit_config(self, prompt_len: int, config: GenerationConfig) -> GenerationConfig:
+        """`config` with max_new_tokens capped so that prompt + new tokens ≤ max_model_len; a prompt
+        that leaves no room is a PromptError (a 400)."""
+        if prompt_len >= self.max_model_len:
+            raise PromptError(f"the prompt has {prompt_len} tokens but this server takes at most {self.max_model_len} "
+                              "positions per request (prompt + new tokens): shorten the prompt")
+        room = self.max_model_len - prompt_len
+        return config if config.max_new_tokens <= room else replace(config, max_new_tokens=room)
+
+    def submit(self, encode: Encoder | list[int], config: GenerationConfig, loop: asyncio.AbstractEventLoop | None = None) -> Job:
+        """Queue a request: its prompt ids (checked against max_model_len now) or a function making them
+        on the worker. Raises QueueFullError when `max_queue` requests already wait."""
+        if isinstance(encode, list):
+            config = self.limit_config(len(encode), config)
         job = Job(encode, config, loop or asyncio.get_running_loop(), time.monotonic() + self.request_timeout)
-        try:
-            self._waiting.put_nowait(job)
-        except queue.Full:
-            raise QueueFullError(
-                f"the server is at capacity ({self.max_batch} running, {self.max_queue} waiting): retry later"
-            ) from None
+        with self._work:
+            if len(self._waiting) >= self.max_queue:  # clients that left while waiting give their place up
+                gone = [waiting for waiting in self._waiting if waiting.cancelled]
+                self._waiting = deque(waiting for waiting in self._waiting if not waiting.cancelled)
+                for _ in gone:
+                    self.metrics.record_finished("cancelled")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFullError(
+                    f"the server is at capacity ({len(self._active)} running, {len(self._waiting)} waiting): retry later",
+                    self._retry_after())
+            self._waiting.append(job)
+            self._work.notify()
         return job
+
+    def _retry_after(self) -> int:
+        """Seconds until a queue place is likely free: the queue's turns at the recent request time."""
+        turns = math.ceil((len(self._waiting) + 1) / self.max_batch)
+        return min(60, max(1, math.ceil(turns * self._request_seconds)))
 
     # ---- worker thread -------------------------------------------------------------------------
 
@@ -159,33 +275,59 @@ class Scheduler:
             try:
                 self._admit()
                 self._drop_finished_early()
-                if self._active:
-                    self._step()
+                prefilled = self._prefill()
+                stepped = self._step() if self._active else ()
+                if prefilled or stepped:
+                    self.turns.append(Turn(prefilled, stepped))
             except Exception as error:  # noqa: BLE001 — a bug outside any one request: fail the batch, keep serving
                 for job in list(self._active):
                     self._fail(job, error, "error")
-        for job in self._active:
+        for job in list(self._active):
             self._fail(job, RequestTimeoutError("the server is shutting down"), "cancelled")
-        self._active.clear()
+        with self._work:
+            waiting, self._waiting = list(self._waiting), deque()
+        for job in waiting:
+            job.push(JobUpdate("failed", error=RequestTimeoutError("the server is shutting down")))
+
+    def _head(self) -> Job | None:
+        """The first waiting job (idle: wait a little for one instead of spinning)."""
+        with self._work:
+            if not self._waiting and not self._active and not self._stop.is_set():
+                self._work.wait(0.05)
+            return self._waiting[0] if self._waiting else None
+
+    def _pop(self, job: Job) -> None:
+        with self._work:
+            self._waiting.remove(job)
 
     def _admit(self) -> None:
-        block = not self._active  # idle: wait a little for work instead of spinning
-        while len(self._active) < self.max_batch:
-            try:
-                job = self._waiting.get(timeout=0.05) if block else self._waiting.get_nowait()
-            except queue.Empty:
-                return
-            block = False
+        while len(self._active) < self.max_batch and (job := self._head()) is not None:
             if job.cancelled:
+                self._pop(job)
                 self.metrics.record_finished("cancelled")
                 continue
             try:
-                ids = job.encode(self.engine)
-                job.generation = self.engine.start(ids, job.config)
+                if job.prompt_ids is None:  # tokenized here (callers that did not do it themselves)
+                    job.prompt_ids = self.engine.prompt_ids(job.encode(self.engine))
+                    job.config = self.limit_config(len(job.prompt_ids), job.config)
+                need = Generation.capacities(self.engine, len(job.prompt_ids), job.config)[0]
+                if need > self.kv_pool_tokens:
+                    raise PromptError(f"the prompt ({len(job.prompt_ids)} tokens) and its first new tokens need {need} cache "
+                                      f"positions but this server's pool holds {self.kv_pool_tokens}: shorten the prompt")
+                if self.reserved_tokens + need > self.kv_pool_tokens:
+                    return  # the head waits for running requests to give back room; no one overtakes it
+                self._pop(job)
+                job.generation = Generation(self.engine, job.prompt_ids, job.config, prefill=False)
             except Exception as error:  # noqa: BLE001 — a bad prompt fails its own request only
+                if job in self._waiting:
+                    self._pop(job)
                 self._fail(job, error, None if isinstance(error, VerispecError) else "error")
                 continue
+            job.reserved = job.generation.initial_capacity
+            self.reserved_tokens += job.reserved
+            job.admitted_at = time.monotonic()
             self._active.append(job)
+            self._prefilling.append(job)
             self.metrics.record_admitted(job.generation.prompt_len)
             job.push(JobUpdate("admitted", prompt_tokens=job.generation.prompt_len))
 
@@ -193,34 +335,62 @@ class Scheduler:
         now = time.monotonic()
         for job in list(self._active):
             if job.cancelled:
-                self._active.remove(job)
-                job.generation.close()
+                self._remove(job)
                 self.metrics.record_finished("cancelled")
             elif now > job.deadline:
                 self._fail(job, RequestTimeoutError(
                     f"the request ran past the server's limit of {self.request_timeout:g} s: ask for fewer tokens"), "timeout")
 
+    def _remove(self, job: Job) -> None:
+        """Take an active job off the worker: close its generation, give back its pool share."""
+        self._active.remove(job)
+        if job in self._prefilling:
+            self._prefilling.remove(job)
+        job.generation.close()
+        self.reserved_tokens -= job.reserved
+        job.reserved = 0
+        seconds = time.monotonic() - job.admitted_at
+        self._request_seconds = seconds if not self._request_seconds else 0.8 * self._request_seconds + 0.2 * seconds
+
     def _fail(self, job: Job, error: BaseException, reason: str | None) -> None:
         """End `job` with `error`; `reason` None: refused before it started (not a finished generation)."""
         if job in self._active:
-            self._active.remove(job)
-            job.generation.close()
+            self._remove(job)
         if reason is not None:
             self.metrics.record_finished(reason)
         job.push(JobUpdate("failed", error=error))
 
-    def _step(self) -> None:
+    def _prefill(self) -> dict[int, int]:
+        """Feed one chunk of one prefilling request's prompt (round-robin); {job id: tokens fed}."""
+        if not self._prefilling:
+            return {}
+        job = self._prefilling.popleft()
+        generation = job.generation
+        before = generation.cache.length
+        try:
+            done = generation.prefill_step(self.prefill_chunk or None)
+        except Exception as error:  # noqa: BLE001
+            self._fail(job, error, "error")
+            return {}
+        if not done:
+            self._prefilling.append(job)
+        return {job.id: generation.cache.length - before}
+
+    def _step(self) -> tuple[int, ...]:
         started = time.perf_counter()
         jobs: list[Job] = []
         plans: list[StepPlan] = []
-        for job in list(self._active):
+        for job in [job for job in self._active if job.generation.prefilled]:
             try:
-                plans.append(job.generation.plan())
-                jobs.append(job)
+                plan = job.generation.plan()
             except Exception as error:  # noqa: BLE001
                 self._fail(job, error, "error")
+                continue
+            if self._reserve(job, job.generation.cache.length + len(plan.feed)):
+                plans.append(plan)
+                jobs.append(job)
         if not jobs:
-            return
+            return ()
         target_started = time.perf_counter()
         rows = self._verify_forward(jobs, plans)
         target_seconds = time.perf_counter() - target_started
@@ -230,6 +400,31 @@ class Scheduler:
                 continue
             self._commit(job, plan, logits, target_seconds)
         self.metrics.record_step(len(jobs), time.perf_counter() - started)
+        return tuple(job.id for job in jobs)
+
+    def _reserve(self, job: Job, needed: int) -> bool:
+        """Make the job's reservation cover `needed` cache positions, growing it as its cache grows
+        (doubling, capped at what the request can use). Out of pool: the job finishes ("length")."""
+        if needed <= job.reserved:
+            return True
+        grown = max(needed, min(2 * job.reserved, job.generation.max_capacity))
+        if self.reserved_tokens - job.reserved + grown > self.kv_pool_tokens:
+            generation = job.generation
+            held_back = generation.cancel("length")  # text kept for a stop string that can no longer come
+            if held_back:  # carried by an event repeating the last token
+                event = TokenEvent(generation.output_ids[-1], held_back, generation.origins[-1])
+                job.push(JobUpdate("tokens", events=[event], live=live_stats(generation.stats)))
+            self._finished(job)
+            return False
+        self.reserved_tokens += grown - job.reserved
+        job.reserved = grown
+        return True
+
+    def _finished(self, job: Job) -> None:
+        generation = job.generation
+        self._remove(job)
+        self.metrics.record_finished(generation.finish_reason)
+        job.push(JobUpdate("finished", finish_reason=generation.finish_reason, stats=generation.stats))
 
     def _verify_forward(self, jobs: list[Job], plans: list[StepPlan]) -> list[torch.Tensor | BaseException]:
         """One target pass for every row: [γ_i+1, vocab] logits each. If the batched pass fails, retry
@@ -260,6 +455,4 @@ class Scheduler:
         self.metrics.record_verification(record.proposed, record.accepted, len(events))
         job.push(JobUpdate("tokens", events=events, live=live_stats(generation.stats)))
         if generation.done:
-            self._active.remove(job)
-            self.metrics.record_finished(generation.finish_reason)
-            job.push(JobUpdate("finished", finish_reason=generation.finish_reason, stats=generation.stats))
+            self._finished(job)

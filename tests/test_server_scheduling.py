@@ -1,0 +1,197 @@
+"""The scheduler's bounds over real HTTP, on the tiny model: a full queue is a 429 with Retry-After;
+the KV pool admits only what fits, gives everything back when requests end or are cancelled, and ends
+a request that outgrows it with finish_reason "length"; `max_model_len` refuses long prompts before
+they are queued and caps prompt + new tokens; prompts are tokenized off the worker; and a long prompt
+is prefilled in chunks between a short request's decode steps (asserted on the scheduler's turns,
+not on wall time)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from server_helpers import MODEL, LocalServer, expected_text, slow, tiny_engine
+
+from verispec.engine import Generation, GenerationConfig
+from verispec.serving.http import create_app
+
+PROMPT = "t20 t21 t22 t20 t21"  # loops: no EOS within 100 tokens
+LONG = " ".join(f"t{2 + (i * 7) % 46}" for i in range(100))  # over 100 tokens (the tiny context is 128)
+
+
+def completion(url: str, **body) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json={"model": MODEL, "temperature": 0, **body}, timeout=60)
+
+
+def health(url: str) -> dict:
+    return httpx.get(url + "/health").json()
+
+
+def wait_for(condition, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.02)
+
+
+def test_a_full_queue_is_a_429_with_retry_after(tiny_target):
+    """One running, one waiting (max_batch 1, max_queue 1): the third gets 429 + Retry-After through the
+    official client. Fails without the header."""
+    app = create_app(slow(tiny_engine(tiny_target), 0.05), model_name=MODEL, max_batch=1, max_queue=1)
+    with LocalServer(app) as server:
+        first = threading.Thread(target=completion, args=(server.url,), kwargs={"prompt": PROMPT, "max_tokens": 60})
+        first.start()
+        wait_for(lambda: health(server.url)["active"] == 1)
+        second = threading.Thread(target=completion, args=(server.url,), kwargs={"prompt": PROMPT, "max_tokens": 5})
+        second.start()
+        wait_for(lambda: health(server.url)["queued"] == 1)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        with pytest.raises(openai.RateLimitError) as error:
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3)
+        assert error.value.status_code == 429 and "at capacity" in error.value.body["message"]
+        assert 1 <= int(error.value.response.headers["retry-after"]) <= 60
+        first.join(60)
+        second.join(60)
+        wait_for(lambda: health(server.url)["kv_pool_reserved_tokens"] == 0)
+
+
+def test_the_pool_returns_to_zero_after_requests_end_or_are_cancelled(tiny_target):
+    """Finished, failed-by-timeout and abandoned streams all give their reservation back. Fails if a
+    removal path forgets to give it back."""
+    app = create_app(slow(tiny_engine(tiny_target), 0.02), model_name=MODEL, request_timeout=0.5)
+    with LocalServer(app) as server:
+        scheduler = app.state.scheduler
+        assert completion(server.url, prompt=PROMPT, max_tokens=5).status_code == 200
+        assert scheduler.reserved_tokens == 0
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                          json={"model": MODEL, "prompt": PROMPT, "max_tokens": 100, "stream": True}) as response:
+            for line in response.iter_lines():
+                if '"token_id"' in line:
+                    break  # running: it holds a reservation
+            assert scheduler.reserved_tokens > 0
+        # the client went away mid-stream
+        timed_out = completion(server.url, prompt=PROMPT, max_tokens=100)  # 100 steps × 0.02 s > 0.5 s
+        assert timed_out.status_code == 504
+        wait_for(lambda: scheduler.active_count == 0)
+        assert scheduler.reserved_tokens == 0 and health(server.url)["kv_pool_reserved_tokens"] == 0
+
+
+def test_the_pool_admits_only_what_fits(tiny_target):
+    """A pool with room for one request's prompt + spare: the second waits, then runs; they never step
+    together, and both answer as the engine alone would. Fails if admission ignores the pool."""
+    engine = tiny_engine(tiny_target)
+    need = Generation.capacities(engine, len(engine.prompt_ids(PROMPT, chat=False)), GenerationConfig(max_new_tokens=20))[0]
+    app = create_app(tiny_engine(tiny_target), model_name=MODEL, kv_pool_tokens=need + need // 2)
+
+    async def both(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 20, "temperature": 0}
+            return await asyncio.gather(http.post("/v1/completions", json=body), http.post("/v1/completions", json=body))
+
+    with LocalServer(app) as server:
+        answers = asyncio.run(both(server.url))
+        want = expected_text(engine, PROMPT, 20)
+        assert [a.json()["choices"][0]["text"] for a in answers] == [want, want]
+        turns = list(app.state.scheduler.turns)
+        assert turns and all(len(turn.stepped) <= 1 for turn in turns)
+        assert len({job for turn in turns for job in turn.stepped}) == 2
+
+
+def test_a_request_that_outgrows_the_pool_ends_with_length(tiny_target, monkeypatch):
+    """Its reservation cannot double inside the pool: it stops early with finish_reason "length", the
+    text so far being the engine's own prefix; a prompt whose start alone exceeds the pool is a 400.
+    Fails if the server over-commits (all 60 tokens) or crashes."""
+    monkeypatch.setattr(Generation, "INITIAL_SPARE", 8)  # the tiny context (128) is below the real spare
+    engine = tiny_engine(tiny_target)
+    app = create_app(tiny_engine(tiny_target), model_name=MODEL, kv_pool_tokens=40)
+    with LocalServer(app) as server:
+        answer = completion(server.url, prompt=PROMPT, max_tokens=60).json()
+        choice = answer["choices"][0]
+        assert choice["finish_reason"] == "length" and 0 < answer["usage"]["completion_tokens"] < 60
+        assert expected_text(engine, PROMPT, 60).startswith(choice["text"])
+        assert app.state.scheduler.reserved_tokens == 0
+        refused = completion(server.url, prompt=LONG[:200], max_tokens=5)
+        assert refused.status_code == 400 and "pool holds 40" in refused.json()["error"]["message"]
+
+
+def test_max_model_len_refuses_long_prompts_before_the_queue_and_caps_new_tokens(tiny_target):
+    """A prompt of max_model_len tokens or more is a 400 and never reaches the worker; prompt + new tokens
+    stop at max_model_len. Prompts are tokenized off the worker thread. Fails on the old server (the
+    worker tokenized, nothing capped below the context)."""
+    engine = tiny_engine(tiny_target)
+    threads = []
+    prompt_ids = engine.prompt_ids
+    engine.prompt_ids = lambda *args, **kwargs: threads.append(threading.current_thread().name) or prompt_ids(*args, **kwargs)
+    app = create_app(engine, model_name=MODEL, max_model_len=30)
+    with LocalServer(app) as server:
+        refused = completion(server.url, prompt=" ".join(["t5"] * 30), max_tokens=2)
+        assert refused.status_code == 400 and "at most 30 positions" in refused.json()["error"]["message"]
+        assert app.state.scheduler.metrics.prompt_tokens == 0  # nothing admitted
+        answer = completion(server.url, prompt=PROMPT, max_tokens=60).json()
+        assert answer["usage"]["completion_tokens"] == 30 - 5 and answer["choices"][0]["finish_reason"] == "length"
+        assert threads and "verispec-scheduler" not in threads
+
+
+def _interleaving(tiny_target, chunk: int):
+    """A short request decoding (streamed) while the long prompt arrives; the scheduler's turns and
+    the job ids of the long and the short request, and the long answer's text."""
+    app = create_app(slow(tiny_engine(tiny_target), 0.01), model_name=MODEL, prefill_chunk=chunk)
+    with LocalServer(app) as server:
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                          json={"model": MODEL, "prompt": PROMPT, "max_tokens": 90, "temperature": 0, "stream": True}) as short:
+            lines = short.iter_lines()
+            next(line for line in lines if '"token_id"' in line)  # decoding
+            long = completion(server.url, prompt=LONG, max_tokens=4)
+            for _ in lines:
+                pass
+        turns = list(app.state.scheduler.turns)
+    assert long.status_code == 200, long.text
+    jobs = {job for turn in turns for job in turn.prefilled}
+    long_id = max(jobs)
+    short_id = min(jobs)
+    return turns, long_id, short_id, long.json()["choices"][0]["text"]
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_the_short_requests_steps(tiny_target):
+    """With --prefill-chunk 8 the long request's prompt positions (all but its last token) arrive in
+    turns of ≤ 8 tokens, and the short request, decoding meanwhile, steps in every one of them; the
+    long answer is the engine's own. Control: with --prefill-chunk 0 (the old whole prefill) one turn
+    takes them all, so this assertion tells the two apart."""
+    positions = len(tiny_engine(tiny_target).prompt_ids(LONG, chat=False)) - 1
+    turns, long_id, short_id, text = _interleaving(tiny_target, 8)
+    fed = [turn for turn in turns if long_id in turn.prefilled]
+    assert sum(turn.prefilled[long_id] for turn in fed) == positions
+    assert len(fed) >= positions // 8 and all(turn.prefilled[long_id] <= 8 for turn in fed)
+    assert all(short_id in turn.stepped for turn in fed), "the short request waited for the long prefill"
+    assert text == expected_text(tiny_engine(tiny_target), LONG, 4)
+
+    turns, long_id, short_id, _ = _interleaving(tiny_target, 0)
+    assert [turn.prefilled[long_id] for turn in turns if long_id in turn.prefilled] == [positions]
+
+
+def test_the_soak_and_interference_commands_run(tiny_target, capsys):
+    """Both new load-test modes, briefly, against a tiny server (their numbers mean nothing here): the
+    soak's bad requests are 4xx, nothing is lost, garbled or a 5xx; the interference run measures
+    tokens in both phases."""
+    import json
+    import os
+
+    from verispec.serving.http.loadtest import main
+
+    app = create_app(tiny_engine(tiny_target), model_name=MODEL, prefill_chunk=8)
+    with LocalServer(app) as server:
+        common = ["--url", server.url, "--long-tokens", "60", "--max-tokens", "8", "--prompt", PROMPT, "--json"]
+        assert main(["--mode", "soak", "--clients", "3", "--minutes", "0.04", "--server-pid", str(os.getpid()), *common]) == 0
+        soak = json.loads(capsys.readouterr().out.splitlines()[-1])
+        assert soak["requests"] > 0 and soak["lost"] == soak["server_errors"] == soak["garbled"] == 0
+        assert soak["statuses"]["200"] > 0 and soak["statuses"]["400"] > 0 and soak["server_rss_peak_mib"] > 0
+        assert main(["--mode", "interference", "--short-clients", "2", "--long-repeats", "1", "--baseline-seconds", "0.5",
+                     *common]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        row = json.loads(lines[-1])
+        assert lines[0].startswith("cpu: ") and row["long_prompt_tokens"] > 50
+        assert row["seconds_per_output_token_alone"]["n"] > 0 and "n" in row["seconds_per_output_token_during_long_prefill"]
