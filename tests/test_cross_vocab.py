@@ -94,6 +94,17 @@ def test_retokenize_reads_the_draft_text_after_the_committed_tokens(pair):
     assert retokenize(tt, dt, [5, 3], context, []) == []
 
 
+@pytest.mark.parametrize("chunk", [1, 4, 100])
+def test_a_chunked_prefill_gives_the_same_tokens(pair, chunk):
+    """The server's chunked prefill (the draft's own prefill fed a chunk per call too), greedy and sampled."""
+    from test_chunked_prefill import chunked
+
+    target, draft, _, _, _ = pair
+    engine = Engine(target, CrossVocabDrafter(draft, target), gamma=3, gamma_policy="constant")
+    for config in (GenerationConfig(max_new_tokens=12), GenerationConfig(max_new_tokens=12, sampling=SamplingParams(temperature=1.0), seed=3)):
+        assert chunked(engine, PROMPTS[1], config, chunk)[0] == engine.generate(PROMPTS[1], config).token_ids
+
+
 PROMPT, LENGTH, GAMMA, SAMPLES = [3, 7], 3, 2, 1_200
 
 

@@ -176,19 +176,22 @@ class CrossVocabDrafter(Drafter):
     def start(self, prompt_ids: list[int]) -> DraftSession:
         return _CrossVocabSession(self, prompt_ids)
 
+    def start_chunked(self, prompt_ids: list[int]) -> DraftSession:
+        return _CrossVocabSession(self, prompt_ids, prefill=False)
+
 
 class _CrossVocabSession(ModelSession):
     """The draft's cache holds draft ids of the committed text, brought up to date at each proposal
     (kept where it agrees with the re-encoded text, the rest fed); a commit has nothing to cut, since
     the cache's ids are not the target's."""
 
-    def __init__(self, drafter: CrossVocabDrafter, prompt_ids: list[int]):
+    def __init__(self, drafter: CrossVocabDrafter, prompt_ids: list[int], prefill: bool = True):
         self.drafter = drafter
         self.context = DraftContext(drafter.target.tokenizer, drafter.model.tokenizer)
         context = self.context.ids(prompt_ids)
         if not context or len(context) >= drafter.model.context_length:  # no text yet, or too long to draft for
             context = [0]  # an empty cache: a prefilled cache holds all but the last id
-        super().__init__(drafter.model, context)
+        super().__init__(drafter.model, context, prefill)
 
     def _sync(self, context: list[int]) -> torch.Tensor:
         """Cut the cache back to what it shares with `context`, feed the rest; logits [1, vocab] after it."""
