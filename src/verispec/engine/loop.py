@@ -395,7 +395,8 @@ class Generation:
     def commit(self, plan: StepPlan, logits: torch.Tensor, target_seconds: float) -> list[TokenEvent]:
         """Verify `plan` against the target's logits [n+1, vocab]; keep the accepted path; emit tokens."""
         start = time.perf_counter()
-        draft, tree = plan.draft, plan.draft.parents
+        draft = plan.draft
+        tree = draft.parents if draft.is_tree else None  # [n] parent of each node, for a tree
         raw_logits = logits
         if self.constraint is not None:  # forbidden tokens get probability 0: a forbidden draft token is rejected
             allowed = self.constraint.masks(draft.tokens.tolist(), None if tree is None else tree.tolist())  # [n+1, vocab]
@@ -415,10 +416,10 @@ class Generation:
         origins = [Origin.ACCEPTED] * verdict.accepted + [last_origin]
         start_slot = len(self.ids) - 1
         self.ids.extend(new_tokens)
-        if tree is None:
-            self.cache.truncate(len(self.ids) - 1)
-        else:
+        if draft.is_tree:
             self.cache.keep(start_slot, rows)  # the accepted path's keys/values, packed; no recompute
+        else:
+            self.cache.truncate(len(self.ids) - 1)
         if self.session is not None:
             self.session.commit(self.ids)
             if self.session.observes_target:
