@@ -49,6 +49,16 @@ def one_thread_for_tiny_models(request):
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compiled_kernels():
+    """The C++ kernels load from the user's cache directory (built there once per machine and CPU
+    kind), before any test points the cache elsewhere: otherwise the first test on a private cache
+    would compile them again, every session."""
+    from verispec.models.kernels import extension
+
+    extension("int8")
+
+
 @pytest.fixture(autouse=True)
 def private_cache(request, tmp_path_factory, monkeypatch):
     """Tests on tiny models keep their int8 values, measured costs and online drafts out of the user's

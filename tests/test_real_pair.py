@@ -46,13 +46,18 @@ def _hf_greedy(hf_model, prompt_ids, eos_ids):
     return out
 
 
-@pytest.mark.parametrize("draft", ["model", "ngram", "smollm2-135m-instruct"])  # the last: another tokenizer
-def test_speculative_greedy_equals_hf_generate(target, hf_target, draft):
+@pytest.fixture(scope="module")
+def hf_greedy(target, hf_target) -> dict[str, list[int]]:
+    """HF `generate()`'s greedy tokens for each prompt, computed once for every drafter's test."""
+    return {prompt: _hf_greedy(hf_target, target.encode_prompt(prompt), target.eos_ids) for prompt in PROMPTS}
+
+
+@pytest.mark.parametrize("draft", ["model", "smollm2-135m-instruct"])  # the last: another tokenizer
+def test_speculative_greedy_equals_hf_generate(target, hf_greedy, draft):
     engine = Engine(target, make_drafter(draft, target), gamma=4, gamma_policy="constant")
     for prompt in PROMPTS:
-        ids = target.encode_prompt(prompt)
-        result = engine.generate(ids, GenerationConfig(max_new_tokens=NEW_TOKENS))
-        assert result.token_ids == _hf_greedy(hf_target, ids, target.eos_ids)
+        result = engine.generate(target.encode_prompt(prompt), GenerationConfig(max_new_tokens=NEW_TOKENS))
+        assert result.token_ids == hf_greedy[prompt]
         if draft == "model":
             assert result.stats.mean_accepted_length > 1.5  # the pair really drafts for each other
 
@@ -67,17 +72,24 @@ def target_int8():
     return load_model(DEFAULT_TARGET, "int8")
 
 
+INT8_CONFIG = GenerationConfig(max_new_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def int8_plain(target_int8) -> dict[str, list[int]]:
+    """Plain greedy decoding of the int8 target for each prompt, computed once."""
+    plain = Engine(target_int8, None)
+    return {prompt: plain.generate(target_int8.encode_prompt(prompt), INT8_CONFIG).token_ids for prompt in PROMPTS}
+
+
 @pytest.mark.parametrize("draft", ["model", "ngram", "gguf", "gguf:smollm2-135m-instruct"])
-def test_int8_speculative_greedy_equals_int8_plain_greedy(target_int8, draft):
+def test_int8_speculative_greedy_equals_int8_plain_greedy(target_int8, int8_plain, draft):
     """On the int8 path the oracle is plain greedy decoding of the same int8 model (the draft model is
     loaded in int8 too, or run by llama.cpp from its GGUF): token-identical, because the int8 runner's
     rows do not depend on each other."""
     engine = Engine(target_int8, make_drafter(draft, target_int8), gamma=4, gamma_policy="constant")
-    plain = Engine(target_int8, None)
-    config = GenerationConfig(max_new_tokens=16)
     for prompt in PROMPTS:
-        ids = target_int8.encode_prompt(prompt)
-        result = engine.generate(ids, config)
-        assert result.token_ids == plain.generate(ids, config).token_ids
+        result = engine.generate(target_int8.encode_prompt(prompt), INT8_CONFIG)
+        assert result.token_ids == int8_plain[prompt]
         if draft in ("model", "gguf"):
             assert result.stats.mean_accepted_length > 1.5
