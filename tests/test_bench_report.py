@@ -29,7 +29,7 @@ def _records() -> list[dict]:
 
 
 CONFIG = {"target": "t", "draft": "d", "dtype": "float32", "max_new_tokens": 8, "measured_prompts": 2,
-          "temperature": 0.0, "process_peak_rss_mib": 321.0}
+          "temperature": 0.0, "process_peak_rss_mib": 321.0, "cpu": "Some CPU, 2 cores, avx2 fma"}
 
 
 def test_summary_metrics():
@@ -57,6 +57,7 @@ def test_markdown_and_json(tmp_path):
     summary = summarize(_records(), ["hf-plain", "vs:model"])
     text = markdown_report(summary, CONFIG)
     assert "## Per category" in text and "| vs:model | mt_bench |" in text and "predicted" in text
+    assert "on Some CPU, 2 cores, avx2 fma" in text.splitlines()[0]  # every result names its CPU kind
     write_json(tmp_path / "out.json", CONFIG, summary, _records())
     data = json.loads((tmp_path / "out.json").read_text())
     assert set(data) == {"config", "methods", "runs"}
@@ -112,3 +113,16 @@ def test_warm_up_runs_on_a_prompt_outside_the_measured_set():
     run(methods, prompts, [[1, 2], [4, 5]], [9, 9], 4, frozenset({3}), records, lambda label: None)
     assert all(method.seen[0] == [9, 9] and [9, 9] not in method.seen[1:] for method in methods)
     assert len(records) == 4
+
+
+def test_the_cpu_summary_names_the_vector_flags(monkeypatch):
+    from verispec import paths
+
+    flags = "flags\t\t: fpu sse2 avx avx2 fma f16c avx512f avx512_vnni amx_tile"
+    monkeypatch.setattr(paths, "cpu_flags", lambda: flags)
+    paths.cpu_summary.cache_clear()
+    try:
+        summary = paths.cpu_summary()
+    finally:
+        paths.cpu_summary.cache_clear()
+    assert summary.endswith("cores, avx2 fma f16c avx512f avx512_vnni amx_tile")

@@ -1,5 +1,6 @@
 """Where verispec keeps what it makes once and reuses (converted weights, int8 layers, kernels, costs), and
-the CPU identity that machine-specific entries are keyed by."""
+the CPU identity that machine-specific entries are keyed by and that every benchmark prints beside its
+numbers (a number measured on one CPU kind says nothing about another)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,12 @@ import platform
 from functools import cache
 from pathlib import Path
 
-__all__ = ["cache_dir", "cpu_flags"]
+__all__ = ["cache_dir", "cpu_flags", "cpu_summary"]
+
+# The vector-instruction flags that decide which kernels run (x86: AVX2, AVX-512 with VNNI/BF16, AMX;
+# Arm: NEON, SVE): the part of the flags a reader compares.
+VECTOR_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8",
+                "amx_bf16", "asimd", "sve")
 
 
 def cache_dir() -> Path:
@@ -28,3 +34,16 @@ def cpu_flags() -> str:
         return next((line for line in lines if line.startswith("flags")), platform.processor())
     except OSError:
         return platform.processor()
+
+
+@cache
+def cpu_summary() -> str:
+    """The CPU's model name, core count and vector-instruction flags, e.g. "AMD EPYC 7B13, 2 cores, avx2 fma f16c"."""
+    flags = set(cpu_flags().split(":", 1)[-1].split())
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.processor())
+    except OSError:
+        model = platform.processor()
+    vector = " ".join(flag for flag in VECTOR_FLAGS if flag in flags) or "no AVX2/AVX-512/AMX/NEON flags"
+    return f"{model or platform.machine()}, {os.cpu_count()} cores, {vector}"

@@ -320,8 +320,7 @@ class Generation:
 
     def _cap_growth(self) -> None:
         """A doubling cache (verispec's own runner) never doubles past what this request can use."""
-        if hasattr(self.cache, "ceiling"):
-            self.cache.ceiling = self.max_capacity
+        self.cache.ceiling = self.max_capacity
 
     def _open_session(self, chunked: bool = False) -> None:
         """The prompt is in the target's cache: open the drafter's session on it (chunked: its own

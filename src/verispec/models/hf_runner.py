@@ -60,6 +60,7 @@ class HFCache:
         self.runner = runner
         self.kv = DynamicCache()  # no config: every layer a plain DynamicLayer that keeps all positions
         self.length = 0
+        self.ceiling: int | None = None  # unused: a DynamicCache grows by exactly what is fed
 
     @property
     def capacity(self) -> int:

@@ -93,6 +93,7 @@ class LlamaCppCache:
         self.tree_seqs: list[int] = []  # leaf sequences of the last token tree, until `keep`
         self.node_seqs: list[list[int]] = []  # [n] the leaf sequences each fed node belongs to
         self._released = False
+        self.ceiling: int | None = None  # unused: llama.cpp's context is allocated once, shared
 
     @property
     def capacity(self) -> int:

@@ -18,6 +18,7 @@ class Cache(Protocol):
     """One sequence's keys/values: positions 0 … length−1 are valid."""
 
     length: int
+    ceiling: int | None  # the most positions the sequence can use: a cache that grows ahead stops there
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` positions (a rejected draft's are dropped)."""

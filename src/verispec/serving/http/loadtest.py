@@ -281,9 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chat", action="store_true", help="levels: send the prompt as a user message to /v1/chat/completions")
     parser.add_argument("--json", action="store_true", help="JSON objects instead of a table")
     args = parser.parse_args(argv)
-    from verispec.paths import cpu_flags
+    from verispec.paths import cpu_summary
 
-    print(f"cpu: {cpu_flags()}")
+    print(f"client on {cpu_summary()}")
     model = httpx.get(args.url + "/v1/models", timeout=30).json()["data"][0]["id"]
     body = {"prompt": args.prompt, "max_tokens": args.max_tokens, "temperature": args.temperature}
     if args.mode == "soak":

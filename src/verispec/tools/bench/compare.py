@@ -63,6 +63,7 @@ from verispec.engine import Engine, EngineBuilder, GenerationConfig
 from verispec.errors import InvalidParameterError, VerispecError
 from verispec.models.loading import PRECISIONS, LoadedModel, load_tokenizer, parse_dtype, parse_precision, resolve_folder
 from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, gguf_file
+from verispec.paths import cpu_summary
 from verispec.sampling.processors import SamplingParams
 from verispec.progress import console, status
 
@@ -395,6 +396,7 @@ def run_config(args: argparse.Namespace, prompts: list[Prompt], specs: list[Meth
         "warmup": f"one untimed generation per method on a prompt outside the measured set: {WARMUP_PROMPT!r}", "order": "per prompt, rotating method order",
         "pld_tokens": PLD_TOKENS, "torch": torch.__version__, "transformers": transformers.__version__,
         "threads": torch.get_num_threads(), "machine": platform.machine(), "python": platform.python_version(),
+        "cpu": cpu_summary(),
     }
 
 

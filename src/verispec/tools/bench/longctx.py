@@ -21,6 +21,7 @@ from verispec.tools.bench.memory import PeakMeter
 from verispec.engine import Engine, EngineBuilder, GenerationConfig
 from verispec.models.loading import LoadedModel
 from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
+from verispec.paths import cpu_summary
 
 __all__ = ["LongTask", "make_document", "make_tasks", "measure", "main"]
 
@@ -119,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     drafters = {"plain": None, "model": builder.drafter(f"model:{args.draft}"), "triforce": builder.drafter(args.triforce)}
     kinds = set(args.tasks.split(","))
     records = []
+    print(f"on {cpu_summary()}")
     print(f"{'len':>6} {'task':9} {'method':9} {'tok/s':>7} {'×plain':>7} {'×model':>7} {'α':>6} {'τ':>5} {'prefill s':>9} {'peak MiB':>9} same")
     for length in (int(x) for x in args.lengths.split(",")):
         for task in make_tasks(length, target.tokenizer):

@@ -25,6 +25,7 @@ from verispec.drafters import NgramDrafter
 from verispec.models.loading import load_tokenizer, resolve_folder
 from verispec.models.registry import DEFAULT_TARGET
 from verispec.sampling.processors import SamplingParams
+from verispec.paths import cpu_summary
 
 __all__ = ["time_lookups", "main"]
 
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     table = Table("context tokens", "method", "median µs/step", "p99 µs/step")
     for row in time_lookups(ids, lengths, args.steps, args.gamma):
         table.add_row(str(row["length"]), row["method"], f"{row['median_us']:.1f}", f"{row['p99_us']:.1f}")
+    Console().print(f"on {cpu_summary()}")
     Console().print(table)
 
 

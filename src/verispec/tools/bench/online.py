@@ -23,6 +23,7 @@ from verispec.tools.bench.questions import load_sources
 from verispec.engine import Engine, EngineBuilder, GenerationConfig
 from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
 from verispec.drafters.online import OnlineDrafter
+from verispec.paths import cpu_summary
 
 __all__ = ["run_stream", "plot_stream", "main"]
 
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = run_stream(frozen, online, prompts, args.max_new_tokens)
 
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "stream.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows,
+    (args.out / "stream.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "cpu": cpu_summary(), "rows": rows,
                                                       "events": online.drafter.events}, indent=1))
     plot = plot_stream(rows, args.out / "online_alpha.png")
     table = Table("requests", "frozen α", "online α", "frozen tok/s", "online tok/s", "online ×")
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
                           f"{_mean(part, 'frozen_tok_s'):.2f}", f"{_mean(part, 'online_tok_s'):.2f}",
                           f"{_mean(part, 'online_tok_s') / _mean(part, 'frozen_tok_s'):.2f}")
     console = Console()
+    console.print(f"on {cpu_summary()}")
     console.print(table)
     console.print(f"same text in {sum(r['same_text'] for r in rows)}/{len(rows)} requests; online events:")
     for event in online.drafter.events:

@@ -34,6 +34,7 @@ from verispec.engine import Engine, GenerationConfig
 from verispec.errors import InvalidParameterError
 from verispec.models.loading import PRECISIONS, LoadedModel, load_model
 from verispec.models.registry import DEFAULT_TARGET
+from verispec.paths import cpu_summary
 
 __all__ = ["PromptQuality", "compare_prompt", "summarize_quality", "add_arguments", "run"]
 
@@ -134,9 +135,11 @@ def run(args: argparse.Namespace) -> int:
             ids = reference.encode_prompt(prompt.text, chat=not args.raw)
             items.append(compare_prompt(reference, tested, prompt, ids, args.max_new_tokens))
     summary = summarize_quality(items)
+    print(f"on {cpu_summary()}")
     print(markdown(summary, f"{args.target} {args.reference}", f"{args.target} {args.dtype}"))
     if args.json:
         config = {"target": args.target, "dtype": args.dtype, "reference": args.reference, "questions": args.questions,
-                  "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(), "torch": torch.__version__}
+                  "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(), "torch": torch.__version__,
+                  "cpu": cpu_summary()}
         args.json.write_text(json.dumps({"config": config, "summary": summary, "prompts": [asdict(i) for i in items]}, indent=1))
     return 0

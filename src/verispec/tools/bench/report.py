@@ -156,6 +156,8 @@ def markdown_report(summary: dict[str, dict], config: dict) -> str:
             f"≤{config['max_new_tokens']} new tokens, {config['measured_prompts']} prompts")
     if config.get("process_peak_rss_mib") is not None:
         head += f", process peak RSS {config['process_peak_rss_mib']:.0f} MiB"
+    if config.get("cpu"):
+        head += f", on {config['cpu']}"
     baseline = next((m.get("baseline") for m in summary.values() if m.get("baseline")), None)
     if baseline:
         head += f"; speedup and identical are against {baseline}"
