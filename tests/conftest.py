@@ -49,6 +49,13 @@ def one_thread_for_tiny_models(request):
     torch.set_num_threads(threads)
 
 
+def pytest_collection_modifyitems(items):
+    """Tests on the shipped models use every core: they run in the serial run, after the parallel one."""
+    for item in items:
+        if item.get_closest_marker("real"):
+            item.add_marker(pytest.mark.serial)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def compiled_kernels():
     """The C++ kernels load from the user's cache directory (built there once per machine and CPU

@@ -5,7 +5,8 @@ of the speculative output against the exact distribution the reference enumerate
 temperature and each truncation method: sequences of 3 tokens after γ = 2 draft tokens (so a fully
 accepted block's bonus token is in the tested event), 12-token vocabulary, significance 1e-3.
 Untruncated (1 728 sequences, the rare ones pooled): N = 3 000, any bias of total variation
-≥ 0.15–0.19 is rejected with ≥ 90 % power. Truncated (14–64 sequences): N = 1 200, TV ≥ 0.09–0.11;
+≥ 0.15 is rejected with ≥ 90 % power. Truncated (14–64 sequences; the repetition penalty and the
+n-gram drafter's point masses are tested under top-4): N = 1 200, TV ≥ 0.09–0.14;
 a processor applied to one side only shifts far more mass than that, and the rule itself is tested
 with more power in test_verify.py. Each test prints its figure. Positive control: the same test on
 1 000 samples rejects a verifier that accepts every draft token.
@@ -131,7 +132,7 @@ SAMPLED = [
     SamplingParams(temperature=1.0, min_p=0.1),
     SamplingParams(temperature=1.0, eta=0.05),
     SamplingParams(temperature=1.0, epsilon=0.05),
-    SamplingParams(temperature=1.2, repetition_penalty=1.5),
+    SamplingParams(temperature=1.2, top_k=4, repetition_penalty=1.5),
 ]
 
 
@@ -149,15 +150,17 @@ def test_sampled_output_is_distributed_as_the_target(small_pair, params):
     exact = sequence_distribution(hf, PROMPT, LENGTH, params)
     samples = TRUNCATED_SAMPLES if _truncates(params) else SAMPLES
     result = assert_same_distribution(sample_sequences(engine, PROMPT, params, samples, LENGTH), exact)
-    assert result.detectable_tv < (0.12 if _truncates(params) else 0.2)  # the power the module doc promises
+    assert result.detectable_tv < (0.14 if _truncates(params) else 0.2)  # the power the module doc promises
 
 
 def test_sampled_ngram_drafts_are_lossless(small_pair):
+    """Deterministic drafts (point masses) under the rule; top-4, so tokens repeat and the n-gram drafts often."""
     target, _, hf = small_pair
-    params = SamplingParams(temperature=1.0)
+    params = SamplingParams(temperature=1.0, top_k=4)
     engine = Engine(target, NgramDrafter(max_n=2), gamma=GAMMA, gamma_policy="constant")
     exact = sequence_distribution(hf, PROMPT, LENGTH, params)
-    assert_same_distribution(sample_sequences(engine, PROMPT, params, SAMPLES, LENGTH), exact)
+    result = assert_same_distribution(sample_sequences(engine, PROMPT, params, TRUNCATED_SAMPLES, LENGTH), exact)
+    assert result.detectable_tv < 0.14  # the power the module doc promises
 
 
 def test_the_end_to_end_test_catches_a_wrong_rule(small_pair, monkeypatch):

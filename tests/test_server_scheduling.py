@@ -193,5 +193,5 @@ def test_the_soak_and_interference_commands_run(tiny_target, capsys):
                      *common]) == 0
         lines = capsys.readouterr().out.splitlines()
         row = json.loads(lines[-1])
-        assert lines[0].startswith("cpu: ") and row["long_prompt_tokens"] > 50
+        assert lines[0].startswith("client on ") and row["long_prompt_tokens"] > 50
         assert row["seconds_per_output_token_alone"]["n"] > 0 and "n" in row["seconds_per_output_token_during_long_prefill"]
