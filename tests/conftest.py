@@ -49,6 +49,7 @@ def one_thread_for_tiny_models(request):
     torch.set_num_threads(threads)
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects by marker
 def pytest_collection_modifyitems(items):
     """Tests on the shipped models use every core: they run in the serial run, after the parallel one."""
     for item in items:

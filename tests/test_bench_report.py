@@ -29,7 +29,7 @@ def _records() -> list[dict]:
 
 
 CONFIG = {"target": "t", "draft": "d", "dtype": "float32", "max_new_tokens": 8, "measured_prompts": 2,
-          "temperature": 0.0, "process_peak_rss_mib": 321.0, "cpu": "Some CPU, 2 cores, avx2 fma"}
+          "temperature": 0.0, "process_peak_rss_mib": 321.0, "cpu": "Some CPU, 2 CPUs, avx2 fma"}
 
 
 def test_summary_metrics():
@@ -57,7 +57,7 @@ def test_markdown_and_json(tmp_path):
     summary = summarize(_records(), ["hf-plain", "vs:model"])
     text = markdown_report(summary, CONFIG)
     assert "## Per category" in text and "| vs:model | mt_bench |" in text and "predicted" in text
-    assert "on Some CPU, 2 cores, avx2 fma" in text.splitlines()[0]  # every result names its CPU kind
+    assert "on Some CPU, 2 CPUs, avx2 fma" in text.splitlines()[0]  # every result names its CPU kind
     write_json(tmp_path / "out.json", CONFIG, summary, _records())
     data = json.loads((tmp_path / "out.json").read_text())
     assert set(data) == {"config", "methods", "runs"}
@@ -125,4 +125,4 @@ def test_the_cpu_summary_names_the_vector_flags(monkeypatch):
         summary = paths.cpu_summary()
     finally:
         paths.cpu_summary.cache_clear()
-    assert summary.endswith("cores, avx2 fma f16c avx512f avx512_vnni amx_tile")
+    assert summary.endswith("CPUs, avx2 fma f16c avx512f avx512_vnni amx_tile")

@@ -1,11 +1,13 @@
 """The `generate` and `models` commands: without --max-new-tokens `generate` runs until the model stops
-or its context is full, Ctrl-C stops it cleanly with the summary line, and `verispec models` says
-which precisions (and backends) run each shipped model.
+or its context is full (a prompt continued as raw text, which has no end of turn, gets a bounded
+default instead), Ctrl-C stops it cleanly with the summary line, and `verispec models` says which
+precisions (and backends) run each shipped model.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 from pathlib import Path
 
@@ -21,10 +23,27 @@ def endless(tmp_path_factory) -> Path:
     return make_hf_model(tmp_path_factory.mktemp("endless") / "m", "gemma3", seed=3, eos=False, context=160)
 
 
-def test_cli_generate_runs_until_the_context_is_full_without_max_new_tokens(capsys, endless):
-    assert main(["generate", "t5 t9 t2 t7", "--raw", "--json", "--target", str(endless), "--draft", "none"]) == 0
+@pytest.fixture(scope="module")
+def endless_chat(endless, tmp_path_factory) -> Path:
+    """The same model with a chat template (the user's turn, as it is): its prompts are chat turns."""
+    folder = tmp_path_factory.mktemp("endless_chat") / "m"
+    shutil.copytree(endless, folder)
+    config = folder / "tokenizer_config.json"
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"chat_template": "{{ messages[0]['content'] }}"}))
+    return folder
+
+
+def test_cli_generate_runs_until_the_context_is_full_without_max_new_tokens(capsys, monkeypatch, endless, endless_chat):
+    from verispec import cli
+
+    monkeypatch.setattr(cli, "RAW_MAX_NEW_TOKENS", 20)
+    assert main(["generate", "t5 t9 t2 t7", "--json", "--target", str(endless_chat), "--draft", "none"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["finish_reason"] == "length" and len(out["token_ids"]) == 160 - 4  # not the API default of 128
+    for args in (["--target", str(endless_chat), "--raw"], ["--target", str(endless)]):  # raw text: the bounded default
+        assert main(["generate", "t5 t9 t2 t7", "--json", "--draft", "none", *args]) == 0
+        captured = capsys.readouterr()
+        assert len(json.loads(captured.out)["token_ids"]) == 20 and "at most 20 new tokens" in captured.err
     assert main(["generate", "t5 t9 t2 t7", "--raw", "--json", "--target", str(endless), "--draft", "none",
                  "--max-new-tokens", "5"]) == 0
     assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 5

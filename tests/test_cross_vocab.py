@@ -138,14 +138,23 @@ def test_shared_vocabulary_respects_the_logits_width(pair):
 
 @pytest.mark.real
 def test_gemma_with_a_smollm2_draft_gives_the_target_s_own_greedy_output():
-    """The shipped pair of two families (262K and 49K vocabularies): Gemma-3-270M drafted for by SmolLM2-135M."""
+    """The shipped pair of two families (262K and 49K vocabularies): Gemma-3-270M drafted for by SmolLM2-135M,
+    its default draft (the shipped default, Qwen 0.5B, is larger than this target)."""
     from verispec import load
 
-    engine = load("gemma-3-270m", "smollm2-135m-instruct", gamma_policy="constant")
-    assert isinstance(engine.drafter, CrossVocabDrafter)
+    engine = load("gemma-3-270m", gamma_policy="constant")
+    assert isinstance(engine.drafter, CrossVocabDrafter) and engine.drafter.model.name == "smollm2-135m-instruct"
     plain = Engine(engine.target, None)
     config = GenerationConfig(max_new_tokens=32)
     for prompt in ("Hello", "Write a Python function that reverses a string."):
         result = engine.generate(prompt, config)
         assert result.token_ids == plain.generate(prompt, config).token_ids
         assert result.stats.accepted_tokens > 0  # the draft really drafts for it
+
+
+def test_each_shipped_target_drafts_with_a_smaller_model_by_default():
+    from verispec.models.registry import DEFAULT_DRAFT, default_draft_for
+
+    assert default_draft_for("qwen2.5-coder-1.5b-instruct") == DEFAULT_DRAFT == "qwen2.5-coder-0.5b-instruct"
+    assert default_draft_for("qwen2.5-coder-0.5b-instruct") == default_draft_for("gemma-3-270m") == "smollm2-135m-instruct"
+    assert default_draft_for("/a/folder/of/another/model") == DEFAULT_DRAFT

@@ -8,6 +8,7 @@ plain: the target alone), then prints a one-line summary. `--json` prints one JS
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -24,6 +25,9 @@ __all__ = ["main"]
 
 UNTIL_STOP = sys.maxsize  # max_new_tokens without a limit: the engine stops at the model's context
 BEAM_MAX_NEW_TOKENS = 128
+# A prompt continued as raw text (--raw, or a model without a chat template: a base model) has no end of
+# turn to wait for, and a base model rarely ends by itself: without --max-new-tokens it gets this many.
+RAW_MAX_NEW_TOKENS = 256
 ORIGIN_STYLES = {Origin.ACCEPTED: "green", Origin.RECOVERED: "yellow", Origin.BONUS: "bold blue", Origin.TARGET: ""}
 
 
@@ -45,7 +49,8 @@ def _add_ray_address(parser) -> None:
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=None,
                         help="at most this many new tokens (default: until the model stops or its context is full; "
-                        f"{BEAM_MAX_NEW_TOKENS} with --num-beams)")
+                        f"{RAW_MAX_NEW_TOKENS} for a prompt continued as raw text: --raw, or a model without a chat "
+                        f"template; {BEAM_MAX_NEW_TOKENS} with --num-beams)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -73,6 +78,12 @@ def _generate(args: argparse.Namespace) -> int:
     if args.num_beams > 1:
         return _beam(args, config)
     engine = load(args.target, args.draft, args.dtype, args.gamma, args.gamma_policy)
+    if args.max_new_tokens is None and (args.raw or not getattr(engine.target.tokenizer, "chat_template", None)):
+        config = dataclasses.replace(config, max_new_tokens=RAW_MAX_NEW_TOKENS)
+        Console(stderr=True).print(
+            f"[yellow]note:[/yellow] {'--raw' if args.raw else f'{engine.target.name} has no chat template'}: the prompt is "
+            f"continued as raw text, which rarely ends by itself; at most {RAW_MAX_NEW_TOKENS} new tokens "
+            "(--max-new-tokens N for another limit)")
     out = Console(highlight=False)
     generation = engine.start(args.prompt, config)
     interrupted = False

@@ -38,7 +38,7 @@ def cpu_flags() -> str:
 
 @cache
 def cpu_summary() -> str:
-    """The CPU's model name, core count and vector-instruction flags, e.g. "AMD EPYC 7B13, 2 cores, avx2 fma f16c"."""
+    """The CPU's model name, logical CPU count and vector-instruction flags, e.g. "AMD EPYC 7B13, 2 CPUs, avx2 fma f16c"."""
     flags = set(cpu_flags().split(":", 1)[-1].split())
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
@@ -46,4 +46,4 @@ def cpu_summary() -> str:
     except OSError:
         model = platform.processor()
     vector = " ".join(flag for flag in VECTOR_FLAGS if flag in flags) or "no AVX2/AVX-512/AMX/NEON flags"
-    return f"{model or platform.machine()}, {os.cpu_count()} cores, {vector}"
+    return f"{model or platform.machine()}, {os.cpu_count()} CPUs, {vector}"

@@ -29,7 +29,7 @@ from verispec.drafters.ngram import NgramDrafter
 from verispec.errors import InvalidParameterError
 from verispec.models.int8 import int8_available
 from verispec.models.loading import LoadedModel, ModelLoader, check_compatible, load_model, tokenizer_problems
-from verispec.models.registry import DEFAULT_DRAFT
+from verispec.models.registry import default_draft_for
 from verispec.models.variants import derive_model
 
 __all__ = [
@@ -123,9 +123,10 @@ def draft_precision(target: LoadedModel) -> str:
 def draft_model(
     name: str | None, target: LoadedModel, dtype: str | None, load: ModelLoader, same_tokenizer: bool = True
 ) -> LoadedModel:
-    """The named draft model (default: the loader's, else the shipped one) in `dtype` (default:
+    """The named draft model (default: the loader's, else the target's shipped default) in `dtype` (default:
     `draft_precision`), checked against the target's tokenizer unless `same_tokenizer` is False."""
-    draft = load(name or getattr(load, "default_draft", DEFAULT_DRAFT), dtype or draft_precision(target), pack_rows=1)
+    name = name or getattr(load, "default_draft", None) or default_draft_for(target.name)
+    draft = load(name, dtype or draft_precision(target), pack_rows=1)
     if same_tokenizer:
         check_compatible(target, draft)
     return draft

