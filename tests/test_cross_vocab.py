@@ -152,7 +152,7 @@ def test_gemma_with_a_smollm2_draft_gives_the_target_s_own_greedy_output():
         assert result.stats.accepted_tokens > 0  # the draft really drafts for it
 
 
-def test_each_shipped_target_drafts_with_a_smaller_model_by_default():
+def test_small_shipped_targets_draft_with_smollm2_by_default():
     from verispec.models.registry import DEFAULT_DRAFT, default_draft_for
 
     assert default_draft_for("qwen2.5-coder-1.5b-instruct") == DEFAULT_DRAFT == "qwen2.5-coder-0.5b-instruct"
