@@ -2,7 +2,7 @@
 
 `extension(name)` builds `<name>.cpp` next to this file with PyTorch's `cpp_extension` (a C++
 compiler and ninja, the latter a verispec dependency) into `cache_dir()/kernels/`, and returns the
-module; later loads reuse the build (one compile per machine and CPU kind, then a load).
+module; later loads reuse the build (one compile per machine, CPU kind and torch installation, then a load).
 When it cannot be built (no compiler, an unusual platform) or `VERISPEC_KERNELS=0` is set, it
 returns None and callers run their plain torch code, which computes the same bits, only slower.
 """
@@ -38,7 +38,9 @@ def extension(name: str) -> ModuleType | None:
         from verispec.progress import status
 
         source = Path(__file__).with_name(f"{name}.cpp")
-        digest = hashlib.sha256(source.read_bytes() + " ".join([*FLAGS, cpu_flags()]).encode()).hexdigest()[:12]
+        # keyed by the torch installation too: its headers' path is in the build file, so two virtual
+        # environments sharing one folder would rebuild each other's extension on every switch
+        digest = hashlib.sha256(source.read_bytes() + " ".join([*FLAGS, cpu_flags(), torch.__file__]).encode()).hexdigest()[:12]
         build = cache_dir() / "kernels" / f"{name}-torch{torch.__version__}-{digest}"
         build.mkdir(parents=True, exist_ok=True)
         with status(f"loading the {name} kernels (compiled on first use)"):
