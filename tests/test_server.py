@@ -363,6 +363,17 @@ def test_cli_serve_loads_once_and_answers(tiny_target):
         process.wait(10)
 
 
+def test_cli_serve_refuses_a_max_model_len_past_the_context_before_serving(tiny_target, monkeypatch, capsys):
+    """The limits are resolved as the scheduler resolves them, before uvicorn starts: a clear error, exit 2."""
+    import uvicorn
+
+    from verispec.cli import main
+
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: pytest.fail("served despite an impossible limit"))
+    assert main(["serve", "--target", str(tiny_target), "--draft", "none", "--max-model-len", "100000"]) == 2
+    assert "max_model_len must lie in 2…128" in capsys.readouterr().err
+
+
 def test_cli_serve_on_ray_passes_every_limit_to_the_replicas(tiny_target, monkeypatch):
     """Every limit of `serve` reaches the replicas' create_app (it was refused before); a bad value is
     refused before Ray starts. Fails if an option is dropped on the way (Ray itself is not started)."""

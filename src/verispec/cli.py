@@ -78,7 +78,7 @@ def _generate(args: argparse.Namespace) -> int:
     if args.num_beams > 1:
         return _beam(args, config)
     engine = load(args.target, args.draft, args.dtype, args.gamma, args.gamma_policy)
-    if args.max_new_tokens is None and (args.raw or not getattr(engine.target.tokenizer, "chat_template", None)):
+    if args.max_new_tokens is None and not engine.target.wraps_in_chat_template(not args.raw):
         config = dataclasses.replace(config, max_new_tokens=RAW_MAX_NEW_TOKENS)
         Console(stderr=True).print(
             f"[yellow]note:[/yellow] {'--raw' if args.raw else f'{engine.target.name} has no chat template'}: the prompt is "
@@ -235,14 +235,17 @@ def _serve(args: argparse.Namespace) -> int:
     from verispec import load
     from verispec.serving.http import create_app
 
-    from verispec.serving.http.scheduler import default_kv_pool_tokens, kv_bytes_per_token
+    from verispec.errors import InvalidParameterError
+    from verispec.serving.http.scheduler import kv_bytes_per_token, memory_limits
 
     _check_serve_limits(args)
     engine = load(args.target, args.draft, args.dtype, args.gamma, args.gamma_policy)  # once, before serving
     app = create_app(engine, model_name=args.model_name, max_batch=args.max_batch, max_queue=args.max_queue,
                      request_timeout=args.timeout, **_serve_limits(args))
-    max_model_len = args.max_model_len or engine.target.context_length
-    pool = args.kv_pool_tokens or default_kv_pool_tokens(max_model_len, args.max_batch)
+    try:  # resolved as the scheduler will; an impossible limit is refused now, not at start-up inside uvicorn
+        pool, max_model_len = memory_limits(engine, args.max_batch, args.kv_pool_tokens, args.max_model_len)
+    except ValueError as error:
+        raise InvalidParameterError(str(error)) from None
     per_token = kv_bytes_per_token(engine)
     size = f" = {pool * per_token / 2**30:.2f} GiB of target cache" if per_token else ""
     console = Console(stderr=True)

@@ -159,9 +159,14 @@ class LoadedModel:
         quant = getattr(self.runner, "quant", None)
         return quant if quant in ("int8", "gguf", "gguf-wide") else parse_precision(self.runner.dtype).name
 
+    def wraps_in_chat_template(self, chat: bool = True) -> bool:
+        """Whether `encode_prompt(..., chat)` wraps a text prompt in a chat turn (else: raw text, which
+        a base model continues with no end of turn to stop at)."""
+        return chat and bool(getattr(self.tokenizer, "chat_template", None))
+
     def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
         """Token ids for `prompt`, wrapped in the chat template when the model has one and chat=True."""
-        if chat and getattr(self.tokenizer, "chat_template", None):
+        if self.wraps_in_chat_template(chat):
             text = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
             )

@@ -50,7 +50,7 @@ from verispec.serving.http.metrics import Metrics
 from verispec.types import GenerationStats, TokenEvent
 
 __all__ = ["Scheduler", "Job", "JobUpdate", "QueueFullError", "RequestTimeoutError", "Turn", "live_stats",
-           "DEFAULT_PREFILL_CHUNK", "default_kv_pool_tokens", "kv_bytes_per_token"]
+           "DEFAULT_PREFILL_CHUNK", "default_kv_pool_tokens", "kv_bytes_per_token", "memory_limits"]
 
 Encoder = Callable[[Engine], list[int]]  # runs on the worker: request → prompt token ids
 DEFAULT_PREFILL_CHUNK = 256
@@ -62,6 +62,19 @@ def default_kv_pool_tokens(max_model_len: int, max_batch: int) -> int:
     """The pool `serve` uses unless told: room for one request of `max_model_len` positions, or
     `POOL_TOKENS_PER_SLOT` per batch slot, whichever is more."""
     return max(max_model_len + POOL_HEADROOM, POOL_TOKENS_PER_SLOT * max_batch)
+
+
+def memory_limits(engine: Engine, max_batch: int, kv_pool_tokens: int | None, max_model_len: int | None) -> tuple[int, int]:
+    """(KV pool positions, most positions per request) as a server runs them: the defaults filled in
+    (`default_kv_pool_tokens`, the target's context) and both checked. Raises ValueError."""
+    context = engine.target.context_length
+    max_model_len = context if max_model_len is None else max_model_len
+    if not 2 <= max_model_len <= context:
+        raise ValueError(f"max_model_len must lie in 2…{context} (the target's context), got {max_model_len}")
+    kv_pool_tokens = default_kv_pool_tokens(max_model_len, max_batch) if kv_pool_tokens is None else kv_pool_tokens
+    if kv_pool_tokens < 1:
+        raise ValueError(f"kv_pool_tokens must be ≥ 1, got {kv_pool_tokens}")
+    return kv_pool_tokens, max_model_len
 
 
 def kv_bytes_per_token(engine: Engine) -> int | None:
@@ -172,13 +185,7 @@ class Scheduler:
                  kv_pool_tokens: int | None = None, max_model_len: int | None = None):
         if max_batch < 1 or max_queue < 1 or request_timeout <= 0 or prefill_chunk < 0:
             raise ValueError("max_batch and max_queue must be ≥ 1, request_timeout > 0 and prefill_chunk ≥ 0")
-        context = engine.target.context_length
-        max_model_len = context if max_model_len is None else max_model_len
-        if not 2 <= max_model_len <= context:
-            raise ValueError(f"max_model_len must lie in 2…{context} (the target's context), got {max_model_len}")
-        kv_pool_tokens = default_kv_pool_tokens(max_model_len, max_batch) if kv_pool_tokens is None else kv_pool_tokens
-        if kv_pool_tokens < 1:
-            raise ValueError(f"kv_pool_tokens must be ≥ 1, got {kv_pool_tokens}")
+        kv_pool_tokens, max_model_len = memory_limits(engine, max_batch, kv_pool_tokens, max_model_len)
         self.engine, self.metrics = engine, metrics or Metrics()
         self.max_batch, self.max_queue, self.request_timeout = max_batch, max_queue, request_timeout
         self.prefill_chunk, self.kv_pool_tokens, self.max_model_len = prefill_chunk, kv_pool_tokens, max_model_len
