@@ -15,6 +15,7 @@ the bonus token from the wrong target row.
 """
 
 import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -138,6 +139,21 @@ def test_a_kernel_that_cannot_be_built_means_the_torch_code_with_a_warning(monke
         assert kernels.extension.__wrapped__("no_such") is None  # no no_such.cpp
     monkeypatch.setenv("VERISPEC_KERNELS", "0")
     assert kernels.extension.__wrapped__("int8") is None
+
+
+def test_a_finished_build_is_shared_by_every_torch_installation_of_its_release(monkeypatch):
+    """The user's cache holds a build (the conftest loads it first): a process imports it without
+    compiling, and a virtual environment elsewhere with the same torch release finds the same folder."""
+    from verispec.models import kernels
+
+    monkeypatch.delenv("VERISPEC_CACHE", raising=False)  # the user's cache, where the conftest built it
+    source = Path(kernels.__file__).with_name("int8.cpp")
+    folder = kernels._build_folder("int8", source)
+    assert (folder / kernels.READY).exists()
+    monkeypatch.setattr(kernels, "_compile", lambda *args: pytest.fail("compiled again"))
+    assert kernels.extension.__wrapped__("int8").split_rows is not None
+    monkeypatch.setattr(torch, "__file__", "/another/venv/lib/python3.11/site-packages/torch/__init__.py")
+    assert kernels._build_folder("int8", source) == folder
 
 
 def test_the_compiled_decoder_stack_gives_the_same_bits_as_the_python_loop(target8, monkeypatch):

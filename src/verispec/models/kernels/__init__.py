@@ -2,7 +2,9 @@
 
 `extension(name)` builds `<name>.cpp` next to this file with PyTorch's `cpp_extension` (a C++
 compiler and ninja, the latter a verispec dependency) into `cache_dir()/kernels/`, and returns the
-module; later loads reuse the build (one compile per machine, CPU kind and torch installation, then a load).
+module. The build folder is keyed by what the binary depends on: the source, the compiler flags, the
+CPU's instruction sets (`-march=native`), the torch release and the Python ABI. A finished build is
+imported directly, so every virtual environment with the same torch and Python shares one compile.
 When it cannot be built (no compiler, an unusual platform) or `VERISPEC_KERNELS=0` is set, it
 returns None and callers run their plain torch code, which computes the same bits, only slower.
 """
@@ -11,7 +13,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import os
+import sysconfig
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -25,6 +29,7 @@ __all__ = ["extension"]
 # -march=native: this machine's vector instructions (rounding inlined); -ffp-contract=off: no fused
 # multiply-add, so the same float operations as the torch code
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
+READY = "ready"  # written into a build folder once its module has compiled and loaded
 
 
 @functools.cache
@@ -33,19 +38,41 @@ def extension(name: str) -> ModuleType | None:
     if os.environ.get("VERISPEC_KERNELS", "1") == "0":
         return None
     try:  # any failure (no compiler, a read-only cache directory, …) means: use the torch code
-        from torch.utils.cpp_extension import load
-
         from verispec.progress import status
 
         source = Path(__file__).with_name(f"{name}.cpp")
-        # keyed by the torch installation too: its headers' path is in the build file, so two virtual
-        # environments sharing one folder would rebuild each other's extension on every switch
-        digest = hashlib.sha256(source.read_bytes() + " ".join([*FLAGS, cpu_flags(), torch.__file__]).encode()).hexdigest()[:12]
-        build = cache_dir() / "kernels" / f"{name}-torch{torch.__version__}-{digest}"
-        build.mkdir(parents=True, exist_ok=True)
+        build = _build_folder(name, source)
         with status(f"loading the {name} kernels (compiled on first use)"):
-            return load(f"verispec_{name}", [str(source)], extra_cflags=FLAGS, build_directory=str(build))
+            if (build / READY).exists():
+                return _import(f"verispec_{name}", build / f"verispec_{name}.so")
+            return _compile(name, source, build)
     except Exception as error:  # noqa: BLE001
         warnings.warn(f"could not build verispec's {name} kernels ({type(error).__name__}: {str(error)[:300]}); "
                       "using the slower torch code, which gives the same results", stacklevel=2)
         return None
+
+
+def _build_folder(name: str, source: Path) -> Path:
+    """The cache folder of this source built with these flags for this CPU, torch release and Python ABI
+    (not for a torch path: its build file names one venv's headers, but the binary fits them all)."""
+    key = " ".join([*FLAGS, cpu_flags(), torch.__version__, sysconfig.get_config_var("EXT_SUFFIX") or ""])
+    digest = hashlib.sha256(source.read_bytes() + key.encode()).hexdigest()[:12]
+    return cache_dir() / "kernels" / f"{name}-torch{torch.__version__}-{digest}"
+
+
+def _compile(name: str, source: Path, build: Path) -> ModuleType:
+    """Compile into `build` (cpp_extension locks the folder, so concurrent first uses build once) and
+    mark it ready for direct imports."""
+    from torch.utils.cpp_extension import load
+
+    build.mkdir(parents=True, exist_ok=True)
+    module = load(f"verispec_{name}", [str(source)], extra_cflags=FLAGS, build_directory=str(build))
+    (build / READY).touch()
+    return module
+
+
+def _import(module_name: str, library: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(module_name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
