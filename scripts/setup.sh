@@ -19,7 +19,7 @@ if [[ ! -x .venv/bin/python ]]; then
     python3 -m venv --system-site-packages .venv
 fi
 py=.venv/bin/python
-$py -m pip install --quiet --upgrade pip
+$py -m pip install --quiet --upgrade pip uv
 
 if ! $py -c "import torch" 2>/dev/null; then
     echo "installing torch==2.13.0 (CPU wheel where one is available)" >&2
@@ -47,7 +47,13 @@ if [[ "$(cat "$marker" 2>/dev/null)" != "$cpu_key" ]] || ! $py -c "import llama_
     $py -m pip install --quiet "diskcache>=5.6.1" "jinja2>=2.11.3" "typing-extensions>=4.5.0"
     echo "$cpu_key" > "$marker"
 fi
-$py -m pip install --quiet -e ".${extras}"
+# Everything else through uv: it downloads in parallel and keeps a cache, so a fresh clone's venv
+# installs in seconds where pip takes minutes. uv does not see a torch in the system site-packages,
+# so torch (made importable above) is excluded from its resolution; pip is the fallback.
+if ! $py -m uv pip install --quiet --python "$py" --excludes <(echo torch) -e ".${extras}"; then
+    echo "uv could not install the dependencies; trying pip" >&2
+    $py -m pip install --quiet -e ".${extras}"
+fi
 if [[ -n "$extras" ]] && ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [[ $EUID -eq 0 ]]; then
     echo "installing Debian's chromium for the playground test (skipped by that test when absent)" >&2
     (apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null) || echo "chromium not installed" >&2
