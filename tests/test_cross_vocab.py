@@ -145,7 +145,7 @@ def test_gemma_with_a_smollm2_draft_gives_the_target_s_own_greedy_output():
     engine = load("gemma-3-270m", gamma_policy="constant")
     assert isinstance(engine.drafter, CrossVocabDrafter) and engine.drafter.model.name == "smollm2-135m-instruct"
     plain = Engine(engine.target, None)
-    config = GenerationConfig(max_new_tokens=32)
+    config = GenerationConfig(max_new_tokens=16)
     for prompt in ("Hello", "Write a Python function that reverses a string."):
         result = engine.generate(prompt, config)
         assert result.token_ids == plain.generate(prompt, config).token_ids

@@ -224,6 +224,7 @@ def two_replicas(url: str, without: str | None = None) -> dict[str, int]:
 
 
 def test_two_replicas_answer_concurrent_openai_requests_exactly(served, reference):
+    two_replicas(served)  # both are up and known to the proxy before the requests that must reach both
     client = openai.OpenAI(base_url=served + "/v1", api_key="unused", max_retries=0, timeout=120)
     jobs = [(p, 0.0, None) for p in PROMPTS] + [(PROMPTS[0], 0.9, 7), (PROMPTS[2], 0.7, 3)]
 

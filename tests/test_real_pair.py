@@ -20,7 +20,7 @@ PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
     "Translate to French: The train leaves from platform four at eight fifteen.",
 ]
-NEW_TOKENS = 24
+NEW_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
