@@ -7,8 +7,10 @@
 #                             Chromium for the playground's browser test
 #
 # torch: a torch already importable in the venv (or in the system site-packages it sees, e.g. a
-# CUDA build) is kept. Otherwise torch==2.13.0 is installed: on the CPU machines this project runs
-# on, pip finds a local CPU wheel for it, while an unpinned `torch` would pull a multi-GB CUDA build.
+# CUDA build) is kept. Otherwise torch==2.13.0 is installed with pip: on the CPU machines this project
+# runs on, pip finds a local CPU wheel for it, while an unpinned `torch` would pull a multi-GB CUDA
+# build. The other dependencies install with uv (installed here by pip), which downloads in parallel
+# and caches what it downloaded, so a second checkout's venv takes seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -47,9 +49,8 @@ if [[ "$(cat "$marker" 2>/dev/null)" != "$cpu_key" ]] || ! $py -c "import llama_
     $py -m pip install --quiet "diskcache>=5.6.1" "jinja2>=2.11.3" "typing-extensions>=4.5.0"
     echo "$cpu_key" > "$marker"
 fi
-# Everything else through uv: it downloads in parallel and keeps a cache, so a fresh clone's venv
-# installs in seconds where pip takes minutes. uv does not see a torch in the system site-packages,
-# so torch (made importable above) is excluded from its resolution; pip is the fallback.
+# uv does not see a torch in the system site-packages, so torch (importable by now) is excluded from
+# its resolution; pip is the fallback.
 if ! $py -m uv pip install --quiet --python "$py" --excludes <(echo torch) -e ".${extras}"; then
     echo "uv could not install the dependencies; trying pip" >&2
     $py -m pip install --quiet -e ".${extras}"

@@ -51,10 +51,13 @@ def one_thread_for_tiny_models(request):
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects by marker
 def pytest_collection_modifyitems(items):
-    """Tests on the shipped models use every core: they run in the serial run, after the parallel one."""
+    """Tests on the shipped models use every core: they run in the serial run, after the parallel one.
+    Files marked `first` (long, mostly waiting on other processes) start the parallel run, so the rest
+    of the suite runs beside them instead of after them (xdist hands out files in collection order)."""
     for item in items:
         if item.get_closest_marker("real"):
             item.add_marker(pytest.mark.serial)
+    items.sort(key=lambda item: item.get_closest_marker("first") is None)  # stable: order kept otherwise
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -37,7 +37,7 @@ from verispec.serving.cluster.proxy import REPLICA_LOST_CODE, SERVE_PROXY_ENV
 from verispec.errors import VerispecError
 from verispec.serving.http.metrics import Metrics
 
-pytestmark = pytest.mark.serial  # Ray clusters of several processes: timings assume the machine is theirs
+pytestmark = pytest.mark.first  # the longest file, mostly waiting on the cluster: started first, it overlaps the rest
 
 PROMPTS = ["t5 t9 t2 t7", "t22 t3 t3 t3 t8 t2 t30 t42 t5", "t20 t21 t22 t20 t21", "t7 t7 t7", "t33 t2", "t40"]
 
