@@ -1,5 +1,5 @@
 """The scheduler's bounds over real HTTP, on the tiny model: a full queue is a 429 with Retry-After;
-the KV pool admits only what fits, gives everything back when requests end or are cancelled, and ends
+a request that waits past its time limit ends in the queue (a 504, never admitted); the KV pool admits only what fits, gives everything back when requests end or are cancelled, and ends
 a request that outgrows it with finish_reason "length"; `max_model_len` refuses long prompts before
 they are queued and caps prompt + new tokens; prompts are tokenized off the worker; and a long prompt
 is prefilled in chunks between a short request's decode steps (asserted on the scheduler's turns,
@@ -57,6 +57,23 @@ def test_a_full_queue_is_a_429_with_retry_after(tiny_target):
         first.join(60)
         second.join(60)
         wait_for(lambda: health(server.url)["kv_pool_reserved_tokens"] == 0)
+
+
+def test_a_request_that_waits_past_its_time_limit_ends_while_still_queued(tiny_target):
+    """max_batch 1: a long request runs (60 passes of ≥ 50 ms) while a second, with a 0.3 s limit, waits.
+    The second is a 504 while the first still runs, and it was never admitted. Fails if expiry is
+    checked only for running requests (the second would end after the first)."""
+    app = create_app(slow(tiny_engine(tiny_target), 0.05), model_name=MODEL, max_batch=1, max_queue=4)
+    with LocalServer(app) as server:
+        first = threading.Thread(target=completion, args=(server.url,), kwargs={"prompt": PROMPT, "max_tokens": 60})
+        first.start()
+        wait_for(lambda: health(server.url)["active"] == 1)
+        app.state.scheduler.request_timeout = 0.3  # for requests submitted from now on
+        waited = completion(server.url, prompt=PROMPT, max_tokens=5)
+        assert first.is_alive(), "the queued request ended only after the running one"
+        assert waited.status_code == 504 and "without starting" in waited.json()["error"]["message"], waited.text
+        first.join(60)
+    assert len([turn for turn in app.state.scheduler.turns if turn.prefilled]) == 1  # only the first was admitted
 
 
 def test_the_pool_returns_to_zero_after_requests_end_or_are_cancelled(tiny_target):

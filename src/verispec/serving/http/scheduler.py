@@ -280,8 +280,8 @@ class Scheduler:
         while not self._stop.is_set():
             self._last_turn = time.monotonic()
             try:
-                self._admit()
                 self._drop_finished_early()
+                self._admit()
                 prefilled = self._prefill()
                 stepped = self._step() if self._active else ()
                 if prefilled or stepped:
@@ -339,7 +339,19 @@ class Scheduler:
             job.push(JobUpdate("admitted", prompt_tokens=job.generation.prompt_len))
 
     def _drop_finished_early(self) -> None:
+        """Cancelled requests and those past their deadline leave, running or waiting: a request that
+        waited its whole time limit in the queue ends then, not once it reaches the queue's head."""
         now = time.monotonic()
+        with self._work:
+            expired = [job for job in self._waiting if job.cancelled or now > job.deadline]
+            self._waiting = deque(job for job in self._waiting if job not in expired)
+        for job in expired:
+            if job.cancelled:
+                self.metrics.record_finished("cancelled")
+            else:
+                self._fail(job, RequestTimeoutError(
+                    f"the request waited {self.request_timeout:g} s, the server's limit, without starting: "
+                    "the server is busy, retry later"), "timeout")
         for job in list(self._active):
             if job.cancelled:
                 self._remove(job)
