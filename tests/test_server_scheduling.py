@@ -1,9 +1,10 @@
 """The scheduler's bounds over real HTTP, on the tiny model: a full queue is a 429 with Retry-After;
-a request that waits past its time limit ends in the queue (a 504, never admitted); the KV pool admits only what fits, gives everything back when requests end or are cancelled, and ends
-a request that outgrows it with finish_reason "length"; `max_model_len` refuses long prompts before
-they are queued and caps prompt + new tokens; prompts are tokenized off the worker; and a long prompt
-is prefilled in chunks between a short request's decode steps (asserted on the scheduler's turns,
-not on wall time)."""
+a request that waits past its time limit ends in the queue (a 504, never admitted); the KV pool
+admits only what fits, gives everything back when requests end or are cancelled, and ends a request
+that outgrows it with finish_reason "length"; `max_model_len` refuses long prompts before they are
+queued and caps prompt + new tokens; prompts are tokenized off the worker; and a long prompt is
+prefilled in chunks between a short request's decode steps (asserted on the scheduler's turns, not
+on wall time)."""
 
 from __future__ import annotations
 
