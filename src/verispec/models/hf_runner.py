@@ -21,6 +21,7 @@ How the protocol maps onto transformers:
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import dataclass
 from functools import cached_property
@@ -124,6 +125,8 @@ class HFRunner:
                 f"model type {model_type!r} has {', '.join(odd)} layers, whose state cannot be rolled back by the "
                 "Hugging Face runner (it runs attention-only models): use --dtype gguf (llama.cpp) for it"
             )
+        # the cache's keyword: `cache` in newer transformers (which deprecate `past_key_values`)
+        self._cache_keyword = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
         # per layer kind, the sliding window a tree mask must apply (None: full attention)
         self._windows = {kind: kwargs.get("sliding_window") for kind, kwargs in zip(layer_types, layer_kwargs)}
         self.config = HFConfig(
@@ -201,7 +204,7 @@ class HFRunner:
         with torch.inference_mode():
             out = self.model(
                 input_ids=tokens.view(1, n).to(self.device), position_ids=positions.view(1, n).to(self.device),
-                attention_mask=mask, past_key_values=cache.kv, use_cache=True,
+                attention_mask=mask, use_cache=True, **{self._cache_keyword: cache.kv},
                 logits_to_keep=0 if logits == "all" else 1,  # 0: every position
             )
         cache.length = past + n
