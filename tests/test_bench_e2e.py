@@ -48,3 +48,23 @@ def test_sampled_bench_reports_identity_as_na(tiny_text_pair, questions, tmp_pat
     assert data["config"]["temperature"] == 0.8 and data["config"]["prompts"] == ["rag-3"]
     assert all(m["identical_to_baseline"] is None for m in data["methods"].values())
     assert "| n/a |" in capsys.readouterr().out
+
+
+def test_bench_on_the_hugging_face_runner_measures_its_weights(tiny_text_pair, questions, tmp_path, monkeypatch):
+    """--dtype hf: the weights of a target and draft on the Hugging Face runner are their modules' bytes
+    (this crashed at the end of a run, after every generation, before)."""
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    data = _bench(tiny_text_pair, questions, tmp_path, "--dtype", "hf", "--categories", "rag")
+    methods = data["methods"]
+    assert methods["vs:none"]["identical_to_baseline"] == methods["vs:model"]["identical_to_baseline"] == 1.0
+    assert methods["vs:none"]["weights_mib"] == methods["hf-plain"]["weights_mib"] > 0  # the same target module
+    assert methods["vs:model"]["weights_mib"] >= methods["vs:none"]["weights_mib"]  # plus the draft's (rounded to 0.1)
+
+
+def test_a_hugging_face_runner_s_weights_are_its_module_s_bytes(tiny_text_pair):
+    from verispec.models.loading import load_model
+    from verispec.tools.bench.memory import MIB, runner_weights_mib
+
+    runner = load_model(tiny_text_pair[0], "hf").runner
+    expected = sum(p.numel() * p.element_size() for p in runner.model.parameters()) / MIB  # no shared tensors here
+    assert runner_weights_mib(runner) == pytest.approx(expected, rel=0.05)

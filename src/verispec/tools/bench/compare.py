@@ -415,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt_ids = [models.target.encode_prompt(p.text, chat=True) for p in prompts]
         warmup_ids = models.target.encode_prompt(WARMUP_PROMPT, chat=True)
         methods = [models.method(s) for s in specs]
+        weights = {m.name: round(models.weights_mib(m), 1) for m in methods}  # before the run: a failure costs nothing
     except VerispecError as e:
         console.print(f"[red]error:[/red] {e}", highlight=False)
         return 2
@@ -429,7 +430,6 @@ def main(argv: list[str] | None = None) -> int:
 
     config["measured_prompts"] = len({r["prompt"] for r in records})
     config["process_peak_rss_mib"] = round(process_peak_rss_mib(), 1)
-    weights = {m.name: round(models.weights_mib(m), 1) for m in methods}
     summary = summarize(records, [s.name for s in specs], sampled=args.temperature > 0, weights_mib=weights)
     print(markdown_report(summary, config))
     if args.json:

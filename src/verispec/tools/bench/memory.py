@@ -86,10 +86,13 @@ def runner_linear_bytes(runner) -> int:
 
 
 def runner_weights_mib(runner) -> float:
-    """Bytes of a runner's weights: a verispec `Transformer`'s linear layers, embedding and norms, or
-    the size of the GGUF file llama.cpp runs (its tensors are mapped from it)."""
+    """Bytes of a runner's weights: a verispec `Transformer`'s linear layers, embedding and norms, the
+    Hugging Face runner's module, or the size of the GGUF file llama.cpp runs (its tensors are mapped
+    from it)."""
     if getattr(runner, "path", None) is not None:
         return runner.path.stat().st_size / MIB
+    if isinstance(getattr(runner, "model", None), torch.nn.Module):
+        return hf_weights_mib(runner.model)
     itemsize = torch.empty((), dtype=runner.dtype).element_size()
     numel = runner.embed.numel() + runner.final_norm.numel()
     numel += sum(layer.input_norm.numel() + layer.post_norm.numel() for layer in runner.layers)
