@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from verispec.models.hf_runner import HFRunner
+
 __all__ = ["PeakMeter", "process_peak_rss_mib", "hf_weights_mib", "runner_linear_bytes", "runner_weights_mib"]
 
 MIB = 1 << 20
@@ -91,7 +93,7 @@ def runner_weights_mib(runner) -> float:
     from it)."""
     if getattr(runner, "path", None) is not None:
         return runner.path.stat().st_size / MIB
-    if isinstance(getattr(runner, "model", None), torch.nn.Module):
+    if isinstance(runner, HFRunner):
         return hf_weights_mib(runner.model)
     itemsize = torch.empty((), dtype=runner.dtype).element_size()
     numel = runner.embed.numel() + runner.final_norm.numel()
