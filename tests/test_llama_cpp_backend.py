@@ -93,14 +93,68 @@ def test_a_token_tree_scores_each_node_as_its_own_chain(wide_target):
     torch.testing.assert_close(runner.forward(cache, after), runner.forward(reference, after), rtol=0, atol=1e-2)
 
 
-def test_sequences_are_given_back(target):
-    """More requests over time than llama.cpp has sequences: each ends and frees its own."""
+def test_contexts_are_given_back_and_reused(target):
+    """More requests over time than the runner keeps contexts: each request ends and gives its context
+    back (emptied) to a bounded pool, and a cache dropped without `release()` is given back too."""
+    from verispec.models.llama_cpp import IDLE_CONTEXTS
+
+    runner = target.runner
     engine = Engine(target, NgramDrafter(), gamma=2, gamma_policy="constant")
-    free = len(target.runner._free_seqs) + len(target.runner._pending)
     short = target.encode_prompt("Hi", chat=False)
-    for _ in range(300):  # more than the runner's 256 sequences
+    pooled = runner._idle[:]
+    for _ in range(20):
         engine.start(short, GenerationConfig(max_new_tokens=2)).close()
-    assert len(target.runner._free_seqs) + len(target.runner._pending) == free
+    assert 1 <= len(runner._idle) <= IDLE_CONTEXTS
+    assert set(runner._idle) & set(pooled) or not pooled  # reused, not created anew each time
+    dropped = runner.new_cache(8)
+    context = dropped.context
+    del dropped
+    runner.new_cache(8).release()
+    assert context in runner._idle
+
+
+def _decode_alone(runner, prompt: list[int], fed: torch.Tensor) -> torch.Tensor:
+    cache = runner.prefilled_cache(prompt)
+    logits = torch.cat([runner.forward(cache, fed[i : i + 1]) for i in range(len(fed))])  # [n, vocab]
+    cache.release()
+    return logits
+
+
+def test_a_request_s_logits_do_not_depend_on_the_others(target):
+    """Batch invariance: the same prompt and tokens give bit-identical logits decoded alone or while
+    other requests hold long caches, decode between its steps and end (a shared KV cache fails this:
+    ggml's attention then depends on every sequence's cells)."""
+    runner = target.runner
+    prompt, fed = target.encode_prompt(PROMPT), _tokens(target, 12, 5)
+    alone = _decode_alone(runner, prompt, fed)
+    others = [runner.prefilled_cache(_tokens(target, 700, seed).tolist()) for seed in (6, 7)]
+    cache = runner.prefilled_cache(prompt)
+    rows = []
+    for i in range(len(fed)):
+        for other in others:
+            runner.forward(other, _tokens(target, 3, i))
+            other.truncate(other.length - 1)  # rolled back: its cells are handed out again
+        rows.append(runner.forward(cache, fed[i : i + 1]))
+        if i == 6:
+            others.pop().release()
+    for other in others:
+        other.release()
+    assert torch.equal(torch.cat(rows), alone)
+
+
+def test_a_cache_that_outgrows_its_context_moves_without_changing_its_logits(target):
+    """A cache started small grows past its context (moved into a larger one): the logits after the
+    move equal those of a cache that had room from the start, bit for bit."""
+    runner = target.runner
+    prompt, fed = _tokens(target, 300, 8).tolist(), _tokens(target, 4, 9)
+    small = runner.new_cache(1)
+    start = small.context.size
+    runner.forward(small, torch.tensor(prompt), logits="none")
+    assert small.context.size > start
+    roomy = runner.new_cache(1024)
+    runner.forward(roomy, torch.tensor(prompt), logits="none")
+    assert torch.equal(runner.forward(small, fed), runner.forward(roomy, fed))
+    small.release(), roomy.release()
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "model32", "tree", "gguf"])

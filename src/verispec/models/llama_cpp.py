@@ -6,14 +6,25 @@
 `release` — so the engine, the drafters and the server run on it unchanged. It reads the GGUF file
 as it is: no conversion, any architecture llama.cpp supports (Gemma 3 included).
 
-How the protocol maps onto llama.cpp: one `llama_context` per model, with a KV cache unified across
-sequences; every verispec cache is one llama.cpp sequence id (`LlamaCppCache`). Rolling back is
-`llama_memory_seq_rm` past the kept length. A token tree is scored in one `llama_decode`: each leaf
-gets a sequence of its own that first shares the committed prefix (`seq_cp`), and a node belongs to
-the sequences of every leaf below it, so the node sees exactly the prefix, its ancestors and itself
-(llama.cpp masks a query by its first sequence and by position; positions are prefix + depth). After
-verification the accepted path is copied into the request's own sequence and the leaf sequences
-are dropped: nothing is recomputed.
+How the protocol maps onto llama.cpp: every verispec cache is one llama.cpp sequence id
+(`LlamaCppCache`) in a `llama_context` whose KV cells are unified across its sequences. Rolling back
+is `llama_memory_seq_rm` past the kept length. A token tree is scored in one `llama_decode`: each
+leaf gets a sequence of its own that first shares the committed prefix (`seq_cp`), and a node
+belongs to the sequences of every leaf below it, so the node sees exactly the prefix, its ancestors
+and itself (llama.cpp masks a query by its first sequence and by position; positions are prefix +
+depth). After verification the accepted path is copied into the request's own sequence and the leaf
+sequences are dropped: nothing is recomputed.
+
+Batch invariance: with precision `gguf` every cache has a context of its own (`_Context`, taken from
+a pool of idle ones), because in a shared context a request's logits depend on the others: ggml's
+attention walks the cells in the order they were handed out (interleaved with other requests') and
+splits a single-token decode across threads by the number of cells in use by *all* sequences. In a
+context of its own a request's cells, and so its rounding, follow from its own history only: its
+output is the same alone or among any number of requests. Contexts hold a multiple of 256 cells (the
+granule llama.cpp pads attention to, so a context's size never changes which cells are attended),
+start at the request's first need and move to a context twice as large when the cache outgrows it
+(the sequence's state is copied, nothing recomputed). `gguf-wide` keeps one context shared by every
+request so that requests share decode passes (throughput over invariance; it is not exact anyway).
 
 Exactness: ggml computes a row's logits the same way whatever else the batch holds only up to a width
 that depends on the CPU and the file's quantization (the repacked multi-row kernels round
@@ -81,33 +92,140 @@ class LlamaCppConfig:
     max_position_embeddings: int  # the context one request may use (the shared window, at most)
 
 
+CELL_GRANULE = 256  # llama.cpp pads the attended cells to a multiple of this (llama_kv_cache::get_n_kv)
+IDLE_CONTEXTS = 4  # idle per-request contexts a runner keeps for the next requests (the rest are freed)
+CONTEXT_SEQUENCES = 33  # sequences of a per-request context: the request's own and its tree leaves
+
+
+def _granules(cells: int) -> int:
+    """The context size for `cells` cells: 256 × a power of two (contexts of few sizes are reused)."""
+    size = CELL_GRANULE
+    while size < cells:
+        size *= 2
+    return size
+
+
+class _Context:
+    """One llama_context: `size` KV cells unified across its `sequences` sequence ids, and a batch buffer.
+
+    shared: every cache of the runner lives here (`gguf-wide`); otherwise it belongs to one cache at a
+    time and goes back to the runner's pool when that cache is released."""
+
+    def __init__(self, runner: LlamaCppRunner, size: int, sequences: int, shared: bool):
+        lib = self.lib = runner.llama_cpp
+        params = lib.llama_context_default_params()
+        params.n_ctx, params.n_seq_max, params.kv_unified = size, sequences, True
+        params.n_batch = params.n_ubatch = runner.batch_size
+        params.n_threads = params.n_threads_batch = runner.threads
+        self.ctx = lib.llama_init_from_model(runner.model, params)
+        if not self.ctx:
+            raise VerispecError(f"llama.cpp could not create a context of {size} cells (out of memory?)")
+        self.memory = lib.llama_get_memory(self.ctx)
+        self.size, self.sequences, self.shared = lib.llama_n_ctx(self.ctx), sequences, shared
+        self.batch_size, self.vocab_size = runner.batch_size, runner.config.vocab_size
+        self.batch = lib.llama_batch_init(runner.batch_size, 0, sequences)
+        self.free_seqs = deque(range(sequences))
+        self.pending: deque[int] = deque()  # sequences of caches dropped without release(), freed on the next use
+
+    def close(self) -> None:
+        if self.ctx is not None:
+            self.lib.llama_batch_free(self.batch)
+            self.lib.llama_free(self.ctx)
+            self.ctx = None
+
+    def clear(self) -> None:
+        """Empty every sequence (a pooled context starts each request as a fresh one does)."""
+        self.lib.llama_memory_clear(self.memory, True)
+        self.free_seqs, self.pending = deque(range(self.sequences)), deque()
+
+    def collect(self) -> None:
+        while self.pending:
+            self.free(self.pending.popleft())
+
+    def take(self) -> int:
+        self.collect()
+        if not self.free_seqs:
+            raise VerispecError("every llama.cpp sequence is in use (too many requests or tree leaves at once)")
+        return self.free_seqs.popleft()
+
+    def free(self, seq: int) -> None:
+        self.seq_rm(seq, -1, -1)
+        self.free_seqs.append(seq)
+
+    def seq_rm(self, seq: int, start: int, end: int) -> None:
+        self.lib.llama_memory_seq_rm(self.memory, seq, start, end)
+
+    def seq_cp(self, source: int, dest: int, start: int, end: int) -> None:
+        self.lib.llama_memory_seq_cp(self.memory, source, dest, start, end)
+
+    def export(self, seq: int) -> ctypes.Array:
+        """The keys/values of `seq` as llama.cpp serializes them."""
+        size = self.lib.llama_state_seq_get_size(self.ctx, seq)
+        state = (ctypes.c_uint8 * size)()
+        self.lib.llama_state_seq_get_data(self.ctx, state, size, seq)
+        return state
+
+    def load(self, state: ctypes.Array, seq: int) -> None:
+        if self.lib.llama_state_seq_set_data(self.ctx, state, len(state), seq) == 0:
+            raise VerispecError("llama.cpp could not move a sequence into a larger context")
+
+    def decode(self, rows: list[tuple[int, int, tuple[int, ...], bool]]) -> torch.Tensor:
+        """llama_decode over `rows` (token, position, sequences, wants logits) in chunks of the batch
+        size; the logits of the rows that want them [wanted, vocab], in row order."""
+        self.collect()
+        lib, batch, vocab = self.lib, self.batch, self.vocab_size
+        outputs = []
+        for begin in range(0, len(rows), self.batch_size):
+            chunk = rows[begin : begin + self.batch_size]
+            for i, (token, position, seqs, wants) in enumerate(chunk):
+                batch.token[i], batch.pos[i], batch.logits[i] = token, position, wants
+                batch.n_seq_id[i] = len(seqs)
+                for j, seq in enumerate(seqs):
+                    batch.seq_id[i][j] = seq
+            batch.n_tokens = len(chunk)
+            status = lib.llama_decode(self.ctx, batch)
+            if status != 0:
+                raise VerispecError(
+                    f"llama.cpp could not decode {len(chunk)} tokens (status {status}): its context of "
+                    f"{self.size} cells is full; retry when fewer requests run at once"
+                )
+            wanted = sum(row[3] for row in chunk)
+            if wanted:
+                pointer = lib.llama_get_logits(self.ctx)  # float* [wanted, vocab], rows in batch order
+                outputs.append(torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(wanted, vocab)).copy()))
+        return torch.cat(outputs) if outputs else torch.zeros(0, vocab)
+
+
 class LlamaCppCache:
     """One llama.cpp sequence: positions 0 … length−1 hold the keys/values of the tokens fed so far.
 
-    `release()` gives the sequence back (the engine calls it when a request ends; a cache that is
-    simply dropped is released by the runner before its next decode).
+    `release()` gives the sequence (and a context of its own) back; the engine calls it when a request
+    ends, and a cache that is simply dropped is given back by the runner before its next decode.
     """
 
-    def __init__(self, runner: LlamaCppRunner, seq: int):
-        self.runner, self.seq, self.length = runner, seq, 0
+    def __init__(self, runner: LlamaCppRunner, context: _Context, seq: int):
+        self.runner, self.context, self.seq, self.length = runner, context, seq, 0
         self.tree_seqs: list[int] = []  # leaf sequences of the last token tree, until `keep`
         self.node_seqs: list[list[int]] = []  # [n] the leaf sequences each fed node belongs to
         self._released = False
-        self.ceiling: int | None = None  # unused: llama.cpp's context is allocated once, shared
+        self.ceiling: int | None = None  # unused: a context grows by moving, up to the runner's window
 
     @property
     def capacity(self) -> int:
         return self.runner.window
 
     def ensure(self, needed: int) -> None:
+        """Room for `needed` positions: a per-request context too small moves to a larger one."""
         if needed > self.runner.window:
             raise PromptError(f"{needed} positions do not fit llama.cpp's window of {self.runner.window} tokens")
+        if needed > self.context.size:
+            self.runner._move(self, needed)
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
-        self.runner._drop_tree(self)
-        self.runner._seq_rm(self.seq, length, -1)
+        self._drop_tree()
+        self.context.seq_rm(self.seq, length, -1)
         self.length = length
 
     def keep(self, start: int, slots: torch.Tensor) -> None:
@@ -115,31 +233,52 @@ class LlamaCppCache:
         kept = len(slots)
         deepest = int(slots[-1])
         leaf = self.node_seqs[deepest][0]
-        self.runner._seq_rm(self.seq, start, -1)
-        self.runner._seq_rm(leaf, start + kept, -1)  # the nodes below the accepted path
-        self.runner._seq_cp(leaf, self.seq, start, start + kept)
-        self.runner._drop_tree(self)
+        self.context.seq_rm(self.seq, start, -1)
+        self.context.seq_rm(leaf, start + kept, -1)  # the nodes below the accepted path
+        self.context.seq_cp(leaf, self.seq, start, start + kept)
+        self._drop_tree()
         self.length = start + kept
+
+    def tree_sequences(self, tree_mask: torch.Tensor) -> list[tuple[int, ...]]:
+        """Per fed node of a token tree, the leaf sequences it belongs to; each leaf first gets the prefix."""
+        self._drop_tree()
+        mask = tree_mask.bool()  # [n, n] node i sees node j
+        n = mask.shape[0]
+        leaves = [i for i in range(n) if int(mask[:, i].sum()) == 1]  # seen by no one but itself
+        leaf_seqs = {leaf: self.context.take() for leaf in leaves}
+        self.tree_seqs = list(leaf_seqs.values())
+        for seq in self.tree_seqs:
+            self.context.seq_cp(self.seq, seq, 0, self.length)
+        # a node's first sequence decides what it sees: any leaf below it sees exactly its ancestors
+        self.node_seqs = [[leaf_seqs[leaf] for leaf in leaves if mask[leaf, i]] for i in range(n)]
+        return [tuple(s) for s in self.node_seqs]
+
+    def _drop_tree(self) -> None:
+        for seq in self.tree_seqs:
+            self.context.free(seq)
+        self.tree_seqs, self.node_seqs = [], []
 
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self.runner._drop_tree(self)
-            self.runner._free(self.seq)
+            self._drop_tree()
+            self.runner._give_back(self.context, self.seq)
 
     def __del__(self):
         if not self._released:
-            # freed by the decoding thread, never from a finalizer
-            self.runner._pending.extend([self.seq, *self.tree_seqs])
+            # given back by the decoding thread, never from a finalizer
+            self.runner._dropped.append((self.context, [self.seq, *self.tree_seqs]))
 
 
 class LlamaCppRunner:
     """A GGUF model in llama.cpp, behind verispec's runner protocol (see the module docstring).
 
-    threads: ggml's threads (default: torch's, i.e. the machine's cores); window: the KV cells shared by
-    all sequences of this model; max_sequences: requests, draft sessions and tree leaves at once;
-    exact: verify at most `exact_width` positions per pass, one request per pass (see the module
-    docstring), so that every position is computed as a single-token decode step computes it.
+    threads: ggml's threads (default: torch's, i.e. the machine's cores); window: the most positions
+    one request may use (and, shared, the KV cells of all of them together); max_sequences: requests,
+    draft sessions and tree leaves at once in the shared context; exact: verify at most `exact_width`
+    positions per pass, each request in a context of its own and a pass of its own (see the module
+    docstring), so that every position is computed as a single-token decode step of that request
+    alone computes it.
     """
 
     dtype = torch.float32
@@ -147,47 +286,38 @@ class LlamaCppRunner:
     def __init__(self, gguf: str | Path, threads: int | None = None, window: int = 16384, max_sequences: int = 256,
                  batch: int = 512, exact: bool = True):
         llama_cpp = require_llama_cpp()
-        from llama_cpp._internals import LlamaContext, LlamaModel
+        from llama_cpp._internals import LlamaModel
 
         _init_backend(llama_cpp)
         self.llama_cpp, self.path = llama_cpp, Path(gguf)
-        threads = threads or torch.get_num_threads()
-        model_params = llama_cpp.llama_model_default_params()
-        self._model = LlamaModel(path_model=str(self.path), params=model_params, verbose=False)
-        model = self._model.model
-        train_context = llama_cpp.llama_model_n_ctx_train(model)
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx = min(window, train_context) if train_context > 0 else window
-        params.n_batch = params.n_ubatch = batch
-        params.n_seq_max = max_sequences
-        params.kv_unified = True
-        params.n_threads = params.n_threads_batch = threads
-        self._context = LlamaContext(model=self._model, params=params, verbose=False)
-        self.ctx, self.memory = self._context.ctx, self._context.memory
-        self.window, self.batch_size, self.threads = llama_cpp.llama_n_ctx(self.ctx), batch, threads
+        self.threads, self.batch_size = threads or torch.get_num_threads(), batch
+        self._model = LlamaModel(path_model=str(self.path), params=llama_cpp.llama_model_default_params(), verbose=False)
+        self.model = self._model.model
+        train_context = llama_cpp.llama_model_n_ctx_train(self.model)
+        window = min(window, train_context) if train_context > 0 else window
+        self.window = max(CELL_GRANULE, window // CELL_GRANULE * CELL_GRANULE)
         self.vocab = vocab = self._model.vocab
         self.config = LlamaCppConfig(
             model_type=self._metadata("general.architecture") or "?",
             vocab_size=llama_cpp.llama_vocab_n_tokens(vocab),
-            num_layers=llama_cpp.llama_model_n_layer(model),
+            num_layers=llama_cpp.llama_model_n_layer(self.model),
             max_position_embeddings=self.window,
         )
         self.exact = exact
         self.quant = "gguf" if exact else "gguf-wide"  # the precision name
         self.variant = ",gguf" if exact else ",gguf-wide"
-        self._free_seqs = deque(range(max_sequences))
-        self._pending: deque[int] = deque()
-        self._batch = llama_cpp.llama_batch_init(batch, 0, max_sequences)
+        self._shared = None if exact else _Context(self, self.window, max_sequences, shared=True)
+        self._idle: list[_Context] = []  # per-request contexts waiting for their next request
+        self._dropped: deque[tuple[_Context, list[int]]] = deque()  # caches dropped without release()
 
     def __del__(self):
-        batch = getattr(self, "_batch", None)
-        if batch is not None:
-            self.llama_cpp.llama_batch_free(batch)
-            self._batch = None
+        for context in [*getattr(self, "_idle", []), getattr(self, "_shared", None)]:
+            if context is not None:
+                context.close()
 
     def _metadata(self, key: str) -> str | None:
         buffer = ctypes.create_string_buffer(256)
-        size = self.llama_cpp.llama_model_meta_val_str(self._model.model, key.encode(), buffer, len(buffer))
+        size = self.llama_cpp.llama_model_meta_val_str(self.model, key.encode(), buffer, len(buffer))
         return buffer.value.decode() if size >= 0 else None
 
     @property
@@ -202,43 +332,59 @@ class LlamaCppRunner:
         (`exact_width`, measured once per file, threads and CPU kind); None without."""
         return exact_width(self) if self.exact else None
 
-    # -- sequences -------------------------------------------------------------------------------
+    # -- contexts and sequences ------------------------------------------------------------------
+    def _context_for(self, cells: int) -> _Context:
+        """The shared context, or an idle per-request one of at least `cells` cells (a new one if none)."""
+        if self._shared is not None:
+            return self._shared
+        size = min(self.window, _granules(cells))
+        fitting = [context for context in self._idle if context.size >= size]
+        if fitting:
+            context = min(fitting, key=lambda context: context.size)
+            self._idle.remove(context)
+            return context
+        return _Context(self, size, CONTEXT_SEQUENCES, shared=False)
+
+    def _give_back(self, context: _Context, seq: int) -> None:
+        """A cache is done with `seq`: free it, and pool a context of its own (emptied)."""
+        if context.shared:
+            context.free(seq)
+            return
+        context.clear()
+        self._idle.append(context)
+        while len(self._idle) > IDLE_CONTEXTS:
+            self._idle.pop(0).close()  # the oldest
+
     def _collect(self) -> None:
-        while self._pending:
-            self._free(self._pending.popleft())
+        while self._dropped:
+            context, seqs = self._dropped.popleft()
+            if context.shared:
+                context.pending.extend(seqs)
+            else:
+                self._give_back(context, seqs[0])
 
-    def _take(self) -> int:
-        self._collect()
-        if not self._free_seqs:
-            raise VerispecError("every llama.cpp sequence is in use (too many requests or tree leaves at once)")
-        return self._free_seqs.popleft()
-
-    def _free(self, seq: int) -> None:
-        self._seq_rm(seq, -1, -1)
-        self._free_seqs.append(seq)
-
-    def _seq_rm(self, seq: int, start: int, end: int) -> None:
-        self.llama_cpp.llama_memory_seq_rm(self.memory, seq, start, end)
-
-    def _seq_cp(self, source: int, dest: int, start: int, end: int) -> None:
-        self.llama_cpp.llama_memory_seq_cp(self.memory, source, dest, start, end)
-
-    def _drop_tree(self, cache: LlamaCppCache) -> None:
-        for seq in cache.tree_seqs:
-            self._free(seq)
-        cache.tree_seqs, cache.node_seqs = [], []
+    def _move(self, cache: LlamaCppCache, needed: int) -> None:
+        """Carry `cache`'s sequence into a context of at least `needed` cells (its own only)."""
+        cache._drop_tree()
+        old, state = cache.context, cache.context.export(cache.seq)
+        new = self._context_for(needed)
+        seq = new.take()
+        new.load(state, seq)
+        self._give_back(old, cache.seq)
+        cache.context, cache.seq = new, seq
 
     # -- the runner protocol ---------------------------------------------------------------------
     def new_cache(self, capacity: int = 0) -> LlamaCppCache:
+        """An empty cache; a context of its own holds at least `capacity` positions (it grows as needed)."""
         self._collect()
-        return LlamaCppCache(self, self._take())
+        context = self._context_for(min(max(capacity, 1), self.window))
+        return LlamaCppCache(self, context, context.take())
 
     def prefilled_cache(self, prompt_ids: list[int], spare: int = 0) -> LlamaCppCache:
         """A cache holding prompt_ids[:-1] (the last prompt token is fed with the first step)."""
-        cache = self.new_cache()
         if len(prompt_ids) + 1 > self.window:
-            cache.release()
             raise PromptError(f"the prompt has {len(prompt_ids)} tokens; llama.cpp's window holds {self.window}")
+        cache = self.new_cache(len(prompt_ids) + spare)
         if len(prompt_ids) > 1:
             self.forward(cache, torch.tensor(prompt_ids[:-1]), logits="none")
         return cache
@@ -254,70 +400,31 @@ class LlamaCppRunner:
     def forward_ragged(self, caches: list[LlamaCppCache], feeds: list[torch.Tensor],
                        positions: list[torch.Tensor | None] | None = None,
                        tree_masks: list[torch.Tensor | None] | None = None, logits: str = "all") -> list[torch.Tensor | None]:
-        """Several requests' feeds in as few `llama_decode` calls as the batch size allows; per request
-        the logits of its fed positions (as `forward` with the same `logits`)."""
-        if self.exact and len(caches) > 1:  # one request per pass: its rows alone decide the kernels
-            return [self.forward_ragged([c], [f], [p], [m], logits)[0]
-                    for c, f, p, m in zip(caches, feeds, positions or [None] * len(caches), tree_masks or [None] * len(caches))]
-        self._collect()
+        """Several requests' feeds; per request the logits of its fed positions (as `forward` with the
+        same `logits`). Exact: a pass per request, in its own context; wide: as few `llama_decode`
+        calls over the shared context as the batch size allows."""
         positions = positions or [None] * len(caches)
         tree_masks = tree_masks or [None] * len(caches)
+        if self.exact and len(caches) > 1:  # one request per pass: its rows alone decide the kernels
+            return [self.forward_ragged([c], [f], [p], [m], logits)[0] for c, f, p, m in zip(caches, feeds, positions, tree_masks)]
+        self._collect()
         rows: list[tuple[int, int, tuple[int, ...], bool]] = []  # (token, position, sequences, wants logits)
-        spans = []  # per request: where its rows start and how many want logits
+        spans = []  # per request: how many of its rows want logits
         for cache, feed, pos, mask in zip(caches, feeds, positions, tree_masks):
             n = int(feed.shape[0])
-            if cache.length + n > self.window:
-                raise PromptError(f"{cache.length + n} positions do not fit llama.cpp's window of {self.window} tokens")
-            seqs = self._tree_sequences(cache, mask) if mask is not None else [(cache.seq,)] * n
-            pos_list = (pos.tolist() if pos is not None else list(range(cache.length, cache.length + n)))
+            cache.ensure(cache.length + n)
+            seqs = cache.tree_sequences(mask) if mask is not None else [(cache.seq,)] * n
+            pos_list = pos.tolist() if pos is not None else list(range(cache.length, cache.length + n))
             wants = [logits == "all" or (logits == "last" and i == n - 1) for i in range(n)]
-            spans.append((len(rows), sum(wants)))
+            spans.append(sum(wants))
             rows.extend(zip(feed.tolist(), pos_list, seqs, wants))
             cache.length += n
-        out = self._decode(rows)  # [rows wanting logits, vocab]
+        out = caches[0].context.decode(rows)  # [rows wanting logits, vocab]
         results, taken = [], 0
-        for _, count in spans:
+        for count in spans:
             results.append(out[taken : taken + count] if logits != "none" else None)
             taken += count
         return results
-
-    def _tree_sequences(self, cache: LlamaCppCache, tree_mask: torch.Tensor) -> list[tuple[int, ...]]:
-        """Per fed node, the leaf sequences it belongs to; each leaf sequence first gets the prefix."""
-        self._drop_tree(cache)
-        mask = tree_mask.bool()  # [n, n] node i sees node j
-        n = mask.shape[0]
-        leaves = [i for i in range(n) if int(mask[:, i].sum()) == 1]  # seen by no one but itself
-        leaf_seqs = {leaf: self._take() for leaf in leaves}
-        cache.tree_seqs = list(leaf_seqs.values())
-        for seq in cache.tree_seqs:
-            self._seq_cp(cache.seq, seq, 0, cache.length)
-        # a node's first sequence decides what it sees: any leaf below it sees exactly its ancestors
-        cache.node_seqs = [[leaf_seqs[leaf] for leaf in leaves if mask[leaf, i]] for i in range(n)]
-        return [tuple(s) for s in cache.node_seqs]
-
-    def _decode(self, rows: list[tuple[int, int, tuple[int, ...], bool]]) -> torch.Tensor:
-        """llama_decode over `rows` in chunks of the batch size; logits of the rows that want them."""
-        lib, batch, vocab = self.llama_cpp, self._batch, self.config.vocab_size
-        outputs = []
-        for begin in range(0, len(rows), self.batch_size):
-            chunk = rows[begin : begin + self.batch_size]
-            for i, (token, position, seqs, wants) in enumerate(chunk):
-                batch.token[i], batch.pos[i], batch.logits[i] = token, position, wants
-                batch.n_seq_id[i] = len(seqs)
-                for j, seq in enumerate(seqs):
-                    batch.seq_id[i][j] = seq
-            batch.n_tokens = len(chunk)
-            status = lib.llama_decode(self.ctx, batch)
-            if status != 0:
-                raise VerispecError(
-                    f"llama.cpp could not decode {len(chunk)} tokens (status {status}): its window of "
-                    f"{self.window} tokens shared by all requests is full; retry when fewer run at once"
-                )
-            wanted = sum(row[3] for row in chunk)
-            if wanted:
-                pointer = lib.llama_get_logits(self.ctx)  # float* [wanted, vocab], rows in batch order
-                outputs.append(torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(wanted, vocab)).copy()))
-        return torch.cat(outputs) if outputs else torch.zeros(0, vocab)
 
 
 def exact_width(runner: LlamaCppRunner, widest: int = 16, context: int = 32) -> int:
