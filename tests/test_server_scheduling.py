@@ -213,3 +213,27 @@ def test_the_soak_and_interference_commands_run(tiny_target, capsys):
         row = json.loads(lines[-1])
         assert lines[0].startswith("client on ") and row["long_prompt_tokens"] > 50
         assert row["seconds_per_output_token_alone"]["n"] > 0 and "n" in row["seconds_per_output_token_during_long_prefill"]
+
+
+@pytest.mark.parametrize("seconds_per_token, chunk", [(0.1, 16), (0.02, 16), (0.001, 128), (1e-6, 512)])
+def test_the_default_prefill_chunk_is_what_fits_the_time_budget(tiny_target, monkeypatch, seconds_per_token, chunk):
+    """By default a prefill chunk is the most tokens (a power of two in 16…512) the target prefills in
+    PREFILL_BUDGET_SECONDS (0.25 s): a slow CPU gets small chunks, so decoding requests wait little."""
+    import verispec.serving.http.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "prefill_seconds_per_token", lambda model: seconds_per_token)
+    assert scheduler.auto_prefill_chunk(tiny_engine(tiny_target)) == chunk
+
+
+def test_a_server_measures_its_prefill_chunk_once_and_keeps_it(tiny_target):
+    """Without --prefill-chunk the scheduler sizes chunks from the target's measured prefill speed
+    (cached per model and CPU: the same size at the next start, so answers do not change)."""
+    from verispec.control.costs import prefill_seconds_per_token
+
+    engine = tiny_engine(tiny_target)
+    first = prefill_seconds_per_token(engine.target)
+    assert first > 0 and prefill_seconds_per_token(engine.target) == first  # from the cache
+    app = create_app(engine, model_name=MODEL)
+    with LocalServer(app):
+        chunk = app.state.scheduler.prefill_chunk
+    assert 16 <= chunk <= 512 and chunk & (chunk - 1) == 0

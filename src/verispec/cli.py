@@ -236,10 +236,12 @@ def _serve(args: argparse.Namespace) -> int:
     from verispec.serving.http import create_app
 
     from verispec.errors import InvalidParameterError
-    from verispec.serving.http.scheduler import kv_bytes_per_token, memory_limits
+    from verispec.serving.http.scheduler import auto_prefill_chunk, kv_bytes_per_token, memory_limits
 
     _check_serve_limits(args)
     engine = load(args.target, args.draft, args.dtype, args.gamma, args.gamma_policy)  # once, before serving
+    if args.prefill_chunk is None:  # measured now (once per model and CPU), never on a request's path
+        args.prefill_chunk = auto_prefill_chunk(engine)
     app = create_app(engine, model_name=args.model_name, max_batch=args.max_batch, max_queue=args.max_queue,
                      request_timeout=args.timeout, **_serve_limits(args))
     try:  # resolved as the scheduler will; an impossible limit is refused now, not at start-up inside uvicorn
@@ -275,7 +277,7 @@ def _check_serve_limits(args: argparse.Namespace) -> None:
         raise InvalidParameterError(f"--gamma must lie in 1…{MAX_GAMMA}, got {args.gamma}")
     if args.max_body_bytes < 1 or args.max_tokens_limit < 1 or args.stall_seconds <= 0:
         raise InvalidParameterError("--max-body-bytes and --max-tokens-limit must be ≥ 1 and --stall-seconds > 0")
-    if args.prefill_chunk < 0 or (args.kv_pool_tokens is not None and args.kv_pool_tokens < 1):
+    if (args.prefill_chunk or 0) < 0 or (args.kv_pool_tokens is not None and args.kv_pool_tokens < 1):
         raise InvalidParameterError("--prefill-chunk must be ≥ 0 (0: whole prompts) and --kv-pool-tokens ≥ 1")
     if args.max_model_len is not None and args.max_model_len < 2:
         raise InvalidParameterError(f"--max-model-len must be ≥ 2, got {args.max_model_len}")
@@ -365,9 +367,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="most new tokens one request may ask for; more: HTTP 400")
     serve.add_argument("--stall-seconds", type=float, default=SERVE_LIMITS["stall_seconds"],
                        help="/health answers 503 degraded when the scheduler has work but has not advanced for this long")
-    serve.add_argument("--prefill-chunk", type=int, default=256,
-                       help="prompt tokens prefilled per scheduler turn, between the other requests' decode steps "
-                            "(0: each prompt whole, holding up everyone else meanwhile)")
+    serve.add_argument("--prefill-chunk", type=int, default=None,
+                       help="prompt tokens prefilled per scheduler turn, after the other requests' decode steps "
+                            "(default: what the target prefills in 0.25 s on this CPU, measured once; "
+                            "0: each prompt whole, holding up everyone else meanwhile)")
     serve.add_argument("--max-model-len", type=int, default=None,
                        help="most positions per request, prompt + new tokens (default: the target's context); a longer "
                             "prompt: HTTP 400; generation stops there with finish_reason length")

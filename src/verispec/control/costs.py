@@ -22,7 +22,7 @@ from verispec.paths import cache_dir, cpu_flags
 from verispec.models.runner import Runner
 from verispec.progress import status
 
-__all__ = ["CostModel", "measure_verify_curve"]
+__all__ = ["CostModel", "measure_verify_curve", "prefill_seconds_per_token"]
 
 
 def measure_verify_curve(runner: Runner, max_positions: int, context: int = 64, repeats: int = 3) -> list[float]:
@@ -59,12 +59,37 @@ def _cached(key: str, needed: int, measure: Callable[[], list[float]]) -> list[f
     return times
 
 
-def _cached_curve(runner: Runner, folder: str, max_positions: int) -> list[float]:
+def _runner_key(runner: Runner, folder: str) -> str:
+    """What a runner's timings depend on: model, variant, dtype, threads and CPU kind."""
     variant = getattr(runner, "variant", "")  # a derived draft (fewer layers, int8, …) is timed on its own
     if getattr(runner, "compiled", False):  # the C++ decoder stack changes the curve: timed apart
         variant += ",compiled"
-    key = f"{folder}{variant}|{runner.dtype}|threads={torch.get_num_threads()}|cpu={_cpu_key()}"
+    return f"{folder}{variant}|{runner.dtype}|threads={torch.get_num_threads()}|cpu={_cpu_key()}"
+
+
+def _cached_curve(runner: Runner, folder: str, max_positions: int) -> list[float]:
+    key = _runner_key(runner, folder)
     return _cached(key, max_positions, lambda: measure_verify_curve(runner, max_positions))
+
+
+def measure_prefill(runner: Runner, chunk: int, repeats: int = 2) -> float:
+    """Seconds of one prefill forward over `chunk` prompt tokens after `chunk` cached ones (best of `repeats`)."""
+    cache = runner.new_cache(2 * chunk + 1)
+    runner.forward(cache, torch.zeros(chunk, dtype=torch.long), logits="none")
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runner.forward(cache, torch.ones(chunk, dtype=torch.long), logits="none")
+        best = min(best, time.perf_counter() - start)
+        cache.truncate(chunk)
+    return best
+
+
+def prefill_seconds_per_token(model: LoadedModel, chunk: int = 64) -> float:
+    """The target's prefill time per prompt token in chunks of `chunk`, from the cache or measured now."""
+    key = f"prefill{chunk}|{_runner_key(model.runner, str(model.folder))}"
+    with status("measuring prefill speed (once per model, dtype and thread count)"):
+        return _cached(key, 1, lambda: [measure_prefill(model.runner, chunk) / chunk])[0]
 
 
 class CostModel:

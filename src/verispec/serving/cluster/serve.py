@@ -56,7 +56,7 @@ class ServeOptions:
     max_body_bytes: int = 1 << 20
     max_tokens_limit: int = 4096
     stall_seconds: float = 60.0
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK
     kv_pool_tokens: int | None = None
     max_model_len: int | None = None
 

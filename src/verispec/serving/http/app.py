@@ -108,7 +108,7 @@ def create_app(
     cors_origins: list[str] | None = None,
     max_body_bytes: int = 1 << 20,
     stall_seconds: float = 60.0,
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     kv_pool_tokens: int | None = None,
     max_model_len: int | None = None,
 ) -> FastAPI:

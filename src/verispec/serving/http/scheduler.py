@@ -2,17 +2,24 @@
 
 Requests wait in a bounded FIFO queue (full → `QueueFullError`, a 429 with a Retry-After estimate).
 Every turn of the worker:
-  1. admit waiting requests, in order, up to `max_batch`, while the KV pool has room for the head
+  1. drop cancelled or timed-out requests (freeing their slot, caches and pool share);
+  2. admit waiting requests, in order, up to `max_batch`, while the KV pool has room for the head
      request's prompt + initial spare (`Generation.capacities`); otherwise the head waits (no
      over-commit, no overtaking). A request whose own needs exceed the whole pool is refused (400).
-  2. drop cancelled or timed-out requests (freeing their slot, caches and pool share);
-  3. feed ONE prefill chunk of at most `prefill_chunk` prompt tokens to one request still prefilling
-     (round-robin; 0: a whole prompt at once), so a long prompt delays the others by at most one
-     chunk per turn; when the target's prefill completes the request opens its drafter's session,
-     whose own prefill (the `model` drafter's) follows in chunks the same way (other drafters
-     prefill their draft whole then);
-  4. one step for every prefilled request: `plan()` each (drafts) → ONE `forward_ragged` target pass
-     over every row's feed → `commit()` each. Acceptance is ragged: each row keeps its own prefix.
+  3. decodes first: one step for every prefilled request: `plan()` each (drafts) → ONE
+     `forward_ragged` target pass over every row's feed → `commit()` each. Acceptance is ragged:
+     each row keeps its own prefix.
+  4. then ONE prefill chunk of at most `prefill_chunk` prompt tokens to one request still
+     prefilling (round-robin; 0: a whole prompt at once), so a long prompt delays the decoding
+     requests by at most one chunk per turn; when the target's prefill completes the request opens
+     its drafter's session, whose own prefill (the `model` drafter's) follows in chunks the same way
+     (other drafters prefill their draft whole then).
+
+The chunk is a time budget: by default (`prefill_chunk=None`) the most tokens, a power of two in
+16…512, that the target prefills in `PREFILL_BUDGET_SECONDS` on this CPU (measured once per model and
+cached, so it is the same at every start). It is a fixed size, never adapted to the load: how a
+prompt is cut into forwards changes its rounding on some backends, and a request must get the same
+answer alone or among others.
 
 KV pool: `kv_pool_tokens` cache positions of the target shared by the running requests. A request
 holds its reservation (prompt + initial spare at admission); when a step would write past it, the
@@ -44,16 +51,18 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from verispec.control.costs import prefill_seconds_per_token
 from verispec.engine import Engine, Generation, GenerationConfig, StepPlan
 from verispec.errors import PromptError, VerispecError
 from verispec.serving.http.metrics import Metrics
 from verispec.types import GenerationStats, TokenEvent
 
 __all__ = ["Scheduler", "Job", "JobUpdate", "QueueFullError", "RequestTimeoutError", "Turn", "live_stats",
-           "DEFAULT_PREFILL_CHUNK", "default_kv_pool_tokens", "kv_bytes_per_token", "memory_limits"]
+           "DEFAULT_PREFILL_CHUNK", "auto_prefill_chunk", "default_kv_pool_tokens", "kv_bytes_per_token", "memory_limits"]
 
 Encoder = Callable[[Engine], list[int]]  # runs on the worker: request → prompt token ids
-DEFAULT_PREFILL_CHUNK = 256
+DEFAULT_PREFILL_CHUNK = None  # sized to PREFILL_BUDGET_SECONDS (`auto_prefill_chunk`)
+PREFILL_BUDGET_SECONDS = 0.25  # what one prefill chunk may add to the decoding requests' step
 POOL_TOKENS_PER_SLOT = 2048  # the default pool: this many positions per batch slot (at least one full-length request)
 POOL_HEADROOM = 64  # a full-length request's draft positions past max_model_len
 
@@ -62,6 +71,15 @@ def default_kv_pool_tokens(max_model_len: int, max_batch: int) -> int:
     """The pool `serve` uses unless told: room for one request of `max_model_len` positions, or
     `POOL_TOKENS_PER_SLOT` per batch slot, whichever is more."""
     return max(max_model_len + POOL_HEADROOM, POOL_TOKENS_PER_SLOT * max_batch)
+
+
+def auto_prefill_chunk(engine: Engine, budget: float = PREFILL_BUDGET_SECONDS) -> int:
+    """The most prompt tokens (a power of two in 16…512) the target prefills within `budget` seconds."""
+    fitting = budget / prefill_seconds_per_token(engine.target)
+    chunk = 16
+    while chunk < 512 and 2 * chunk <= fitting:
+        chunk *= 2
+    return chunk
 
 
 def memory_limits(engine: Engine, max_batch: int, kv_pool_tokens: int | None, max_model_len: int | None) -> tuple[int, int]:
@@ -172,7 +190,8 @@ class Job:
 class Scheduler:
     """Owns the engine on one worker thread; `submit` from any thread or event loop.
 
-    prefill_chunk: most prompt tokens fed per worker turn (0: a whole prompt at once);
+    prefill_chunk: most prompt tokens fed per worker turn (None: `auto_prefill_chunk`, measured now;
+    0: a whole prompt at once);
     kv_pool_tokens: target cache positions all running requests may hold together (default:
     `default_kv_pool_tokens`); max_model_len: most positions (prompt + new tokens) per request
     (default and at most: the target's context).
@@ -181,11 +200,12 @@ class Scheduler:
     TURNS_KEPT = 4096
 
     def __init__(self, engine: Engine, metrics: Metrics | None = None, max_batch: int = 8, max_queue: int = 32,
-                 request_timeout: float = 300.0, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 request_timeout: float = 300.0, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
                  kv_pool_tokens: int | None = None, max_model_len: int | None = None):
-        if max_batch < 1 or max_queue < 1 or request_timeout <= 0 or prefill_chunk < 0:
+        if max_batch < 1 or max_queue < 1 or request_timeout <= 0 or (prefill_chunk or 0) < 0:
             raise ValueError("max_batch and max_queue must be ≥ 1, request_timeout > 0 and prefill_chunk ≥ 0")
         kv_pool_tokens, max_model_len = memory_limits(engine, max_batch, kv_pool_tokens, max_model_len)
+        prefill_chunk = auto_prefill_chunk(engine) if prefill_chunk is None else prefill_chunk
         self.engine, self.metrics = engine, metrics or Metrics()
         self.max_batch, self.max_queue, self.request_timeout = max_batch, max_queue, request_timeout
         self.prefill_chunk, self.kv_pool_tokens, self.max_model_len = prefill_chunk, kv_pool_tokens, max_model_len
@@ -282,8 +302,8 @@ class Scheduler:
             try:
                 self._drop_finished_early()
                 self._admit()
-                prefilled = self._prefill()
                 stepped = self._step() if self._active else ()
+                prefilled = self._prefill()
                 if prefilled or stepped:
                     self.turns.append(Turn(prefilled, stepped))
             except Exception as error:  # noqa: BLE001 — a bug outside any one request: fail the batch, keep serving
