@@ -42,9 +42,15 @@ import torch
 from verispec.errors import InvalidParameterError, PromptError, VerispecError
 from verispec.paths import cache_dir, cpu_flags
 
-__all__ = ["LlamaCppCache", "LlamaCppConfig", "LlamaCppRunner", "exact_width", "require_llama_cpp"]
+__all__ = ["WINDOW", "LlamaCppCache", "LlamaCppConfig", "LlamaCppRunner", "context_size", "exact_width", "require_llama_cpp"]
 
+WINDOW = 16384  # the context verispec gives a GGUF model by default (KV cells shared by all its sequences)
 INSTALL_HINT = "it is installed by scripts/setup.sh (a build of llama-cpp-python for this CPU)"
+
+
+def context_size(train_context: int, window: int = WINDOW) -> int:
+    """The context a GGUF model gets: `window`, capped at the context it was trained for (when the file says)."""
+    return min(window, train_context) if train_context > 0 else window
 
 
 def require_llama_cpp():
@@ -144,7 +150,7 @@ class LlamaCppRunner:
 
     dtype = torch.float32
 
-    def __init__(self, gguf: str | Path, threads: int | None = None, window: int = 16384, max_sequences: int = 256,
+    def __init__(self, gguf: str | Path, threads: int | None = None, window: int = WINDOW, max_sequences: int = 256,
                  batch: int = 512, exact: bool = True):
         llama_cpp = require_llama_cpp()
         from llama_cpp._internals import LlamaContext, LlamaModel
@@ -157,7 +163,7 @@ class LlamaCppRunner:
         model = self._model.model
         train_context = llama_cpp.llama_model_n_ctx_train(model)
         params = llama_cpp.llama_context_default_params()
-        params.n_ctx = min(window, train_context) if train_context > 0 else window
+        params.n_ctx = context_size(train_context, window)
         params.n_batch = params.n_ubatch = batch
         params.n_seq_max = max_sequences
         params.kv_unified = True
