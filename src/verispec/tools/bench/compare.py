@@ -355,7 +355,7 @@ class ProgressTicker:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m verispec.tools.bench.compare", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="verispec bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default=DEFAULT_TARGET, help="shipped model name, HF folder or .gguf path")
     parser.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model for hf-assisted and vs:model")
     parser.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma list (default {DEFAULT_METHODS})")
