@@ -34,7 +34,8 @@ Reported per method, overall and per category (see `verispec.tools.bench.report`
 hf-plain, the speedup the theory predicts from the run's own α, γ̄ and c, the share of outputs
 identical to hf-plain's (n/a when sampled), τ, α per position, c, and memory. A Markdown table goes
 to stdout; --json FILE writes the summary and every generation; --plots DIR draws the figures of
-`verispec.tools.bench.plots`. Ctrl-C reports what was measured.
+`verispec.tools.bench.plots` (matplotlib is checked before any model loads). Ctrl-C reports what was
+measured.
 
     verispec bench --questions own,humaneval --per-category 3 --max-new-tokens 64 --json out.json --plots plots/
 """
@@ -55,6 +56,7 @@ from typing import Protocol
 import torch
 
 from verispec.tools.bench.memory import PeakMeter, hf_weights_mib, process_peak_rss_mib, runner_weights_mib
+from verispec.tools.bench.plots import require_matplotlib, write_bench_plots
 from verispec.tools.bench.prompts import Prompt
 from verispec.tools.bench.questions import load_sources, select
 from verispec.tools.bench.report import BASELINE, markdown_report, summarize, write_json
@@ -409,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_new_tokens < 1:
             raise InvalidParameterError("--max-new-tokens must be ≥ 1")
         SamplingParams(temperature=args.temperature)  # validate before loading anything
+        if args.plots:
+            require_matplotlib()
         prompts = select(load_sources(args.questions), _split(args.categories), args.per_category)
         config = run_config(args, prompts, specs)
         models = Models(args.target, args.draft, args.dtype, args.temperature)
@@ -435,8 +439,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         write_json(args.json, config, summary, records)
     if args.plots:
-        from verispec.tools.bench.plots import write_bench_plots
-
         for path in write_bench_plots(summary, args.plots):
             console.print(f"wrote {path}", highlight=False)
     return 130 if config.get("interrupted") else 0
