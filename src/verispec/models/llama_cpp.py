@@ -53,9 +53,18 @@ import torch
 from verispec.errors import InvalidParameterError, PromptError, VerispecError
 from verispec.paths import cache_dir, cpu_flags
 
-__all__ = ["LlamaCppCache", "LlamaCppConfig", "LlamaCppRunner", "exact_width", "require_llama_cpp"]
+__all__ = ["WINDOW", "LlamaCppCache", "LlamaCppConfig", "LlamaCppRunner", "context_size", "exact_width", "require_llama_cpp"]
 
+CELL_GRANULE = 256  # llama.cpp pads the attended cells to a multiple of this (llama_kv_cache::get_n_kv)
+WINDOW = 16384  # the context verispec gives a GGUF model by default (the most positions of one request)
 INSTALL_HINT = "it is installed by scripts/setup.sh (a build of llama-cpp-python for this CPU)"
+
+
+def context_size(train_context: int, window: int = WINDOW) -> int:
+    """The context a GGUF model gets: `window`, capped at the context it was trained for (when the file
+    says), in whole granules of 256 cells."""
+    window = min(window, train_context) if train_context > 0 else window
+    return max(CELL_GRANULE, window // CELL_GRANULE * CELL_GRANULE)
 
 
 def require_llama_cpp():
@@ -92,7 +101,6 @@ class LlamaCppConfig:
     max_position_embeddings: int  # the context one request may use (the shared window, at most)
 
 
-CELL_GRANULE = 256  # llama.cpp pads the attended cells to a multiple of this (llama_kv_cache::get_n_kv)
 IDLE_CONTEXTS = 4  # idle per-request contexts a runner keeps for the next requests (the rest are freed)
 CONTEXT_SEQUENCES = 33  # sequences of a per-request context: the request's own and its tree leaves
 
@@ -283,7 +291,7 @@ class LlamaCppRunner:
 
     dtype = torch.float32
 
-    def __init__(self, gguf: str | Path, threads: int | None = None, window: int = 16384, max_sequences: int = 256,
+    def __init__(self, gguf: str | Path, threads: int | None = None, window: int = WINDOW, max_sequences: int = 256,
                  batch: int = 512, exact: bool = True):
         llama_cpp = require_llama_cpp()
         from llama_cpp._internals import LlamaModel
@@ -293,9 +301,7 @@ class LlamaCppRunner:
         self.threads, self.batch_size = threads or torch.get_num_threads(), batch
         self._model = LlamaModel(path_model=str(self.path), params=llama_cpp.llama_model_default_params(), verbose=False)
         self.model = self._model.model
-        train_context = llama_cpp.llama_model_n_ctx_train(self.model)
-        window = min(window, train_context) if train_context > 0 else window
-        self.window = max(CELL_GRANULE, window // CELL_GRANULE * CELL_GRANULE)
+        self.window = context_size(llama_cpp.llama_model_n_ctx_train(self.model), window)
         self.vocab = vocab = self._model.vocab
         self.config = LlamaCppConfig(
             model_type=self._metadata("general.architecture") or "?",

@@ -13,7 +13,8 @@ Methods (comma list for --methods):
                 --draft, so it matches hf-assisted;
   llama-cpp     plain greedy (or sampled) decoding of the target's GGUF file by llama.cpp
                 (llama-cpp-python's own generation loop); the target must be a shipped model name or
-                a .gguf path. Threads: torch's thread count. The baseline when hf-plain is absent;
+                a .gguf path. Threads: torch's thread count; context: the one verispec's own GGUF
+                runner gives the file. The baseline when hf-plain is absent;
   llama-cpp-pld the same with llama.cpp's own prompt-lookup speculation (`LlamaPromptLookupDecoding`,
                 its defaults);
   verispec on llama.cpp: `vs:SPEC[gguf]` (exact widths) or `vs:SPEC[gguf-wide]`.
@@ -33,8 +34,15 @@ call, prefill included; new tokens count up to and including the first stop id.
 Reported per method, overall and per category (see `verispec.tools.bench.report`): tokens/s, speedup vs
 hf-plain, the speedup the theory predicts from the run's own α, γ̄ and c, the share of outputs
 identical to hf-plain's (n/a when sampled), τ, α per position, c, and memory. A Markdown table goes
-to stdout; --json FILE writes the summary and every generation; --plots DIR draws the figures of
-`verispec.tools.bench.plots`. Ctrl-C reports what was measured.
+to stdout; --json FILE writes the summary and every generation, rewritten after each one (so an
+interrupted or killed run keeps what finished); --plots DIR draws the figures of
+`verispec.tools.bench.plots` (matplotlib is checked before any model loads). Ctrl-C reports what was
+measured.
+
+Faults: a prompt that does not fit a method's context (prompt + --max-new-tokens) is named at the start
+and skipped for that method; a generation that raises is recorded with its error and the run goes on
+(a method whose warm-up raises is not measured). Both are listed in the report and the JSON; the exit
+status is 1 when a generation failed, 130 when interrupted.
 
     verispec bench --questions own,humaneval --per-category 3 --max-new-tokens 64 --json out.json --plots plots/
 """
@@ -55,12 +63,14 @@ from typing import Protocol
 import torch
 
 from verispec.tools.bench.memory import PeakMeter, hf_weights_mib, process_peak_rss_mib, runner_weights_mib
+from verispec.tools.bench.plots import require_matplotlib, write_bench_plots
 from verispec.tools.bench.prompts import Prompt
 from verispec.tools.bench.questions import load_sources, select
-from verispec.tools.bench.report import BASELINE, markdown_report, summarize, write_json
+from verispec.tools.bench.report import BASELINE, markdown_report, measured, summarize, unmeasured, write_json
 from verispec.control import POLICIES
 from verispec.engine import Engine, EngineBuilder, GenerationConfig
 from verispec.errors import InvalidParameterError, VerispecError
+from verispec.models.llama_cpp import WINDOW, context_size, require_llama_cpp
 from verispec.models.loading import PRECISIONS, LoadedModel, load_tokenizer, parse_dtype, parse_precision, resolve_folder
 from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, gguf_file
 from verispec.paths import cpu_summary
@@ -71,6 +81,7 @@ __all__ = ["main", "parse_method", "summarize", "markdown_report", "BASELINE"]
 
 HF_METHODS = ("hf-plain", "hf-assisted", "hf-pld")
 WARMUP_PROMPT = "In two sentences, what does a thermostat do?"  # not in any question set
+WARMUP = Prompt("warm-up", "warm-up", WARMUP_PROMPT)
 LLAMA_CPP = "llama-cpp"
 LLAMA_CPP_PLD = "llama-cpp-pld"
 LLAMA_CPP_METHODS = (LLAMA_CPP, LLAMA_CPP_PLD)
@@ -129,6 +140,11 @@ class Output:
 class Method(Protocol):
     name: str
 
+    @property
+    def context(self) -> int:
+        """The most positions one generation may use: prompt + new tokens."""
+        ...
+
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> Output: ...
 
 
@@ -163,27 +179,33 @@ class HFMethod:
         seconds = time.perf_counter() - start
         return Output(cut_at_eos(out[0, len(prompt_ids):].tolist(), self.eos_ids), seconds)
 
+    @property
+    def context(self) -> int:
+        return self.model.config.max_position_embeddings
+
 
 @dataclass
 class LlamaCppMethod:
-    """Plain decoding by llama.cpp (llama-cpp-python) of the same GGUF, fed the same token ids."""
+    """Plain decoding by llama.cpp (llama-cpp-python) of the same GGUF, fed the same token ids, in the
+    context verispec's own GGUF runner gives the file."""
 
     name: str
     llm: object  # a llama_cpp.Llama
     eos_ids: frozenset[int]
+    context: int  # as verispec's GGUF runner: WINDOW (the Llama's n_ctx), capped at the file's training context
     temperature: float = 0.0
 
     @classmethod
-    def load(cls, name: str, gguf: Path, eos_ids: frozenset[int], temperature: float, context: int = 4096) -> LlamaCppMethod:
+    def load(cls, name: str, gguf: Path, eos_ids: frozenset[int], temperature: float) -> LlamaCppMethod:
         """`name`: llama-cpp (plain) or llama-cpp-pld (llama.cpp's prompt-lookup speculation)."""
-        import llama_cpp
+        llama_cpp = require_llama_cpp()
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         draft = LlamaPromptLookupDecoding() if name == LLAMA_CPP_PLD else None
         with status(f"loading {gguf.name} into llama.cpp"):
-            llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=context, n_threads=torch.get_num_threads(),
+            llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=WINDOW, n_threads=torch.get_num_threads(),
                                   n_threads_batch=torch.get_num_threads(), draft_model=draft, verbose=False)
-        return cls(name, llm, eos_ids, temperature)
+        return cls(name, llm, eos_ids, context_size(llama_cpp.llama_model_n_ctx_train(llm.model)), temperature)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> Output:
         if self.temperature > 0:
@@ -213,6 +235,10 @@ class VerispecMethod:
         result = self.engine.generate(prompt_ids, config)
         seconds = time.perf_counter() - start
         return Output(list(result.token_ids), seconds, result.stats.to_dict())
+
+    @property
+    def context(self) -> int:
+        return self.engine.target.context_length
 
 
 class Models:
@@ -302,24 +328,98 @@ def measure(method: Method, prompt: Prompt, prompt_ids: list[int], max_new_token
     return record
 
 
+def not_measured(method_name: str, prompt: Prompt, prompt_ids: list[int], error: str, skipped: bool) -> dict:
+    """A (prompt, method) that produced no generation, as a JSON-ready record: `error` says why."""
+    return {"method": method_name, "prompt": prompt.name, "category": prompt.category,
+            "prompt_tokens": len(prompt_ids), "error": error, "skipped": skipped}
+
+
+def attempt(method: Method, prompt: Prompt, prompt_ids: list[int], max_new_tokens: int, eos_ids: frozenset[int],
+            seed: int = 0) -> dict:
+    """`measure`, or, if the generation raises, a record of the error (Ctrl-C still stops the run)."""
+    try:
+        return measure(method, prompt, prompt_ids, max_new_tokens, eos_ids, seed)
+    except Exception as e:  # whatever one generation raises costs that generation only
+        return not_measured(method.name, prompt, prompt_ids, f"{type(e).__name__}: {e}", skipped=False)
+
+
+def overflows(methods: list[Method], prompts: list[Prompt], prompt_ids: list[list[int]],
+              max_new_tokens: int) -> list[dict]:
+    """A skip record for every (prompt, method) where the prompt and max_new_tokens exceed the method's context."""
+    return [
+        not_measured(method.name, prompt, ids, f"{len(ids)} prompt tokens + {max_new_tokens} new tokens exceed "
+                     f"{method.name}'s context of {method.context}", skipped=True)
+        for prompt, ids in zip(prompts, prompt_ids) for method in methods if len(ids) + max_new_tokens > method.context
+    ]
+
+
 def rotated(items: Sequence, shift: int) -> list:
     shift %= max(len(items), 1)
     return list(items[shift:]) + list(items[:shift])
 
 
+class Records(Protocol):
+    def append(self, record: dict) -> None: ...
+
+
 def run(
     methods: list[Method], prompts: list[Prompt], prompt_ids: list[list[int]], warmup_ids: list[int],
-    max_new_tokens: int, eos_ids: frozenset[int], records: list[dict], tick: Callable[[str], None],
+    max_new_tokens: int, eos_ids: frozenset[int], records: Records, tick: Callable[[str], None],
+    skip: frozenset[tuple[str, str]] = frozenset(),
 ) -> None:
-    """Warm up every method once on `warmup_ids`, then measure every (prompt, method), appending to `records`."""
+    """Warm up every method once on `warmup_ids`, then measure every (prompt, method) but the (prompt name,
+    method name) pairs in `skip`, appending each record to `records`. A generation that raises gives an
+    error record and the run goes on; a method whose warm-up raises gives one and is not measured."""
     with torch.inference_mode():
+        ready = []
         for method in methods:
             tick(f"warm-up {method.name}")
-            method.generate(warmup_ids, max_new_tokens, 0)
+            warm_up = attempt(method, WARMUP, warmup_ids, max_new_tokens, eos_ids)
+            if "error" in warm_up:
+                records.append(warm_up)
+            else:
+                ready.append(method)
         for i, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
-            for method in rotated(methods, i):  # the seed is the prompt's index: the same for every method
-                tick(f"{prompt.name} · {method.name}")
-                records.append(measure(method, prompt, ids, max_new_tokens, eos_ids, seed=i))
+            for method in rotated(ready, i):  # the seed is the prompt's index: the same for every method
+                if (prompt.name, method.name) not in skip:
+                    tick(f"{prompt.name} · {method.name}")
+                    records.append(attempt(method, prompt, ids, max_new_tokens, eos_ids, seed=i))
+
+
+class Results:
+    """The run's records as they arrive: a failed or skipped (prompt, method) is shown at once, and the
+    --json file, if any, is rewritten after every record, so an interrupted or killed run keeps them."""
+
+    def __init__(self, config: dict, method_names: list[str], sampled: bool, path: Path | None):
+        self.config, self.method_names, self.sampled, self.path = config, method_names, sampled, path
+        self.weights_mib: dict[str, float] = {}
+        self.records: list[dict] = []
+
+    def append(self, record: dict) -> None:
+        self.records.append(record)
+        if "error" in record:
+            outcome = "skipped" if record["skipped"] else "failed"
+            console.print(f"[yellow]{outcome}:[/yellow] {record['prompt']} · {record['method']}: {record['error']}",
+                          highlight=False, soft_wrap=True)
+        self.save()
+
+    @property
+    def failed(self) -> bool:
+        """Whether a generation raised (a skipped prompt is not a failure)."""
+        return any(not r["skipped"] for r in unmeasured(self.records))
+
+    def summary(self) -> dict[str, dict]:
+        return summarize(self.records, self.method_names, sampled=self.sampled, weights_mib=self.weights_mib)
+
+    def report(self) -> str:
+        return markdown_report(self.summary(), self.config, unmeasured(self.records))
+
+    def save(self) -> None:
+        """Bring the run-wide figures up to date and rewrite the --json file."""
+        self.config["measured_prompts"] = len({r["prompt"] for r in measured(self.records)})
+        self.config["process_peak_rss_mib"] = round(process_peak_rss_mib(), 1)
+        if self.path:
+            write_json(self.path, self.config, self.summary(), self.records)
 
 
 # --- progress -------------------------------------------------------------------------------------
@@ -355,7 +455,7 @@ class ProgressTicker:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m verispec.tools.bench.compare", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="verispec bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default=DEFAULT_TARGET, help="shipped model name, HF folder or .gguf path")
     parser.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model for hf-assisted and vs:model")
     parser.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma list (default {DEFAULT_METHODS})")
@@ -396,7 +496,7 @@ def run_config(args: argparse.Namespace, prompts: list[Prompt], specs: list[Meth
         "warmup": f"one untimed generation per method on a prompt outside the measured set: {WARMUP_PROMPT!r}", "order": "per prompt, rotating method order",
         "pld_tokens": PLD_TOKENS, "torch": torch.__version__, "transformers": transformers.__version__,
         "threads": torch.get_num_threads(), "machine": platform.machine(), "python": platform.python_version(),
-        "cpu": cpu_summary(),
+        "cpu": cpu_summary(), "interrupted": False, "finished": False,
     }
 
 
@@ -409,37 +509,39 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_new_tokens < 1:
             raise InvalidParameterError("--max-new-tokens must be ≥ 1")
         SamplingParams(temperature=args.temperature)  # validate before loading anything
+        if args.plots:
+            require_matplotlib()
         prompts = select(load_sources(args.questions), _split(args.categories), args.per_category)
-        config = run_config(args, prompts, specs)
+        results = Results(run_config(args, prompts, specs), [s.name for s in specs], args.temperature > 0, args.json)
+        results.save()  # an unwritable --json fails now, not after the run
         models = Models(args.target, args.draft, args.dtype, args.temperature)
         prompt_ids = [models.target.encode_prompt(p.text, chat=True) for p in prompts]
         warmup_ids = models.target.encode_prompt(WARMUP_PROMPT, chat=True)
         methods = [models.method(s) for s in specs]
-        weights = {m.name: round(models.weights_mib(m), 1) for m in methods}  # before the run: a failure costs nothing
-    except VerispecError as e:
-        console.print(f"[red]error:[/red] {e}", highlight=False)
+        results.weights_mib = {m.name: round(models.weights_mib(m), 1) for m in methods}  # before the run: a failure costs nothing
+    except (VerispecError, OSError) as e:
+        console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
         return 2
 
-    records: list[dict] = []
-    config["interrupted"] = False
+    skipped = overflows(methods, prompts, prompt_ids, args.max_new_tokens)
+    for record in skipped:
+        results.append(record)
     try:
-        with ProgressTicker(len(methods) * (len(prompts) + 1)) as tick:
-            run(methods, prompts, prompt_ids, warmup_ids, args.max_new_tokens, models.target.eos_ids, records, tick)
+        with ProgressTicker(len(methods) * (len(prompts) + 1) - len(skipped)) as tick:
+            run(methods, prompts, prompt_ids, warmup_ids, args.max_new_tokens, models.target.eos_ids, results, tick,
+                skip=frozenset((r["prompt"], r["method"]) for r in skipped))
+        results.config["finished"] = True
     except KeyboardInterrupt:
-        config["interrupted"] = True
+        results.config["interrupted"] = True
+    results.save()
 
-    config["measured_prompts"] = len({r["prompt"] for r in records})
-    config["process_peak_rss_mib"] = round(process_peak_rss_mib(), 1)
-    summary = summarize(records, [s.name for s in specs], sampled=args.temperature > 0, weights_mib=weights)
-    print(markdown_report(summary, config))
-    if args.json:
-        write_json(args.json, config, summary, records)
+    print(results.report())
     if args.plots:
-        from verispec.tools.bench.plots import write_bench_plots
-
-        for path in write_bench_plots(summary, args.plots):
+        for path in write_bench_plots(results.summary(), args.plots):
             console.print(f"wrote {path}", highlight=False)
-    return 130 if config.get("interrupted") else 0
+    if results.config["interrupted"]:
+        return 130
+    return 1 if results.failed else 0
 
 
 if __name__ == "__main__":

@@ -19,10 +19,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 from verispec.control.theory import expected_speedup, expected_tokens, optimal_gamma
+from verispec.errors import InvalidParameterError
 
-__all__ = ["write_bench_plots", "write_theory_plots", "long_context_plot"]
+__all__ = ["require_matplotlib", "write_bench_plots", "write_theory_plots", "long_context_plot"]
 
 MAX_GAMMA = 12
+
+
+def require_matplotlib() -> None:
+    """Fail now, with one line, where matplotlib is missing: before a run whose figures it would draw."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise InvalidParameterError("--plots needs matplotlib: pip install matplotlib (or verispec[bench])") from None
 
 
 def _pyplot():

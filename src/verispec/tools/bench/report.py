@@ -1,7 +1,9 @@
 """Benchmark records → summary metrics → Markdown tables and a JSON document.
 
-A record is one timed generation (see `verispec.tools.bench.compare.measure`). Per method, overall and per
-category:
+A record is one timed generation (see `verispec.tools.bench.compare.measure`), or a (prompt, method)
+that produced none: a record with an `error` (and `skipped`: true when the prompt did not fit the
+method's context, false when the method raised). Those are listed in the report, not measured. Per
+method, overall and per category:
   tokens_per_second        mean over prompts (median alongside);
   speedup                  mean tokens/s over the prompts the baseline also ran, divided by the
                            baseline's mean over them (Spec-Bench's definition); speedup_median_ratio:
@@ -25,7 +27,8 @@ from pathlib import Path
 
 from verispec.control.theory import expected_speedup
 
-__all__ = ["BASELINE", "baseline_of", "summarize", "group_metrics", "markdown_report", "write_json"]
+__all__ = ["BASELINE", "baseline_of", "measured", "unmeasured", "summarize", "group_metrics", "markdown_report",
+           "write_json"]
 
 BASELINE = "hf-plain"
 LLAMA_CPP_BASELINE = "llama-cpp"
@@ -34,6 +37,16 @@ LLAMA_CPP_BASELINE = "llama-cpp"
 def baseline_of(method_names: Sequence[str]) -> str | None:
     """What speedups are measured against: hf-plain, else llama.cpp's plain decoding (None: neither ran)."""
     return next((name for name in (BASELINE, LLAMA_CPP_BASELINE) if name in method_names), None)
+
+
+def measured(records: list[dict]) -> list[dict]:
+    """The records of generations that ran."""
+    return [r for r in records if "error" not in r]
+
+
+def unmeasured(records: list[dict]) -> list[dict]:
+    """The records of (prompt, method) pairs that produced no generation: failed or skipped."""
+    return [r for r in records if "error" in r]
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -91,7 +104,8 @@ def group_metrics(records: list[dict], baseline: dict[str, dict], sampled: bool 
 
 def summarize(records: list[dict], method_names: list[str], sampled: bool = False,
               weights_mib: dict[str, float] | None = None) -> dict[str, dict]:
-    """Per method: overall metrics, memory, and `per_category`, for the methods that have records."""
+    """Per method: overall metrics, memory, and `per_category`, for the methods that have measured records."""
+    records = measured(records)
     baseline_name = baseline_of([name for name in method_names if any(r["method"] == name for r in records)])
     baseline = {r["prompt"]: r for r in records if r["method"] == baseline_name}
     summary = {}
@@ -148,7 +162,16 @@ def _table(rows: list[tuple[list[str], dict]], key_headers: list[str], sampled: 
     return "\n".join(lines)
 
 
-def markdown_report(summary: dict[str, dict], config: dict) -> str:
+def _unmeasured_table(records: Sequence[dict]) -> str:
+    lines = ["| method | prompt | outcome | reason |", "|---|---|---|---|"]
+    for r in records:
+        reason = " ".join(r["error"].split()).replace("|", "\\|")  # one table row, whatever the message holds
+        lines.append(f"| {r['method']} | {r['prompt']} | {'skipped' if r['skipped'] else 'failed'} | {reason} |")
+    return "\n".join(lines)
+
+
+def markdown_report(summary: dict[str, dict], config: dict, unmeasured_records: Sequence[dict] = ()) -> str:
+    """The head line, the overall and per-category tables and, if any, the table of what was not measured."""
     temperature = config.get("temperature", 0.0)
     sampled = temperature > 0
     mode = f"sampled at temperature {temperature}" if sampled else "greedy"
@@ -168,9 +191,16 @@ def markdown_report(summary: dict[str, dict], config: dict) -> str:
         [([name, cat], m) for name, s in summary.items() for cat, m in s["per_category"].items()],
         ["method", "category"], sampled,
     )
-    return f"{head}\n\n## Overall\n\n{overall}\n\n## Per category\n\n{per_category}\n"
+    report = f"{head}\n\n## Overall\n\n{overall}\n\n## Per category\n\n{per_category}\n"
+    if unmeasured_records:
+        report += f"\n## Not measured\n\n{_unmeasured_table(unmeasured_records)}\n"
+    return report
 
 
 def write_json(path: Path, config: dict, summary: dict[str, dict], records: list[dict]) -> None:
-    """{"config": …, "methods": {name: metrics with per_category}, "runs": [every record]}."""
-    path.write_text(json.dumps({"config": config, "methods": summary, "runs": records}, indent=1, ensure_ascii=False))
+    """{"config": …, "methods": {name: metrics with per_category}, "runs": [every record]}, written whole
+    or not at all (through a temporary file beside it), so a run killed while writing keeps the last copy."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps({"config": config, "methods": summary, "runs": records}, indent=1, ensure_ascii=False))
+    partial.replace(path)
