@@ -13,6 +13,7 @@ import threading
 import time
 
 import httpx
+import torch
 import openai
 import pytest
 from server_helpers import MODEL, LocalServer, expected_text, slow, tiny_engine
@@ -237,3 +238,39 @@ def test_a_server_measures_its_prefill_chunk_once_and_keeps_it(tiny_target):
     with LocalServer(app):
         chunk = app.state.scheduler.prefill_chunk
     assert 16 <= chunk <= 512 and chunk & (chunk - 1) == 0
+
+
+def _identity(server, capsys) -> tuple[int, dict]:
+    import json
+
+    from verispec.serving.http.loadtest import main
+
+    code = main(["--mode", "identity", "--url", server.url, "--rounds", "2", "--clients", "3", "--long-tokens", "60",
+                 "--max-tokens", "8", "--prompt", PROMPT, "--json"])
+    return code, json.loads(capsys.readouterr().out.splitlines()[-1])
+
+
+def test_the_identity_command_finds_the_same_answer_alone_and_under_load(tiny_target, capsys):
+    """`loadtest --mode identity`: the request alone and among 3 others gives the same text each round."""
+    with LocalServer(create_app(tiny_engine(tiny_target), model_name=MODEL, prefill_chunk=8)) as server:
+        code, row = _identity(server, capsys)
+    assert code == 0 and row["loaded_equal_to_alone"] == row["rounds"] == 2 and row["first_difference"] is None
+
+
+def test_the_identity_command_catches_a_batch_dependent_runner(tiny_target, capsys):
+    """Positive control: a runner whose logits shift when a pass holds several requests is reported
+    (exit 1, the first difference named)."""
+    engine = tiny_engine(tiny_target)
+    runner = engine.target.runner
+    ragged = runner.forward_ragged
+
+    def batch_dependent(caches, feeds, *rest):
+        rows = ragged(caches, feeds, *rest)
+        if len(caches) > 1:
+            generator = torch.Generator().manual_seed(len(caches))
+            rows = [row + 3 * torch.randn(row.shape, generator=generator) for row in rows]
+        return rows
+    runner.forward_ragged = batch_dependent
+    with LocalServer(create_app(slow(engine, 0.01), model_name=MODEL, prefill_chunk=8)) as server:
+        code, row = _identity(server, capsys)
+    assert code == 1 and row["loaded_equal_to_alone"] < 2 and row["first_difference"].startswith("round")

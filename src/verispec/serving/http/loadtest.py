@@ -4,6 +4,7 @@ long prompt holds up short requests.
     python -m verispec.serving.http.loadtest --url http://127.0.0.1:8000 --clients 1,4,16 --requests 32 [--chat]
     python -m verispec.serving.http.loadtest --mode soak --clients 16 --minutes 10 [--server-pid PID]
     python -m verispec.serving.http.loadtest --mode interference --long-tokens 4000 --short-clients 4
+    python -m verispec.serving.http.loadtest --mode identity --rounds 20 --clients 8 [--seed 7 --temperature 1]
 
 levels (default): for each client count, exactly `--requests` completions are sent (by that many
 concurrent clients) and the run stops by itself. Reports requests/s, generated tokens/s, p50/p99
@@ -21,7 +22,12 @@ interference: `--short-clients` clients stream short requests one token per step
 drafter `--short-drafter`, default none) while nothing else runs, then while a prompt of about
 `--long-tokens` tokens is admitted (`--long-repeats` times, one after the other); reports the short
 requests' p50/p99 time per output token in both phases. Run it against `serve --prefill-chunk 0`
-(whole prefill) and against the default chunk to compare. Every mode prints the CPU flags first.
+(whole prefill) and against the default chunk to compare.
+
+identity: `--rounds` times, the request alone, then the same request while `--clients` others of
+different lengths (one of them a prompt of about `--long-tokens` tokens) run; reports how many of the
+answers under load equal the answer alone (greedy, or seeded sampling with `--seed`): batch
+invariance, which must hold on every backend. Every mode prints the CPU flags first.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from pathlib import Path
 
 import httpx
 
-__all__ = ["run_level", "run_soak", "run_interference", "main"]
+__all__ = ["run_level", "run_soak", "run_interference", "run_identity", "main"]
 
 LONG_SENTENCE = "The committee reviewed the quarterly report on river levels, rainfall and the state of the old bridges. "
 BAD_REQUESTS = [  # (body bytes, path): answers must be 4xx, never 5xx
@@ -262,12 +268,41 @@ async def run_interference(url: str, model: str, short_clients: int, short_body:
             "seconds_per_output_token_alone": _summary(alone), "seconds_per_output_token_during_long_prefill": _summary(during)}
 
 
+async def run_identity(url: str, model: str, rounds: int, clients: int, body: dict, long_tokens: int) -> dict:
+    """The request alone, then among `clients` others, `rounds` times: how many answers differ."""
+    async with httpx.AsyncClient(base_url=url, timeout=3600) as http:
+        async def text(request: dict) -> str:
+            answer = await http.post("/v1/completions", json={"model": model, **request})
+            if answer.status_code != 200:
+                raise RuntimeError(f"{answer.status_code} {answer.text[:300]}")
+            return answer.json()["choices"][0]["text"]
+
+        long, _ = await long_prompt(http, model, long_tokens)
+        others = [{**body, "prompt": long if i == 0 else f"{i + 1}. {body['prompt']}",
+                   "max_tokens": 2 * body["max_tokens"] + 8 * i} for i in range(clients)]
+        alone_texts, loaded_texts, started = [], [], time.perf_counter()
+        for _ in range(rounds):
+            alone_texts.append(await text(body))
+            running = [asyncio.create_task(text(other)) for other in others]
+            await asyncio.sleep(0.5)  # the others are admitted first
+            loaded_texts.append(await text(body))
+            await asyncio.gather(*running)
+    reference = alone_texts[0]
+    return {"rounds": rounds, "clients": clients, "seconds": round(time.perf_counter() - started, 1),
+            "alone_equal_to_first": sum(t == reference for t in alone_texts),
+            "loaded_equal_to_alone": sum(a == b for a, b in zip(alone_texts, loaded_texts)),
+            "first_difference": next((f"round {i}: alone {a!r} / loaded {b!r}" for i, (a, b)
+                                      in enumerate(zip(alone_texts, loaded_texts)) if a != b), None)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m verispec.serving.http.loadtest", description=__doc__.split("\n")[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000")
-    parser.add_argument("--mode", choices=["levels", "soak", "interference"], default="levels")
+    parser.add_argument("--mode", choices=["levels", "soak", "interference", "identity"], default="levels")
     parser.add_argument("--clients", default="1,4,16", help="levels: comma-separated concurrency levels; soak: one number")
     parser.add_argument("--requests", type=int, default=32, help="levels: requests per level (the run is bounded)")
+    parser.add_argument("--rounds", type=int, default=20, help="identity: alone/loaded pairs")
+    parser.add_argument("--seed", type=int, default=None, help="identity: a seed for sampled requests")
     parser.add_argument("--minutes", type=float, default=10.0, help="soak: how long")
     parser.add_argument("--server-pid", type=int, default=None, help="soak: the server's process id, for its RSS (same machine)")
     parser.add_argument("--long-tokens", type=int, default=4000, help="soak, interference: about this many prompt tokens")
@@ -285,12 +320,17 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"client on {cpu_summary()}")
     model = httpx.get(args.url + "/v1/models", timeout=30).json()["data"][0]["id"]
-    body = {"prompt": args.prompt, "max_tokens": args.max_tokens, "temperature": args.temperature}
+    body = {"prompt": args.prompt, "max_tokens": args.max_tokens, "temperature": args.temperature,
+            **({"seed": args.seed} if args.seed is not None else {})}
     if args.mode == "soak":
         row = asyncio.run(run_soak(args.url, model, int(args.clients.split(",")[-1]), args.minutes * 60, body, args.long_tokens,
                                    args.server_pid))
         print(json.dumps(row, indent=None if args.json else 1))
         return 0
+    if args.mode == "identity":
+        row = asyncio.run(run_identity(args.url, model, args.rounds, int(args.clients.split(",")[-1]), body, args.long_tokens))
+        print(json.dumps(row, indent=None if args.json else 1))
+        return 0 if row["loaded_equal_to_alone"] == row["rounds"] == row["alone_equal_to_first"] else 1
     if args.mode == "interference":
         short = {**body, **({"drafter": args.short_drafter} if args.short_drafter else {})}
         row = asyncio.run(run_interference(args.url, model, args.short_clients, short, args.long_tokens, args.long_repeats,
