@@ -17,8 +17,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
+from verispec.control.gamma import POLICIES
+from verispec.engine.build import AUTO
 from verispec.errors import VerispecError
 from verispec.models.loading import PRECISIONS
+from verispec.models.registry import DEFAULT_TARGET
 from verispec.types import Origin
 
 __all__ = ["main"]
@@ -32,13 +35,15 @@ ORIGIN_STYLES = {Origin.ACCEPTED: "green", Origin.RECOVERED: "yellow", Origin.BO
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="shipped model name, HF folder or .gguf path")
-    parser.add_argument("--draft", default="model", help="drafter: none | model[:NAME] | NAME/PATH | gguf[:NAME] | ngram[:max_n=3] | tree[:k=2,depth=4] | merge | stand[:max_n=4,k=2,depth=5] | hybrid[:min_match=2] | online[:rank=8] | cascade[:kind=vertical] | self[:layers=7] | triforce (all: verispec.drafters)")
-    parser.add_argument("--dtype", default="float32", choices=PRECISIONS,
-                        help="float32 | bfloat16 | int8 (int8 weights, batch-invariant: see verispec.models.int8) | gguf (llama.cpp) | "
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="shipped model name, HF folder or .gguf path")
+    parser.add_argument("--draft", default=AUTO, help="drafter: auto (planned from measured costs) | none | model[:NAME] | NAME/PATH | gguf[:NAME] | ngram[:max_n=3] | tree[:k=2,depth=4] | merge | stand[:max_n=4,k=2,depth=5] | hybrid[:min_match=2] | online[:rank=8] | cascade[:kind=vertical] | self[:layers=7] | triforce (all: verispec.drafters)")
+    parser.add_argument("--dtype", default=AUTO, choices=(AUTO, *PRECISIONS),
+                        help="auto (gguf for a model with a GGUF file: the shipped ones, a .gguf path; float32 otherwise) | "
+                        "float32 | bfloat16 | int8 (int8 weights, batch-invariant: see verispec.models.int8) | gguf (llama.cpp) | "
                         "hf (transformers; float32/bfloat16 use it for models other than qwen2/llama)")
     parser.add_argument("--gamma", type=int, default=4, help="draft length γ (the starting value for adaptive policies)")
-    parser.add_argument("--gamma-policy", default="analytic", choices=["constant", "heuristic", "analytic"])
+    parser.add_argument("--gamma-policy", default=None, choices=POLICIES,
+                        help="how γ changes from step to step (default: auto with --draft auto, analytic otherwise)")
 
 
 def _add_ray_address(parser) -> None:
@@ -78,6 +83,8 @@ def _generate(args: argparse.Namespace) -> int:
     if args.num_beams > 1:
         return _beam(args, config)
     engine = load(args.target, args.draft, args.dtype, args.gamma, args.gamma_policy)
+    if engine.plan is not None:
+        Console(stderr=True, highlight=False).print(f"[dim]{engine.plan.summary()}[/dim]")
     if args.max_new_tokens is None and not engine.target.wraps_in_chat_template(not args.raw):
         config = dataclasses.replace(config, max_new_tokens=RAW_MAX_NEW_TOKENS)
         Console(stderr=True).print(
@@ -119,7 +126,7 @@ def _beam(args: argparse.Namespace, config) -> int:
 
     if not config.sampling.greedy:
         Console(stderr=True).print("[yellow]note:[/yellow] beam search is deterministic; sampling options are ignored")
-    target = load_model(args.target, args.dtype)
+    target = load_model(args.target, "float32" if args.dtype == AUTO else args.dtype)  # beams need verispec's runner
     prompt_ids = target.encode_prompt(args.prompt, chat=not args.raw)
     # beams allocate a cache of prompt + max_new slots each: without --max-new-tokens they keep a bounded default
     max_new = args.max_new_tokens if args.max_new_tokens is not None else BEAM_MAX_NEW_TOKENS
@@ -240,6 +247,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     _check_serve_limits(args)
     engine = load(args.target, args.draft, args.dtype, args.gamma, args.gamma_policy)  # once, before serving
+    if engine.plan is not None:
+        Console(stderr=True, highlight=False).print(engine.plan.summary())
     if args.prefill_chunk is None:  # measured now (once per model and CPU), never on a request's path
         args.prefill_chunk = auto_prefill_chunk(engine)
     app = create_app(engine, model_name=args.model_name, max_batch=args.max_batch, max_queue=args.max_queue,

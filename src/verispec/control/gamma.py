@@ -5,18 +5,23 @@
   token was accepted, −1 otherwise, never below 1.
 - analytic: the γ that maximises E[tokens] / (γ·c + T(γ+1)/T(1)) for the α and costs measured in
   this run (α: the geometric estimate from accepted counts; c and T(n) from timings).
+- auto: analytic, and γ = 0 (plain steps) while even the best γ is predicted slower than plain
+  decoding; every `PROBE_EVERY` plain steps it drafts one token to measure α again, and resumes
+  when speculation would pay (the policy `--draft auto` plans with).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from verispec.control.theory import optimal_gamma
+from verispec.control.theory import expected_speedup, optimal_gamma
 from verispec.control.costs import CostModel
 from verispec.errors import InvalidParameterError
 from verispec.types import AcceptanceStats
 
-__all__ = ["GammaPolicy", "ConstantGamma", "HeuristicGamma", "AnalyticGamma", "make_gamma_policy", "POLICIES"]
+__all__ = ["GammaPolicy", "ConstantGamma", "HeuristicGamma", "AnalyticGamma", "make_gamma_policy", "POLICIES", "PROBE_EVERY"]
+
+PROBE_EVERY = 16  # plain steps between the one-token drafts of a paused `auto` policy
 
 
 class GammaPolicy(ABC):
@@ -49,13 +54,16 @@ class HeuristicGamma(GammaPolicy):
 
 
 class AnalyticGamma(GammaPolicy):
-    """α is estimated with a prior worth `prior_weight` judged tokens, so early steps do not swing γ."""
+    """α is estimated with a prior worth `prior_weight` judged tokens, so early steps do not swing γ.
+    may_pause: γ 0 while speculation is predicted to lose, with a one-token probe every PROBE_EVERY steps."""
 
-    def __init__(self, costs: CostModel, gamma: int = 4, max_gamma: int = 12, prior_alpha: float = 0.7, prior_weight: float = 8.0):
-        self.costs, self.max_gamma = costs, max_gamma
+    def __init__(self, costs: CostModel, gamma: int = 4, max_gamma: int = 12, prior_alpha: float = 0.7, prior_weight: float = 8.0,
+                 may_pause: bool = False):
+        self.costs, self.max_gamma, self.may_pause = costs, max_gamma, may_pause
         self.prior_alpha, self.prior_weight = prior_alpha, prior_weight
         self.seen = AcceptanceStats()  # this request's steps
         self.gamma = gamma
+        self.paused_steps = 0  # plain steps since speculation paused
 
     @property
     def alpha(self) -> float:
@@ -63,6 +71,9 @@ class AnalyticGamma(GammaPolicy):
         return min(max(accepted / (self.prior_weight + self.seen.judged), 0.01), 0.99)
 
     def next_gamma(self) -> int:
+        if self.gamma == 0:
+            self.paused_steps += 1
+            return 1 if self.paused_steps % PROBE_EVERY == 0 else 0
         return self.gamma
 
     def update(self, proposed: int, accepted: int) -> None:
@@ -70,11 +81,14 @@ class AnalyticGamma(GammaPolicy):
             return
         self.seen.add(proposed, accepted)
         c = self.costs.draft_cost_ratio()
-        if c is not None:
-            self.gamma = optimal_gamma(self.alpha, c, self.max_gamma, self.costs.verify_cost)
+        if c is None:
+            return
+        gamma = optimal_gamma(self.alpha, c, self.max_gamma, self.costs.verify_cost)
+        loses = expected_speedup(self.alpha, gamma, c, self.costs.verify_cost) < 1.0
+        self.gamma = 0 if self.may_pause and loses else gamma
 
 
-POLICIES = ("constant", "heuristic", "analytic")
+POLICIES = ("constant", "heuristic", "analytic", "auto")
 
 
 def make_gamma_policy(name: str, gamma: int, costs: CostModel, max_gamma: int = 12) -> GammaPolicy:
@@ -84,6 +98,6 @@ def make_gamma_policy(name: str, gamma: int, costs: CostModel, max_gamma: int = 
         return ConstantGamma(gamma)
     if name == "heuristic":
         return HeuristicGamma(gamma, max_gamma=max(max_gamma, gamma))
-    if name == "analytic":
-        return AnalyticGamma(costs, gamma, max_gamma=max(max_gamma, gamma))
+    if name in ("analytic", "auto"):
+        return AnalyticGamma(costs, gamma, max_gamma=max(max_gamma, gamma), may_pause=name == "auto")
     raise InvalidParameterError(f"unknown gamma policy {name!r}: use one of {', '.join(POLICIES)}")

@@ -7,13 +7,24 @@ with it, the benchmarks build several over the same models.
 
 from __future__ import annotations
 
+from verispec.control.plan import Plan, choose_plan
 from verispec.drafters import make_drafter
 from verispec.drafters.base import Drafter
 from verispec.engine.loop import Engine
 from verispec.models.linear import VERIFY_ROWS
 from verispec.models.loading import LoadedModel, ModelCache, parse_precision
+from verispec.models.registry import DEFAULT_TARGET, SHIPPED_MODELS
 
-__all__ = ["EngineBuilder", "load"]
+__all__ = ["AUTO", "EngineBuilder", "auto_precision", "load"]
+
+AUTO = "auto"  # `dtype`: `auto_precision`; `draft`: `EngineBuilder.plan`
+
+
+def auto_precision(target: str) -> str:
+    """`dtype="auto"`: llama.cpp on the model's own GGUF file where it has one (a shipped model, a
+    .gguf path): the file the user chose, at llama.cpp's speed and memory, nothing converted; verispec's
+    float32 runner for a Hugging Face folder."""
+    return "gguf" if target in SHIPPED_MODELS or str(target).endswith(".gguf") else "float32"
 
 
 class EngineBuilder:
@@ -51,6 +62,19 @@ class EngineBuilder:
         return Engine(self.target(precision), self.drafter(spec, precision), gamma, gamma_policy, drafter_spec=spec,
                       models=self.models)
 
+    def plan(self, gamma: int) -> Plan:
+        """`draft="auto"`: plain decoding, prompt lookup (`ngram`) or the default draft model (for a
+        shipped target), whichever the measured costs on this CPU predict fastest (`choose_plan`). The
+        target's verification curve and the draft model's cost are measured once and cached."""
+        candidates = ["ngram", "model"] if self.target_spec in SHIPPED_MODELS else ["ngram"]
+        engines = {spec: self.engine(spec, gamma, "auto") for spec in candidates}
+        costs = {spec: engine.costs for spec, engine in engines.items()}  # measured now, or read from the cache
+        exact = self.target().runner.exact_positions
+        max_gamma = exact - 1 if exact is not None else next(iter(engines.values())).max_gamma
+        curve = next(iter(costs.values())).target_seconds
+        return choose_plan(self.target().precision, curve, {spec: cost.draft_cost_ratio() or 0.0 for spec, cost in costs.items()},
+                           max_gamma)
+
     def freeze(self) -> None:
         """No more loading: a request may pick another drafter over the loaded models, never load new
         ones. With exactly one draft model loaded, it becomes what `tree`, `hybrid`, … draft with."""
@@ -61,20 +85,22 @@ class EngineBuilder:
 
 
 def load(
-    target: str = "qwen2.5-coder-1.5b-instruct",
+    target: str = DEFAULT_TARGET,
     draft: str | None = "model",
     dtype: str = "float32",
     gamma: int = 4,
-    gamma_policy: str = "analytic",
+    gamma_policy: str | None = None,
 ) -> Engine:
     """Load a target and a drafter into an Engine, ready to generate.
 
     target: a shipped model name (see `verispec models`) or a model folder. draft: a drafter spec as
     in `verispec.drafters.make_drafter` (`model`, `model:NAME`, `ngram`, `tree`, `hybrid`, …; None or
-    "none": plain decoding of the target). dtype: "float32", "bfloat16" or "int8" (int8 weights,
-    float32 activations; a draft model follows the target's precision, see
-    `verispec.models.loading`), or a llama.cpp / Hugging Face precision. gamma: the (starting)
-    draft length; gamma_policy: constant, heuristic or analytic (how γ changes from step to step).
+    "none": plain decoding of the target; "auto": planned from measured costs, `EngineBuilder.plan`,
+    the plan kept as `engine.plan`). dtype: "float32", "bfloat16" or "int8" (int8 weights, float32
+    activations; a draft model follows the target's precision, see `verispec.models.loading`), a
+    llama.cpp / Hugging Face precision, or "auto" (`auto_precision`). gamma: the (starting) draft
+    length; gamma_policy: constant, heuristic, analytic or auto (how γ changes from step to step;
+    default: auto with a planned drafter, analytic otherwise).
 
     The engine's models are frozen: a request may ask for another drafter over them
     (`GenerationConfig.drafter`), never for new weights.
@@ -82,7 +108,11 @@ def load(
     Raises ModelNotFoundError (unknown model), IncompatibleModelsError (a draft with another
     tokenizer) and InvalidParameterError (a bad spec, precision, γ or policy).
     """
-    builder = EngineBuilder(target, dtype)
-    engine = builder.engine(draft, gamma, gamma_policy)
+    builder = EngineBuilder(target, auto_precision(target) if dtype == AUTO else dtype)
+    plan = builder.plan(gamma) if draft == AUTO else None
+    if plan is not None:
+        draft, gamma = plan.drafter, max(plan.gamma, 1)
+    engine = builder.engine(draft, gamma, gamma_policy or ("auto" if plan is not None else "analytic"))
+    engine.plan = plan
     builder.freeze()
     return engine

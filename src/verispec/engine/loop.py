@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from verispec.control import CostModel, make_gamma_policy
+from verispec.control.plan import Plan
 from verispec.drafters.base import Drafter
 from verispec.errors import InvalidParameterError, PromptError, VerispecError
 from verispec.models.loading import LoadedModel, ModelCache
@@ -126,6 +127,7 @@ class Engine:
         self.gamma, self.gamma_policy, self.max_gamma = gamma, gamma_policy, max_gamma
         make_gamma_policy(gamma_policy, gamma, CostModel(), max_gamma)  # validate now, not mid-request
         self.models = models if models is not None else ModelCache(target, frozen=True)
+        self.plan: Plan | None = None  # how `load(draft="auto")` chose the drafter and γ
         self._drafters: dict[str, Drafter | None] = {}
         self._costs: dict[tuple[str, str] | None, CostModel] = {}
 
@@ -136,7 +138,7 @@ class Engine:
 
     def costs_for(self, drafter: Drafter | None, gamma_policy: str) -> CostModel:
         """T(n) of the target and the draft model's cost, which only the analytic γ policy reads."""
-        if drafter is None or gamma_policy != "analytic":
+        if drafter is None or gamma_policy not in ("analytic", "auto"):
             return CostModel()
         draft_model = drafter.model
         key = (draft_model.name, draft_model.precision) if draft_model is not None else None

@@ -1,0 +1,63 @@
+"""The plan: the drafter and γ a target runs with, chosen from measured costs (`--draft auto`).
+
+Each candidate drafter has a measured cost c (seconds per draft token / T(1); 0 for a model-free
+drafter) and an expected acceptance α (a prior until requests measure it: public prompts accept
+markedly less than the built-in set). Its predicted speedup over plain decoding on the same backend
+is the best E[tokens] / (γ·c + T(γ+1)/T(1)) over the draft lengths the backend verifies exactly, from
+the backend's measured verification curve T(n) on this CPU. The plan speculates with the best
+candidate only when that beats plain decoding by `MARGIN` (work outside the forwards is not in the
+model yet); otherwise it decodes plain. Inside a request the `auto` γ policy keeps measuring α,
+pauses speculation when it loses and probes now and then to resume.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from verispec.control.theory import curve_verify_cost, expected_speedup
+
+__all__ = ["ALPHA_PRIORS", "MARGIN", "Plan", "best_gamma", "choose_plan"]
+
+ALPHA_PRIORS = {"ngram": 0.5, "model": 0.7}  # α before a request measures its own (public prompts)
+MARGIN = 1.1  # a predicted speedup must reach this to be worth a drafter's memory and per-step work
+
+
+def best_gamma(alpha: float, c: float, curve: Sequence[float], max_gamma: int) -> tuple[int, float]:
+    """(γ in 1…max_gamma with the highest expected speedup, that speedup) on the measured curve."""
+    verify = curve_verify_cost(curve)
+    return max(((g, expected_speedup(alpha, g, c, verify)) for g in range(1, max_gamma + 1)), key=lambda pair: pair[1])
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What runs: the precision, the drafter spec ("none": plain decoding) and its starting γ, and
+    every candidate's predicted speedup over plain decoding (with the γ it was predicted at)."""
+
+    precision: str
+    drafter: str
+    gamma: int
+    predicted: dict[str, tuple[float, int]]
+
+    def summary(self) -> str:
+        """One line for the user: what was chosen, and why."""
+        considered = ", ".join(f"{name} {speedup:.2f}× (γ {gamma})" for name, (speedup, gamma) in self.predicted.items())
+        chosen = "plain decoding" if self.drafter == "none" else f"draft {self.drafter}, γ {self.gamma}"
+        return f"plan: {self.precision} · {chosen} · predicted over plain: {considered or 'nothing to compare'}"
+
+
+def choose_plan(precision: str, curve: Sequence[float], costs: dict[str, float], max_gamma: int,
+                alphas: dict[str, float] | None = None) -> Plan:
+    """The plan for a target whose verification curve is `curve` (T(1), T(2), … in seconds), given
+    each candidate drafter's cost ratio c (`costs`: spec → c) and α prior; `max_gamma` is the longest
+    draft the backend verifies exactly."""
+    alphas = ALPHA_PRIORS if alphas is None else alphas
+    predicted: dict[str, tuple[float, int]] = {}
+    if max_gamma >= 1 and curve:
+        for spec, c in costs.items():
+            gamma, speedup = best_gamma(alphas[spec.split(":")[0]], c, curve, max_gamma)
+            predicted[spec] = (speedup, gamma)
+    best = max(predicted, key=lambda spec: predicted[spec][0], default=None)
+    if best is None or predicted[best][0] < MARGIN:
+        return Plan(precision, "none", 0, predicted)
+    return Plan(precision, best, predicted[best][1], predicted)
