@@ -1,7 +1,7 @@
 """Chunked prefill (`Generation(..., prefill=False)` + `prefill_step`): the prompt fed a chunk at a
 time gives the tokens of one whole prefill, for chunk sizes from 1 to larger than the prompt, with
 chain, draft-model and token-tree drafters, greedy and seeded sampling; the drafter's session opens
-only once the whole prompt is in, and a draft model's own prefill is chunked too; a cache never
+only once the whole prompt is in (the pass with its last token also gives the first new token), and a draft model's own prefill is chunked too; a cache never
 doubles past what its request can use."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def chunked(engine, ids, config, chunk: int) -> tuple[list[int], list[int]]:
     generation = Generation(engine, ids, config, prefill=False)
     lengths = []
     while not generation.prefill_step(chunk):
-        if generation.cache.length < len(ids) - 1:
+        if generation.cache.length < len(ids):
             assert generation.session is None, "the drafter's session opened before the prompt was in"
         lengths.append(generation.cache.length)
     lengths.append(generation.cache.length)
@@ -44,7 +44,7 @@ def test_chunked_prefill_gives_the_whole_prefills_tokens(tiny_target, tiny_draft
         got, lengths = chunked(engine, PROMPT, config, chunk)
         assert got == whole, (draft, chunk, config.sampling.temperature)
         steps = [b - a for a, b in zip([0, *lengths], lengths)]
-        assert lengths[-1] == len(PROMPT) - 1 and all(0 < s <= chunk for s in steps)
+        assert lengths[-1] == len(PROMPT) and all(0 < s <= chunk for s in steps)
 
 
 def test_a_wrongly_fed_chunk_changes_the_tokens(tiny_target):
@@ -87,16 +87,17 @@ def test_a_cache_doubles_no_further_than_its_request_can_use(tiny_target, monkey
 
 
 def test_a_draft_models_own_prefill_is_chunked_too(tiny_target, tiny_draft):
-    """With the draft-model drafter, a 3-token chunk fills the target's cache in 8 calls, then the draft
-    model's in 8 more, never more than 3 positions of either at once. Fails if the draft session
-    prefills the whole prompt when it opens (the target's 8 calls would be all)."""
+    """With the draft-model drafter, a 3-token chunk fills the target's cache (the whole prompt: its
+    last token gives the first new token) in 9 calls, then the draft model's (the prompt but its last
+    token) in 8 more, never more than 3 positions of either at once. Fails if the draft session
+    prefills the whole prompt when it opens (the target's 9 calls would be all)."""
     engine = tiny_engine(tiny_target, draft=tiny_draft)
     generation = Generation(engine, PROMPT, CONFIGS[0], prefill=False)
     fed = []  # (target positions, draft positions) after each call
     while not generation.prefill_step(3):
         fed.append((generation.cache.length, generation.session.cache.length if generation.session else 0))
     fed.append((generation.cache.length, generation.session.cache.length))
-    assert len(fed) == 16 and fed[-1] == (24, 24)
+    assert len(fed) == 17 and fed[-1] == (25, 24)
     steps = [(b[0] - a[0], b[1] - a[1]) for a, b in zip([(0, 0), *fed], fed)]
     assert all(0 <= t <= 3 and 0 <= d <= 3 and (t == 0) != (d == 0) for t, d in steps)
 

@@ -91,15 +91,15 @@ def test_caches_hold_exactly_the_accepted_path(target, draft):
 @pytest.mark.parametrize("spec", ["model", "tree", "merge", "hybrid", "cascade:draft={draft}",
                                   "cascade:kind=horizontal,strong=1,draft={draft}"])
 def test_every_draft_cache_is_released_when_a_request_ends(target, tiny_draft, monkeypatch, spec):
-    """Every cache a request prefilled (the target's and each model-backed draft session's) is
+    """Every cache a request made (the target's and each model-backed draft session's) is
     released when the generation ends. Fails on the sessions before the ModelSession and
     ComposedSession bases: tree, merge, hybrid and both cascades never released their draft caches
     (a llama.cpp draft would keep its sequence)."""
     from verispec.models.transformer import KVCache, Transformer
 
     made, released = [], []
-    prefill = Transformer.prefilled_cache
-    monkeypatch.setattr(Transformer, "prefilled_cache", lambda self, *args, **kwargs: made.append(prefill(self, *args, **kwargs)) or made[-1])
+    new_cache = Transformer.new_cache  # every cache, prefilled or not, starts here
+    monkeypatch.setattr(Transformer, "new_cache", lambda self, *args, **kwargs: made.append(new_cache(self, *args, **kwargs)) or made[-1])
     monkeypatch.setattr(KVCache, "release", lambda self: released.append(self))
     models = ModelCache(target)
     models.default_draft = str(tiny_draft)

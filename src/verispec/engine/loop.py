@@ -298,16 +298,12 @@ class Generation:
         start = self._started = time.perf_counter()
         # room for the first tokens; a cache grows as the sequence does, never by the request's promise
         self.initial_capacity, self.max_capacity = self.capacities(engine, self.prompt_len, config)
-        spare = self.initial_capacity - self.prompt_len
         self.session, self.prefilled, self._session_opened = None, False, False
-        if not prefill:  # the caller feeds the prompt with prefill_step(), a chunk at a time
-            self.cache = self.target.runner.new_cache(self.initial_capacity)
-            self._cap_growth()
-            return
-        self.cache = self.target.runner.prefilled_cache(self.ids, spare=spare)
+        self._held: list[TokenEvent] = []  # the first token's events, from the prefill, until step() gives them
+        self.cache = self.target.runner.new_cache(self.initial_capacity)
         self._cap_growth()
-        self._open_session()
-        self.stats.prefill_seconds = time.perf_counter() - start
+        if prefill:  # otherwise the caller feeds the prompt with prefill_step(), a chunk at a time
+            self.prefill_step()
 
     @classmethod
     def capacities(cls, engine: Engine, prompt_len: int, config: GenerationConfig) -> tuple[int, int]:
@@ -337,31 +333,42 @@ class Generation:
         self.prefilled = self.session is None or self.session.prefill_step(0 if chunked else None)
 
     def prefill_step(self, max_tokens: int | None = None) -> bool:
-        """Feed at most `max_tokens` more prompt tokens (None: all the rest) into the target's cache;
-        once the whole prompt (but its last token, fed with the first step) is in, open the drafter's
-        session, then feed its own prefill (a draft model's) in calls of its own. Returns whether the
-        prefill is complete. Chunks give the same cache as one prefill, up to the rounding of a
-        forward's width."""
-        if self.prefilled:
+        """Feed at most `max_tokens` more prompt tokens (None: all the rest) into the target's cache.
+        Once the last prompt token is in, open the drafter's session (whose own prefill, a draft
+        model's, follows in calls of its own); that pass also gives the first new token, from the last
+        prompt token's logits in the prefill pass as llama.cpp and Hugging Face `generate()` take it
+        (its events wait for `step()` / `take_held()`). Returns whether the prefill is complete (or
+        the request finished with its first token). Chunks give the same cache as one prefill, up to
+        the rounding of a forward's width."""
+        if self.prefilled or self.finish_reason is not None:
             return True
         if max_tokens is not None and max_tokens < 1:
             raise InvalidParameterError(f"a prefill chunk must hold at least 1 token, got {max_tokens}")
         start = time.perf_counter()
-        done, end = self.cache.length, self.prompt_len - 1
+        done, end = self.cache.length, self.prompt_len
         if max_tokens is not None:
             end = min(end, done + max_tokens)
-        if end > done:
-            self.target.runner.forward(self.cache, torch.tensor(self.ids[done:end]), logits="none")
-        elif self._session_opened:
+        if not self._session_opened:
+            last = end == self.prompt_len
+            logits = self.target.runner.forward(self.cache, torch.tensor(self.ids[done:end]), logits="last" if last else "none")
+            if last:  # [1, vocab]: the first token, a step without a draft (its forward is the prefill's)
+                self._open_session(chunked=max_tokens is not None)
+                self._held = self.commit(StepPlan(Draft(torch.zeros(0, dtype=torch.long)), torch.tensor(self.ids[-1:]), 0.0),
+                                         logits, 0.0)
+        else:
             self.prefilled = self.session.prefill_step(max_tokens)
-        if self.cache.length == self.prompt_len - 1 and not self._session_opened:
-            self._open_session(chunked=max_tokens is not None)
         self.stats.prefill_seconds += time.perf_counter() - start
         return self.prefilled
 
+    def take_held(self) -> list[TokenEvent]:
+        """The events of the first token once the prefill made it (then []): `step()` returns them."""
+        held, self._held = self._held, []
+        return held
+
     @property
     def done(self) -> bool:
-        return self.finish_reason is not None
+        """Finished, and every event given out (the first token's included)."""
+        return self.finish_reason is not None and not self._held
 
     def _draft(self, gamma: int) -> Draft:
         if self.session is None or gamma <= 0:
@@ -432,7 +439,7 @@ class Generation:
         if self.constraint is not None:
             self.constraint.advance(new_tokens)
         logprobs = None if self.config.logprobs is None else token_logprobs(raw_logits[rows], new_tokens, self.config.logprobs)
-        return self._emit(new_tokens, origins, logprobs)
+        return self.take_held() + self._emit(new_tokens, origins, logprobs)
 
     def _verify(self, draft: Draft, logits: torch.Tensor, target_probs: torch.Tensor | None, seen) -> Verdict:
         """Chain or tree, greedy or sampled: the verifier that fits this draft."""
@@ -450,6 +457,9 @@ class Generation:
         the rejection rule keeps a prefix and adds one token of the target's. Returns the events of
         the tokens it emitted (one or more; an EOS token only when it releases held-back text); [] once
         `done`. The request finishes (and releases its caches) on EOS, a stop string or its length."""
+        self.prefill_step()  # a prefill left unfinished: the rest of it now
+        if self._held:
+            return self.take_held()
         if self.done:
             return []
         plan = self.plan()
@@ -524,7 +534,7 @@ class Generation:
         """Stop the request now (a user's Ctrl-C, a client gone): statistics cover the tokens produced so
         far, caches are freed, and the text held back for a possible stop string is returned, since no
         later token will release it. Nothing happens once the request is done ("")."""
-        if self.done:
+        if self.finish_reason is not None:
             return ""
         self._finish(reason)
         return self._release()

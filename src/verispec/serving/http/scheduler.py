@@ -11,7 +11,8 @@ Every turn of the worker:
      each row keeps its own prefix.
   4. then ONE prefill chunk of at most `prefill_chunk` prompt tokens to one request still
      prefilling (round-robin; 0: a whole prompt at once), so a long prompt delays the decoding
-     requests by at most one chunk per turn; when the target's prefill completes the request opens
+     requests by at most one chunk per turn; the chunk with the prompt's last token gives the first
+     new token (sent at once); when the target's prefill completes the request opens
      its drafter's session, whose own prefill (the `model` drafter's) follows in chunks the same way
      (other drafters prefill their draft whole then).
 
@@ -413,7 +414,12 @@ class Scheduler:
             return {}
         if not done:
             self._prefilling.append(job)
-        return {job.id: generation.cache.length - before}
+        fed = generation.cache.length - before
+        if held := generation.take_held():  # the first token came with the prompt's last chunk
+            job.push(JobUpdate("tokens", events=held, live=live_stats(generation.stats)))
+            if generation.done:
+                self._finished(job)
+        return {job.id: fed}
 
     def _step(self) -> tuple[int, ...]:
         started = time.perf_counter()
