@@ -85,6 +85,23 @@ def test_an_unbounded_tree_is_a_400_and_a_bounded_one_completes(server):
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 12
 
 
+@pytest.mark.parametrize(("spec", "message"), [
+    ("tree:k=8,depth=12,wide=12", "more than 256"),
+    ("tree:depth=2,wide=3", "wide must not exceed depth"),
+    ("ngram:min_n=3,max_n=2", "min_n must not exceed max_n"),
+    ("stand:width=2", "unknown stand drafter option 'width'"),
+    ("cascade:kind=diagonal", "use kind=vertical or kind=horizontal"),
+    ("self:layers=0", "layers=0 in 'self:layers=0' is out of range"),
+])
+def test_a_bad_drafter_spec_is_refused_before_the_queue(server, monkeypatch, spec, message):
+    """In the handler, by the factory's own checks: never queued (seconds behind other requests) to be
+    refused by the worker. Fails (a 500 here) if the request reaches `submit`."""
+    def no_queue(*args, **kwargs):
+        raise AssertionError("the request was queued")
+    monkeypatch.setattr(server.server.config.app.state.scheduler, "submit", no_queue)
+    assert_error(post(server, {"model": MODEL, "prompt": PROMPT, "drafter": spec}), 400, "drafter", message)
+
+
 def test_gamma_is_bounded(server):
     assert_error(post(server, {"model": MODEL, "prompt": PROMPT, "gamma": 33}), 422, "gamma", "less than or equal to 32")
 
