@@ -1,7 +1,8 @@
-"""The server's limits and guards, on tiny models over real HTTP: bounded drafter specs, per-request
-drafters only over loaded models and never from files, the API key and CORS, body and token limits,
-bad bytes and lone surrogates as 400s in the error envelope, OpenAI fields honoured or refused by
-name, and /health reporting a stalled scheduler."""
+"""The server's limits and guards, on tiny models over real HTTP: bounded drafter specs, checked before
+the queue, per-request drafters only over loaded models and never from files, the API key and CORS,
+body and token limits, bad bytes, lone surrogates (also in a json_schema) and JSON nested too deep as
+400s in the error envelope, OpenAI fields honoured or refused by name, and /health reporting a stalled
+scheduler."""
 
 from __future__ import annotations
 
@@ -235,6 +236,13 @@ def test_max_tokens_beyond_the_limit_is_refused_not_capped(server, client):
     (b'{"model": "tiny", "messages": [{"role": "user", "content": "t5\\ud800"}]}', "invalid 'messages.0.content'"),
     (b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
      "invalid 'messages.0.content.0.text'"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "t5"}], "response_format": {"type": "json_schema", '
+     b'"json_schema": {"schema": {"type": "object", "properties": {"\\ud800": {"type": "string"}}}}}}',
+     "response_format: a key in json_schema.schema.properties contains a lone surrogate '\\ud800'"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "t5"}], "response_format": {"type": "json_schema", '
+     b'"json_schema": {"schema": {"enum": ["a", "b\\udc00"]}}}}', "response_format: json_schema.schema.enum.1 contains a lone"),
+    (b'{"model": "tiny", "prompt": "t5", "user": ' + b"[" * 500 + b"]" * 500 + b"}", "more than 64 levels deep"),
+    (b'{"model": "tiny", "prompt": "t5", "user": ' + b"[" * 1900 + b"]" * 1900 + b"}", "more than 64 levels deep"),
 ])
 def test_bad_bytes_and_lone_surrogates_are_400s(server, content, message):
     path = "/v1/chat/completions" if b"messages" in content else "/v1/completions"

@@ -4,19 +4,35 @@
   401 a /v1 route or /metrics without `Authorization: Bearer <key>` (when the server has a key;
       compared in constant time); /health and the playground stay open
   413 a body larger than `max_body_bytes` (by its Content-Length, or counted while it arrives)
-  400 a body that is not UTF-8 (JSON must be)
+  400 a body that is not UTF-8 (JSON must be), or that nests arrays and objects more than
+      `MAX_JSON_DEPTH` deep (Python's parser would run out of stack; no request needs it)
 It reads the whole body (at most `max_body_bytes`) and hands it on unchanged.
 """
 
 from __future__ import annotations
 
 import hmac
+import re
 
 from verispec.serving.request import error_response
 
-__all__ = ["Guard", "PROTECTED_PREFIXES"]
+__all__ = ["Guard", "PROTECTED_PREFIXES", "MAX_JSON_DEPTH", "json_too_deep"]
 
 PROTECTED_PREFIXES = ("/v1", "/metrics")
+MAX_JSON_DEPTH = 64  # a json_schema may nest ~30 levels of properties within it
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string: its brackets are text, not nesting
+_NOT_BRACKET = re.compile(rb"[^\[\]{}]+")
+
+
+def json_too_deep(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether the JSON text `body` nests arrays and objects more than `limit` deep (counted on the
+    brackets outside strings, so that it costs little whatever the body holds)."""
+    depth = 0
+    for byte in _NOT_BRACKET.sub(b"", _STRING.sub(b"", body)):
+        depth += 1 if byte in b"[{" else -1
+        if depth > limit:
+            return True
+    return False
 
 
 class Guard:
@@ -63,6 +79,10 @@ class Guard:
             body.decode("utf-8")
         except UnicodeDecodeError as error:
             response = error_response(400, f"the request body is not valid UTF-8 (byte {error.start}): send JSON encoded as UTF-8")
+            return await response(scope, receive, send)
+        if json_too_deep(body):
+            response = error_response(400, f"the request body nests JSON arrays and objects more than {MAX_JSON_DEPTH} levels "
+                                      f"deep, this server's limit: flatten it", code="json_too_deep")
             return await response(scope, receive, send)
         replayed = False
 
