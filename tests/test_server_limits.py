@@ -309,6 +309,29 @@ def test_unimplemented_fields_are_refused_by_name(server, base, field, value, me
     assert_error(post(server, {**base, field: value}, path), 400, field, message)
 
 
+@pytest.mark.parametrize(("base", "field", "value", "status", "message"), [
+    (COMPLETION, "max_tokens", True, 422, "valid integer"),  # was taken as 1
+    (COMPLETION, "max_tokens", "5", 422, "valid integer"),
+    (CHAT, "max_completion_tokens", 2.0, 422, "valid integer"),
+    (COMPLETION, "seed", False, 422, "valid integer"),
+    (COMPLETION, "top_k", True, 422, "valid integer"),
+    (COMPLETION, "logprobs", True, 422, "valid integer"),
+    (COMPLETION, "temperature", True, 422, "valid number"),
+    (COMPLETION, "stream", 1, 422, "valid boolean"),
+    (CHAT, "n", True, 400, "one choice per request, got n=True"),
+    (COMPLETION, "best_of", True, 400, "one candidate per request"),
+    (COMPLETION, "presence_penalty", False, 400, "not implemented"),
+])
+def test_types_are_strict(server, base, field, value, status, message):
+    """A boolean or a string is not an integer, a float not an integer (pydantic's lax mode took them)."""
+    path = "/v1/chat/completions" if "messages" in base else "/v1/completions"
+    assert_error(post(server, {**base, field: value}, path), status, field, message)
+
+
+def test_prompt_token_ids_are_integers(server):
+    assert_error(post(server, {**COMPLETION, "prompt": [True, 5]}), 422, "prompt", "invalid 'prompt'")  # was [1, 5]
+
+
 def test_unimplemented_fields_are_refused_through_the_openai_client(client):
     with pytest.raises(openai.BadRequestError, match="does not call tools"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "t5"}],
