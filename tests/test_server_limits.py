@@ -149,7 +149,7 @@ def locked(tiny_target):
         yield running
 
 
-def test_the_api_key_is_required_on_v1_and_metrics(locked, monkeypatch):
+def test_the_api_key_is_required_on_v1_metrics_and_the_schema(locked, monkeypatch):
     import hmac
 
     from verispec.serving.http import guard
@@ -171,6 +171,9 @@ def test_the_api_key_is_required_on_v1_and_metrics(locked, monkeypatch):
         assert response.headers["www-authenticate"] == "Bearer"
     assert_error(httpx.post(locked.url + "/v1/completions", json={"model": MODEL, "prompt": "t5"}), 401, None, "API key")
     assert httpx.get(locked.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    for path in ("/openapi.json", "/docs", "/redoc", "/docs/oauth2-redirect", "/nothing"):  # the README: only these two stay open
+        assert_error(httpx.get(locked.url + path), 401, None, "missing or wrong API key")
+    assert httpx.get(locked.url + "/openapi.json", headers={"Authorization": f"Bearer {KEY}"}).json()["info"]["title"] == "verispec"
     assert httpx.get(locked.url + "/health").json()["status"] == "ok"  # open
     assert "<textarea" in httpx.get(locked.url + "/").text  # the playground page is open; it sends the key itself
 

@@ -1,8 +1,8 @@
 """ASGI middleware in front of the API: the API key, and the request body's size and encoding.
 
 `Guard` answers before any handler runs, with the OpenAI error envelope:
-  401 a /v1 route or /metrics without `Authorization: Bearer <key>` (when the server has a key;
-      compared in constant time); /health and the playground stay open
+  401 any path but /health and the playground (/) without `Authorization: Bearer <key>` (when the
+      server has a key; compared in constant time): the API, /metrics, /openapi.json and /docs
   413 a body larger than `max_body_bytes` (by its Content-Length, or counted while it arrives)
   400 a body that is not UTF-8 (JSON must be), or that nests arrays and objects more than
       `MAX_JSON_DEPTH` deep (Python's parser would run out of stack; no request needs it)
@@ -16,9 +16,9 @@ import re
 
 from verispec.serving.request import error_response
 
-__all__ = ["Guard", "PROTECTED_PREFIXES", "MAX_JSON_DEPTH", "json_too_deep"]
+__all__ = ["Guard", "OPEN_PATHS", "MAX_JSON_DEPTH", "json_too_deep"]
 
-PROTECTED_PREFIXES = ("/v1", "/metrics")
+OPEN_PATHS = frozenset({"/", "/health"})  # without the key: the playground (it has a key field) and health checks
 MAX_JSON_DEPTH = 64  # a json_schema may nest ~30 levels of properties within it
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string: its brackets are text, not nesting
 _NOT_BRACKET = re.compile(rb"[^\[\]{}]+")
@@ -43,7 +43,7 @@ class Guard:
         self.api_key = api_key.encode() if api_key else None
 
     def _authorized(self, scope) -> bool:
-        if self.api_key is None or not scope["path"].startswith(PROTECTED_PREFIXES):
+        if self.api_key is None or scope["path"] in OPEN_PATHS:
             return True
         header = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, token = header.partition(b" ")
