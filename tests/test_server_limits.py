@@ -222,6 +222,23 @@ def test_a_large_body_is_a_413_before_parsing(server):
     assert_error(response, 413, None, "larger than")
 
 
+def test_a_body_that_stalls_is_a_408_and_the_connection_closes(tiny_target):
+    """Headers and part of the body, then nothing: answered 408 after body_timeout, the connection
+    closed. Fails (the read times out) if the server waits for the rest forever."""
+    import socket
+
+    with LocalServer(create_app(tiny_engine(tiny_target), model_name=MODEL, body_timeout=0.5)) as running:
+        with socket.create_connection(("127.0.0.1", running.port), timeout=10) as connection:
+            connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                               b"Content-Length: 100\r\n\r\n{\"model\": \"tiny\"")
+            started, answer = time.monotonic(), b""
+            while chunk := connection.recv(65536):  # until the server closes the connection
+                answer += chunk
+            assert time.monotonic() - started < 5
+        assert answer.startswith(b"HTTP/1.1 408 "), answer
+        assert b"did not arrive within 0.5 s" in answer and b'"code":"body_timeout"' in answer
+
+
 def test_max_tokens_beyond_the_limit_is_refused_not_capped(server, client):
     assert_error(post(server, {"model": MODEL, "prompt": PROMPT, "max_tokens": 65}), 400, "max_tokens",
                  "65 is more than this server's limit of 64")

@@ -14,7 +14,8 @@ from verispec.serving.http.schemas import UNSUPPORTED, ChatCompletionRequest, Ch
 
 __all__ = ["chat_prompt_ids", "check_request_drafter", "describe_invalid", "error_response", "invalid", "request_config"]
 
-ERROR_TYPES = {401: "authentication_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error", 504: "timeout_error"}
+ERROR_TYPES = {401: "authentication_error", 408: "timeout_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error",
+               504: "timeout_error"}
 # A request's drafter is built on the serving engine's worker from models already in memory (the
 # engine's frozen ModelCache refuses any other name or path). These would still touch the disk or
 # copy a model per request: the online drafter saves and loads adapters, int8= re-reads and

@@ -4,11 +4,11 @@ Endpoints: /v1/models, /v1/completions, /v1/chat/completions (streaming as SSE o
 /metrics (Prometheus text) and the playground at /. Handlers validate, hand the request to the
 `Scheduler` (which owns the models on its worker thread) and relay its updates. Every error is
 `{"error": {"message", "type", "param", "code"}}` with a status that says whose fault it was:
-400/422 bad request (the message names the field), 401 no or wrong API key, 413 body too large,
-429 server full, 504 too slow, 500 a failure inside this one generation. `/health` is 503
+400/422 bad request (the message names the field), 401 no or wrong API key, 408 body too slow to
+arrive, 413 body too large, 429 server full, 504 too slow, 500 a failure inside this one generation. `/health` is 503
 "degraded" while the scheduler has work but has not gone round its loop for `stall_seconds`.
 
-Limits: `api_key` (every /v1 route and /metrics; `verispec.serving.http.guard`), `max_body_bytes`,
+Limits: `api_key` (every path but /health and /; `verispec.serving.http.guard`), `max_body_bytes`, `body_timeout`,
 `max_tokens_limit` (a request asking for more new tokens is refused, not capped), `max_queue` (429
 with Retry-After), `max_model_len` (prompt + new tokens per request), `kv_pool_tokens` (the target
 cache positions running requests share) and `prefill_chunk` (see `Scheduler`); a request's drafter
@@ -54,7 +54,7 @@ __all__ = ["create_app"]
 
 STATIC = Path(__file__).parent / "static"
 DISCONNECT_POLL_SECONDS = 0.25
-ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (400, 401, 413, 422, 429, 500, 504)}
+ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (400, 401, 408, 413, 422, 429, 500, 504)}
 
 
 class ClientDisconnected(Exception):
@@ -107,6 +107,7 @@ def create_app(
     api_key: str | None = None,
     cors_origins: list[str] | None = None,
     max_body_bytes: int = 1 << 20,
+    body_timeout: float = 30.0,
     stall_seconds: float = 60.0,
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     kv_pool_tokens: int | None = None,
@@ -136,7 +137,7 @@ def create_app(
     app = FastAPI(title="verispec", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible server for lossless speculative decoding")
     app.state.metrics = metrics
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout=body_timeout)
     if cors_origins:  # outermost: preflights and error answers get the CORS headers too
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
