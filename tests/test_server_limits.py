@@ -248,6 +248,16 @@ def test_max_tokens_beyond_the_limit_is_refused_not_capped(server, client):
     assert post(server, {"model": MODEL, "prompt": PROMPT, "max_tokens": 64, "temperature": 0}).json()["usage"]["completion_tokens"] == 64
 
 
+@pytest.mark.parametrize("sampling", [
+    {"top_p": 1e-300, "temperature": 1},  # was a 500: "probability tensor contains either inf, nan or element < 0"
+    {"top_p": 5e-324, "min_p": 0.9999999999, "temperature": 100},
+    {"temperature": 0.001, "repetition_penalty": 100, "epsilon": 0.9999999999, "eta": 0.9999999999},
+])
+def test_extreme_sampling_values_are_served(server, sampling):
+    response = post(server, {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "seed": 1, **sampling})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 8, response.text
+
+
 @pytest.mark.parametrize(("content", "message"), [
     (b'{"model": "tiny", "prompt": "t5', "not valid JSON"),
     (b'{"model": "tiny", "prompt": "t5 \xff\xfe"}', "not valid UTF-8 (byte 32)"),
