@@ -95,17 +95,24 @@ def _checked_options(kind: str, text: str) -> dict[str, int]:
         if (name := item.partition("=")[0].strip()) not in allowed:
             raise InvalidParameterError(f"unknown {kind} drafter option {name!r}: use {', '.join(allowed)}")
     options = _options(text, kind)
-    value = {name: options.get(name, parameter.default) for name, parameter in parameters.items()}.get
-    for low, high in _ORDERED:
-        if low in parameters and high in parameters and value(low) > value(high):
-            raise InvalidParameterError(f"{kind} drafter option {text!r}: {low} must not exceed {high}, "
-                                        f"got {low}={value(low)} and {high}={value(high)}")
-    if {"k", "depth", "wide"} <= set(parameters) and not options.get("nodes"):
-        if (nodes := tree_nodes(value("k"), value("depth"), value("wide"))) > MAX_TREE_NODES:
-            raise InvalidParameterError(
-                f"{kind} drafter option {text!r}: a tree of k={value('k')}, depth={value('depth')}, wide={value('wide')} "
-                f"holds {nodes} nodes, more than {MAX_TREE_NODES}: lower k, depth or wide")
+    values = {name: options.get(name, parameter.default) for name, parameter in parameters.items()}  # defaults filled in
+    _check_order(kind, text, values)
+    if {"k", "depth", "wide"} <= set(values) and not options.get("nodes"):
+        _check_tree_size(kind, text, values["k"], values["depth"], values["wide"])
     return options
+
+
+def _check_order(kind: str, text: str, values: dict) -> None:
+    for low, high in _ORDERED:
+        if low in values and high in values and values[low] > values[high]:
+            raise InvalidParameterError(f"{kind} drafter option {text!r}: {low} must not exceed {high}, "
+                                        f"got {low}={values[low]} and {high}={values[high]}")
+
+
+def _check_tree_size(kind: str, text: str, k: int, depth: int, wide: int) -> None:
+    if (nodes := tree_nodes(k, depth, wide)) > MAX_TREE_NODES:
+        raise InvalidParameterError(f"{kind} drafter option {text!r}: a tree of k={k}, depth={depth}, wide={wide} holds "
+                                    f"{nodes} nodes, more than {MAX_TREE_NODES}: lower k, depth or wide")
 
 
 def _build(kind: str, text: str, args=lambda: ()) -> Drafter:
