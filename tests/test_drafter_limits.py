@@ -1,5 +1,6 @@
 """Drafter options have ranges, checked when the spec is parsed: a spec cannot ask for unbounded work
-per step (huge trees, n-grams, draft lengths) through the API, the CLI or a server request."""
+per step (huge trees, n-grams, draft lengths) through the API, the CLI or a server request; and
+`check_drafter_spec` refuses, without any model, every spec the factory refuses before loading one."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import inspect
 import pytest
 
 from verispec.drafters import (
-    _NOT_OPTIONS, ExpansionDrafter, HybridDrafter, MergeDrafter, NgramDrafter, StandDrafter, make_drafter,
+    _NOT_OPTIONS, ExpansionDrafter, HybridDrafter, MergeDrafter, NgramDrafter, StandDrafter, check_drafter_spec, make_drafter,
 )
 from verispec.drafters.online import OnlineDrafter
 from verispec.drafters.specs import CASCADE_OPTIONS, MAX_TREE_NODES, OPTION_RANGES, VARIANT_OPTIONS, tree_nodes
@@ -28,7 +29,7 @@ def test_every_option_has_a_documented_range():
         assert name in drafters.__doc__.split("Option ranges")[1]
 
 
-@pytest.mark.parametrize(("spec", "message"), [
+REFUSED = [
     ("tree:k=1000,depth=1000", "k=1000 in 'tree:k=1000,depth=1000' is out of range: use 1…8"),
     ("tree:k=8,depth=12,wide=3", f"holds {tree_nodes(8, 12, 3)} nodes, more than {MAX_TREE_NODES}"),
     ("stand:k=4,depth=12,wide=4", "more than 256"),
@@ -44,7 +45,17 @@ def test_every_option_has_a_documented_range():
     ("cascade:max_n=40", "max_n=40"),
     ("self:layers=100000", "layers=100000"),
     ("model:vocab=99999999", "vocab=99999999"),
-])
+    ("tree:depth=2,wide=3", "wide must not exceed depth, got wide=3 and depth=2"),
+    ("ngram:min_n=4,max_n=3", "min_n must not exceed max_n"),
+    ("stand:max_n=1", "min_n must not exceed max_n, got min_n=2 and max_n=1"),  # min_n's default
+    ("triforce:chunk=64,budget=32", "chunk must not exceed budget"),
+    ("triforce:bugdet=4", "unknown triforce drafter option 'bugdet'"),
+    ("cascade:kind=diagonal", "use kind=vertical or kind=horizontal"),
+    ("self:layer=2", "unknown drafter option 'layer'"),
+]
+
+
+@pytest.mark.parametrize(("spec", "message"), REFUSED)
 def test_out_of_range_options_are_refused_before_any_work(target, spec, message):
     """No draft model is needed to refuse these (the loader would fail otherwise: none is loaded)."""
     def no_loading(*args, **kwargs):
@@ -53,6 +64,21 @@ def test_out_of_range_options_are_refused_before_any_work(target, spec, message)
     with pytest.raises(InvalidParameterError) as error:
         make_drafter(spec, target, load=no_loading)
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize(("spec", "message"), REFUSED)
+def test_a_spec_is_checked_without_a_model_as_the_factory_checks_it(spec, message):
+    """What a server runs in the request handler, before it queues the request."""
+    with pytest.raises(InvalidParameterError) as error:
+        check_drafter_spec(spec)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize("spec", [None, "none", "ngram", "ngram:max_n=2,min_n=2", "tree:k=3,depth=4,wide=4", "stand:nodes=40",
+                                  "hybrid:min_match=3", "online:self_layers=2,rank=4", "triforce:budget=64,chunk=16",
+                                  "cascade:kind=horizontal,strong=2", "self:layers=2", "model:some-name,layers=3", "gguf:x", "some-name"])
+def test_a_valid_spec_passes_the_check(spec):
+    check_drafter_spec(spec)
 
 
 def test_bounded_trees_build(target, draft):

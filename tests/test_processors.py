@@ -1,12 +1,19 @@
-"""Vectorised logits processing equals a per-row reference; bad parameters raise clear errors."""
+"""Vectorised logits processing equals a per-row reference; bad parameters raise clear errors; every
+processor gives a distribution (finite, summing to 1, the top token kept) at extreme values."""
 
 import math
+import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from verispec.errors import InvalidParameterError
-from verispec.sampling.processors import SamplingParams, apply_repetition_penalty, seen_mask, to_probs
+from verispec.sampling.processors import (
+    MIN_REPETITION_PENALTY, MIN_TEMPERATURE, SamplingParams, apply_repetition_penalty, greedy_tokens, seen_mask, to_probs,
+)
+from verispec.sampling.samplers import multinomial
 
 
 def _reference_row(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -94,3 +101,55 @@ def test_invalid_sampling_parameters_raise_clear_errors(kwargs, words):
 def test_values_that_would_overflow_to_nan_are_refused(field, value):
     with pytest.raises(InvalidParameterError, match=field):
         SamplingParams(**{field: value})
+
+
+# ---- every processor at extreme values (property-based) ---------------------------------------------
+
+FINITE = st.floats(width=32, allow_nan=False, allow_infinity=False)
+LOGIT = st.one_of(FINITE, st.just(-math.inf), st.sampled_from([0.0, 1.0, -1.0]))
+TINY = [5e-324, 1e-300, 1e-45, 1e-30]  # below float32's resolution, or at its edge
+NEAR_ONE = [1 - 1e-16, 1 - 1e-8, 0.999]
+
+
+def _bounded(low: float, high: float, edges: list[float], exclude_min=False, exclude_max=False) -> st.SearchStrategy:
+    """A value in [low, high], often one of `edges`."""
+    return st.one_of(st.sampled_from(edges), st.floats(low, high, exclude_min=exclude_min, exclude_max=exclude_max))
+
+
+@st.composite
+def logit_rows(draw) -> torch.Tensor:
+    """[rows, vocab] float32 logits: any finite values, −inf, or one value repeated; each row has a finite one."""
+    vocab, rows = draw(st.integers(1, 12)), draw(st.integers(1, 3))
+    out = []
+    for _ in range(rows):
+        row = [draw(FINITE)] * vocab if draw(st.booleans()) else draw(st.lists(LOGIT, min_size=vocab, max_size=vocab))
+        row[draw(st.integers(0, vocab - 1))] = draw(FINITE)
+        out.append(row)
+    return torch.tensor(out, dtype=torch.float32)
+
+
+PARAMS = st.builds(
+    SamplingParams,
+    temperature=_bounded(MIN_TEMPERATURE, sys.float_info.max, [MIN_TEMPERATURE, 1.0, 1e30, 1e300, sys.float_info.max]),
+    top_k=st.integers(0, 14),
+    top_p=_bounded(0, 1, [*TINY, 0.5, *NEAR_ONE, 1.0], exclude_min=True),
+    min_p=_bounded(0, 1, [0.0, *TINY, *NEAR_ONE], exclude_max=True),
+    eta=_bounded(0, 1, [0.0, *TINY, 0.0009, *NEAR_ONE], exclude_max=True),
+    epsilon=_bounded(0, 1, [0.0, *TINY, *NEAR_ONE], exclude_max=True),
+    repetition_penalty=_bounded(MIN_REPETITION_PENALTY, sys.float_info.max, [MIN_REPETITION_PENALTY, 1.0, 100.0, 1e300]),
+)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(logits=logit_rows(), params=PARAMS, data=st.data())
+def test_every_processor_gives_a_distribution_keeping_the_top_token(logits, params, data):
+    seen = torch.tensor(data.draw(st.lists(st.booleans(), min_size=logits.shape[1], max_size=logits.shape[1])))[None]
+    probs = to_probs(logits, params, seen)
+    assert torch.isfinite(probs).all() and (probs >= 0).all(), probs
+    torch.testing.assert_close(probs.sum(dim=-1), torch.ones(len(logits)), atol=1e-5, rtol=0)
+    # untruncated: the same temperature and penalty; the most likely tokens there, one of which must stay
+    untruncated = to_probs(logits, SamplingParams(params.temperature, repetition_penalty=params.repetition_penalty), seen)
+    top = untruncated == untruncated.max(dim=-1, keepdim=True).values
+    assert ((probs > 0) & top).any(dim=-1).all(), (probs, untruncated)
+    assert top.gather(1, greedy_tokens(logits, params, seen)[:, None]).all()
+    assert (probs.gather(1, multinomial(probs, torch.Generator().manual_seed(0))[:, None]) > 0).all()

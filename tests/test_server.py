@@ -386,11 +386,12 @@ def test_cli_serve_on_ray_passes_every_limit_to_the_replicas(tiny_target, monkey
     monkeypatch.setenv("VERISPEC_API_KEY", "k3y")
     assert main(["serve", "--ray", "--target", str(tiny_target), "--cors-origin", "https://app.example", "--max-body-bytes", "999",
                  "--max-tokens-limit", "77", "--stall-seconds", "5", "--prefill-chunk", "32", "--kv-pool-tokens", "5000",
-                 "--max-model-len", "100", "--max-queue", "3"]) == 0
+                 "--max-model-len", "100", "--max-queue", "3", "--body-timeout", "12", "--shutdown-grace", "4"]) == 0
     app_options = deployed[0].app_options()
     assert app_options == {**app_options, "api_key": "k3y", "cors_origins": ["https://app.example"], "max_body_bytes": 999,
                            "max_tokens_limit": 77, "stall_seconds": 5.0, "prefill_chunk": 32, "kv_pool_tokens": 5000,
-                           "max_model_len": 100, "max_queue": 3}
+                           "max_model_len": 100, "max_queue": 3, "body_timeout": 12.0, "shutdown_grace": 4.0}
+    assert deployed[0].deployment_options()["graceful_shutdown_timeout_s"] == 4.0
     assert main(["serve", "--ray", "--target", str(tiny_target), "--prefill-chunk", "-1"]) == 2
     assert len(deployed) == 1
     captured = []

@@ -1,7 +1,8 @@
-"""The server's limits and guards, on tiny models over real HTTP: bounded drafter specs, per-request
-drafters only over loaded models and never from files, the API key and CORS, body and token limits,
-bad bytes and lone surrogates as 400s in the error envelope, OpenAI fields honoured or refused by
-name, and /health reporting a stalled scheduler."""
+"""The server's limits and guards, on tiny models over real HTTP: bounded drafter specs, checked before
+the queue, per-request drafters only over loaded models and never from files, the API key and CORS,
+body and token limits, bad bytes, lone surrogates (also in a json_schema) and JSON nested too deep as
+400s in the error envelope, OpenAI fields honoured or refused by name, and /health reporting a stalled
+scheduler."""
 
 from __future__ import annotations
 
@@ -85,6 +86,23 @@ def test_an_unbounded_tree_is_a_400_and_a_bounded_one_completes(server):
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 12
 
 
+@pytest.mark.parametrize(("spec", "message"), [
+    ("tree:k=8,depth=12,wide=12", "more than 256"),
+    ("tree:depth=2,wide=3", "wide must not exceed depth"),
+    ("ngram:min_n=3,max_n=2", "min_n must not exceed max_n"),
+    ("stand:width=2", "unknown stand drafter option 'width'"),
+    ("cascade:kind=diagonal", "use kind=vertical or kind=horizontal"),
+    ("self:layers=0", "layers=0 in 'self:layers=0' is out of range"),
+])
+def test_a_bad_drafter_spec_is_refused_before_the_queue(server, monkeypatch, spec, message):
+    """In the handler, by the factory's own checks: never queued (seconds behind other requests) to be
+    refused by the worker. Fails (a 500 here) if the request reaches `submit`."""
+    def no_queue(*args, **kwargs):
+        raise AssertionError("the request was queued")
+    monkeypatch.setattr(server.server.config.app.state.scheduler, "submit", no_queue)
+    assert_error(post(server, {"model": MODEL, "prompt": PROMPT, "drafter": spec}), 400, "drafter", message)
+
+
 def test_gamma_is_bounded(server):
     assert_error(post(server, {"model": MODEL, "prompt": PROMPT, "gamma": 33}), 422, "gamma", "less than or equal to 32")
 
@@ -131,7 +149,7 @@ def locked(tiny_target):
         yield running
 
 
-def test_the_api_key_is_required_on_v1_and_metrics(locked, monkeypatch):
+def test_the_api_key_is_required_on_v1_metrics_and_the_schema(locked, monkeypatch):
     import hmac
 
     from verispec.serving.http import guard
@@ -153,6 +171,9 @@ def test_the_api_key_is_required_on_v1_and_metrics(locked, monkeypatch):
         assert response.headers["www-authenticate"] == "Bearer"
     assert_error(httpx.post(locked.url + "/v1/completions", json={"model": MODEL, "prompt": "t5"}), 401, None, "API key")
     assert httpx.get(locked.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    for path in ("/openapi.json", "/docs", "/redoc", "/docs/oauth2-redirect", "/nothing"):  # the README: only these two stay open
+        assert_error(httpx.get(locked.url + path), 401, None, "missing or wrong API key")
+    assert httpx.get(locked.url + "/openapi.json", headers={"Authorization": f"Bearer {KEY}"}).json()["info"]["title"] == "verispec"
     assert httpx.get(locked.url + "/health").json()["status"] == "ok"  # open
     assert "<textarea" in httpx.get(locked.url + "/").text  # the playground page is open; it sends the key itself
 
@@ -201,6 +222,23 @@ def test_a_large_body_is_a_413_before_parsing(server):
     assert_error(response, 413, None, "larger than")
 
 
+def test_a_body_that_stalls_is_a_408_and_the_connection_closes(tiny_target):
+    """Headers and part of the body, then nothing: answered 408 after body_timeout, the connection
+    closed. Fails (the read times out) if the server waits for the rest forever."""
+    import socket
+
+    with LocalServer(create_app(tiny_engine(tiny_target), model_name=MODEL, body_timeout=0.5)) as running:
+        with socket.create_connection(("127.0.0.1", running.port), timeout=10) as connection:
+            connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                               b"Content-Length: 100\r\n\r\n{\"model\": \"tiny\"")
+            started, answer = time.monotonic(), b""
+            while chunk := connection.recv(65536):  # until the server closes the connection
+                answer += chunk
+            assert time.monotonic() - started < 5
+        assert answer.startswith(b"HTTP/1.1 408 "), answer
+        assert b"did not arrive within 0.5 s" in answer and b'"code":"body_timeout"' in answer
+
+
 def test_max_tokens_beyond_the_limit_is_refused_not_capped(server, client):
     assert_error(post(server, {"model": MODEL, "prompt": PROMPT, "max_tokens": 65}), 400, "max_tokens",
                  "65 is more than this server's limit of 64")
@@ -208,6 +246,16 @@ def test_max_tokens_beyond_the_limit_is_refused_not_capped(server, client):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_completion_tokens=100)
     assert error.value.body["param"] == "max_completion_tokens"
     assert post(server, {"model": MODEL, "prompt": PROMPT, "max_tokens": 64, "temperature": 0}).json()["usage"]["completion_tokens"] == 64
+
+
+@pytest.mark.parametrize("sampling", [
+    {"top_p": 1e-300, "temperature": 1},  # was a 500: "probability tensor contains either inf, nan or element < 0"
+    {"top_p": 5e-324, "min_p": 0.9999999999, "temperature": 100},
+    {"temperature": 0.001, "repetition_penalty": 100, "epsilon": 0.9999999999, "eta": 0.9999999999},
+])
+def test_extreme_sampling_values_are_served(server, sampling):
+    response = post(server, {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "seed": 1, **sampling})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 8, response.text
 
 
 @pytest.mark.parametrize(("content", "message"), [
@@ -218,6 +266,13 @@ def test_max_tokens_beyond_the_limit_is_refused_not_capped(server, client):
     (b'{"model": "tiny", "messages": [{"role": "user", "content": "t5\\ud800"}]}', "invalid 'messages.0.content'"),
     (b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
      "invalid 'messages.0.content.0.text'"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "t5"}], "response_format": {"type": "json_schema", '
+     b'"json_schema": {"schema": {"type": "object", "properties": {"\\ud800": {"type": "string"}}}}}}',
+     "response_format: a key in json_schema.schema.properties contains a lone surrogate '\\ud800'"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "t5"}], "response_format": {"type": "json_schema", '
+     b'"json_schema": {"schema": {"enum": ["a", "b\\udc00"]}}}}', "response_format: json_schema.schema.enum.1 contains a lone"),
+    (b'{"model": "tiny", "prompt": "t5", "user": ' + b"[" * 500 + b"]" * 500 + b"}", "more than 64 levels deep"),
+    (b'{"model": "tiny", "prompt": "t5", "user": ' + b"[" * 1900 + b"]" * 1900 + b"}", "more than 64 levels deep"),
 ])
 def test_bad_bytes_and_lone_surrogates_are_400s(server, content, message):
     path = "/v1/chat/completions" if b"messages" in content else "/v1/completions"
@@ -282,6 +337,29 @@ COMPLETION = {"model": MODEL, "prompt": "t5"}
 def test_unimplemented_fields_are_refused_by_name(server, base, field, value, message):
     path = "/v1/chat/completions" if "messages" in base else "/v1/completions"
     assert_error(post(server, {**base, field: value}, path), 400, field, message)
+
+
+@pytest.mark.parametrize(("base", "field", "value", "status", "message"), [
+    (COMPLETION, "max_tokens", True, 422, "valid integer"),  # was taken as 1
+    (COMPLETION, "max_tokens", "5", 422, "valid integer"),
+    (CHAT, "max_completion_tokens", 2.0, 422, "valid integer"),
+    (COMPLETION, "seed", False, 422, "valid integer"),
+    (COMPLETION, "top_k", True, 422, "valid integer"),
+    (COMPLETION, "logprobs", True, 422, "valid integer"),
+    (COMPLETION, "temperature", True, 422, "valid number"),
+    (COMPLETION, "stream", 1, 422, "valid boolean"),
+    (CHAT, "n", True, 400, "one choice per request, got n=True"),
+    (COMPLETION, "best_of", True, 400, "one candidate per request"),
+    (COMPLETION, "presence_penalty", False, 400, "not implemented"),
+])
+def test_types_are_strict(server, base, field, value, status, message):
+    """A boolean or a string is not an integer, a float not an integer (pydantic's lax mode took them)."""
+    path = "/v1/chat/completions" if "messages" in base else "/v1/completions"
+    assert_error(post(server, {**base, field: value}, path), status, field, message)
+
+
+def test_prompt_token_ids_are_integers(server):
+    assert_error(post(server, {**COMPLETION, "prompt": [True, 5]}), 422, "prompt", "invalid 'prompt'")  # was [1, 5]
 
 
 def test_unimplemented_fields_are_refused_through_the_openai_client(client):

@@ -237,10 +237,9 @@ def _engine_spec(args: argparse.Namespace):
 def _serve(args: argparse.Namespace) -> int:
     if args.ray:
         return _serve_on_ray(args)
-    import uvicorn
-
     from verispec import load
     from verispec.serving.http import create_app
+    from verispec.serving.http.server import run
 
     from verispec.errors import InvalidParameterError
     from verispec.serving.http.scheduler import auto_prefill_chunk, kv_bytes_per_token, memory_limits
@@ -264,18 +263,20 @@ def _serve(args: argparse.Namespace) -> int:
                   f"prefill chunk {args.prefill_chunk or 'whole prompt'}")
     console.print(f"serving {args.model_name or engine.target.name} on http://{args.host}:{args.port} "
                   "(playground at /, OpenAI API under /v1)")
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    run(app, args.host, args.port, args.max_connections, args.keep_alive)
     return 0
 
 
-SERVE_LIMITS = {"api_key": None, "cors_origin": [], "max_body_bytes": 1 << 20, "max_tokens_limit": 4096, "stall_seconds": 60.0}
+SERVE_LIMITS = {"api_key": None, "cors_origin": [], "max_body_bytes": 1 << 20, "body_timeout": 30.0, "max_tokens_limit": 4096,
+                "stall_seconds": 60.0, "shutdown_grace": 10.0}
 
 
 def _serve_limits(args: argparse.Namespace) -> dict:
     """create_app's limit arguments from serve's options (a single server and every Ray replica alike)."""
     return {"api_key": args.api_key, "cors_origins": list(args.cors_origin), "max_body_bytes": args.max_body_bytes,
-            "max_tokens_limit": args.max_tokens_limit, "stall_seconds": args.stall_seconds,
-            "prefill_chunk": args.prefill_chunk, "kv_pool_tokens": args.kv_pool_tokens, "max_model_len": args.max_model_len}
+            "body_timeout": args.body_timeout, "max_tokens_limit": args.max_tokens_limit, "stall_seconds": args.stall_seconds,
+            "prefill_chunk": args.prefill_chunk, "kv_pool_tokens": args.kv_pool_tokens, "max_model_len": args.max_model_len,
+            "shutdown_grace": args.shutdown_grace}
 
 
 def _check_serve_limits(args: argparse.Namespace) -> None:
@@ -292,6 +293,10 @@ def _check_serve_limits(args: argparse.Namespace) -> None:
         raise InvalidParameterError(f"--max-model-len must be ≥ 2, got {args.max_model_len}")
     if args.max_batch < 1 or args.max_queue < 1:
         raise InvalidParameterError("--max-batch and --max-queue must be ≥ 1")
+    if args.body_timeout <= 0 or args.keep_alive <= 0 or args.shutdown_grace < 0:
+        raise InvalidParameterError("--body-timeout and --keep-alive must be > 0 and --shutdown-grace ≥ 0")
+    if args.max_connections is not None and args.max_connections < 1:
+        raise InvalidParameterError(f"--max-connections must be ≥ 1, got {args.max_connections}")
 
 
 def _serve_on_ray(args: argparse.Namespace) -> int:
@@ -368,10 +373,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queue", type=int, default=32, help="requests allowed to wait; beyond that: HTTP 429")
     serve.add_argument("--timeout", type=float, default=300.0, help="seconds per request before HTTP 504")
     serve.add_argument("--api-key", default=os.environ.get("VERISPEC_API_KEY") or SERVE_LIMITS["api_key"],
-                       help="require 'Authorization: Bearer KEY' on /v1 and /metrics (default: $VERISPEC_API_KEY; none: open)")
+                       help="require 'Authorization: Bearer KEY' on every path but /health and the playground "
+                            "(default: $VERISPEC_API_KEY; none: open)")
     serve.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                        help="let browser pages from this origin call the API (repeatable; e.g. https://example.org)")
     serve.add_argument("--max-body-bytes", type=int, default=SERVE_LIMITS["max_body_bytes"], help="larger request bodies: HTTP 413")
+    serve.add_argument("--body-timeout", type=float, default=SERVE_LIMITS["body_timeout"],
+                       help="seconds a request body may take to arrive after its headers; longer: HTTP 408")
+    serve.add_argument("--max-connections", type=int, default=256,
+                       help="most open connections and requests at once; more: HTTP 503 (not with --ray: Serve's proxy)")
+    serve.add_argument("--keep-alive", type=float, default=5.0,
+                       help="seconds an idle keep-alive connection stays open (not with --ray)")
+    serve.add_argument("--shutdown-grace", type=float, default=SERVE_LIMITS["shutdown_grace"],
+                       help="on SIGTERM or Ctrl-C: seconds running requests may go on (new ones: HTTP 503); then each ends, "
+                            "a stream with finish_reason shutdown, a non-streamed request with HTTP 503. A second signal "
+                            "exits at once")
     serve.add_argument("--max-tokens-limit", type=int, default=SERVE_LIMITS["max_tokens_limit"],
                        help="most new tokens one request may ask for; more: HTTP 400")
     serve.add_argument("--stall-seconds", type=float, default=SERVE_LIMITS["stall_seconds"],

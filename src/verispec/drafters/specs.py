@@ -33,7 +33,7 @@ from verispec.models.registry import default_draft_for
 from verispec.models.variants import derive_model
 
 __all__ = [
-    "SPEC_KINDS", "MAX_GAMMA", "MAX_TREE_NODES", "OPTION_RANGES", "draft_model", "draft_precision", "integer_option",
+    "SPEC_KINDS", "MAX_GAMMA", "MAX_TREE_NODES", "OPTION_RANGES", "derived_options", "draft_model", "draft_precision", "integer_option",
     "is_derived_spec", "make_derived_drafter", "model_drafter", "tree_nodes",
 ]
 
@@ -141,7 +141,7 @@ def model_drafter(name: str | None, target: LoadedModel, dtype: str | None, load
     return DraftModelDrafter(draft, target.vocab_size)
 
 
-def _cascade(spec: str, rest: str, target: LoadedModel, dtype: str | None, load: ModelLoader) -> Drafter:
+def _cascade_kind(spec: str, rest: str) -> str:
     kind = "vertical"
     for item in rest.split(","):
         key, _, value = item.partition("=")
@@ -149,7 +149,23 @@ def _cascade(spec: str, rest: str, target: LoadedModel, dtype: str | None, load:
             kind = value.strip()
     if kind not in CASCADE_OPTIONS:
         raise InvalidParameterError(f"drafter option kind={kind!r} in {spec!r}: use kind=vertical or kind=horizontal")
-    _, options = _parse(spec, rest, CASCADE_OPTIONS[kind])
+    return kind
+
+
+def derived_options(kind: str, rest: str) -> tuple[str | None, dict[str, str]]:
+    """(the model a `model:` spec names, else the cascade's kind or None; the options) of `kind:rest`, every
+    option known to its kind and within its range. Loads nothing (see the module docstring)."""
+    spec = f"{kind}:{rest}" if rest else kind
+    if kind == "cascade":
+        cascade = _cascade_kind(spec, rest)
+        return cascade, _parse(spec, rest, CASCADE_OPTIONS[cascade])[1]
+    if kind in ("self", "model"):
+        return _parse(spec, rest, VARIANT_OPTIONS, positional=kind == "model")
+    raise InvalidParameterError(f"unknown drafter kind {kind!r} in {spec!r}")
+
+
+def _cascade(spec: str, kind: str, options: dict[str, str], target: LoadedModel, dtype: str | None,
+             load: ModelLoader) -> Drafter:
     ngram = NgramDrafter(max_n=_integer(spec, options, "max_n", 3))
     draft = draft_model(options.get("draft"), target, dtype, load)
     if kind == "horizontal":
@@ -163,16 +179,13 @@ def make_derived_drafter(
 ) -> Drafter:
     """The drafter for a `self`, `cascade` or `model:…,option=…` spec (see the module docstring)."""
     spec = f"{kind}:{rest}" if rest else kind
+    name, options = derived_options(kind, rest)
     if kind == "cascade":
-        return _cascade(spec, rest, target, dtype, load)
+        return _cascade(spec, name, options, target, dtype, load)
     if kind == "self":
-        _, options = _parse(spec, rest, VARIANT_OPTIONS)
         draft = _derived(spec, target, options, default_layers=max(1, target.runner.config.num_layers // 4))
         return DraftModelDrafter(draft, target.vocab_size)
-    if kind == "model":
-        name, options = _parse(spec, rest, VARIANT_OPTIONS, positional=True)
-        if options.get("int8") in ("0", "1"):  # 1: load it as int8 (cached once), not quantize a float copy
-            dtype = "int8" if options["int8"] == "1" else target.precision
-        draft = _derived(spec, draft_model(name, target, dtype, load), options)
-        return DraftModelDrafter(draft, target.vocab_size)
-    raise InvalidParameterError(f"unknown drafter kind {kind!r} in {spec!r}")
+    if options.get("int8") in ("0", "1"):  # model: 1: load it as int8 (cached once), not quantize a float copy
+        dtype = "int8" if options["int8"] == "1" else target.precision
+    draft = _derived(spec, draft_model(name, target, dtype, load), options)
+    return DraftModelDrafter(draft, target.vocab_size)

@@ -41,6 +41,30 @@ def _invalid(message: str) -> InvalidParameterError:
     return error
 
 
+def _texts(value, path: str = "") -> Iterable[tuple[str, str]]:
+    """(where, text) for every string in `value`, each key before its value; `where` is a dotted path
+    ("json_schema.schema.enum.1") or the object a key is in ("a key in json_schema.schema.properties")."""
+    if isinstance(value, str):
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield f"a key in {path or 'the object'}", key
+            yield from _texts(item, f"{path}.{key}" if path else key)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _texts(item, f"{path}.{index}")
+
+
+def _check_unicode(response_format: dict) -> None:
+    """Refuse a lone surrogate ("\\ud800", valid as a JSON escape) in any key or string: xgrammar fails on it."""
+    for where, text in _texts(response_format):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise _invalid(f"{where} contains a lone surrogate {ascii(text[error.start])} at character {error.start}: "
+                           "send valid Unicode text") from None
+
+
 def check_response_format(response_format: dict | None) -> None:
     """Refuse a malformed `response_format` up front (the grammar itself is compiled per request)."""
     if response_format is None:
@@ -60,6 +84,7 @@ def check_response_format(response_format: dict | None) -> None:
         raise _invalid(f"must be plain JSON data ({error})") from None
     if size > MAX_FORMAT_CHARS:
         raise _invalid(f"larger than {MAX_FORMAT_CHARS} characters: send a smaller schema")
+    _check_unicode(response_format)
 
 
 def _compiler(tokenizer, width: int, stop_ids: tuple[int, ...]):

@@ -19,6 +19,7 @@ from verispec.types import TokenLogprobs
 
 MIN_TEMPERATURE = 1e-3  # logits / smaller temperatures overflow float32: the distribution turns NaN
 MIN_REPETITION_PENALTY = 1e-2  # the same overflow, through the penalty's division
+FLOAT32_MAX = torch.finfo(torch.float32).max  # a larger temperature or penalty acts as this (float32 would make it inf)
 
 __all__ = ["SamplingParams", "MIN_TEMPERATURE", "MIN_REPETITION_PENALTY", "apply_repetition_penalty", "to_probs", "greedy_tokens", "seen_mask", "token_logprobs", "MAX_TOP_LOGPROBS"]
 
@@ -87,27 +88,38 @@ def seen_mask(
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    """CTRL-style penalty: seen tokens' logits are divided by `penalty` if positive, multiplied if negative."""
+    """CTRL-style penalty: seen tokens' logits are divided by `penalty` if positive, multiplied if negative.
+    A penalised logit stays finite (float32's range), so a row keeps a finite logit; −inf (a token a
+    grammar forbids) stays −inf."""
     if penalty == 1.0:
         return logits
-    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
-    return torch.where(seen, penalized, logits)
+    penalty = min(penalty, FLOAT32_MAX)  # 0 × inf would be NaN
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty).clamp(-FLOAT32_MAX, FLOAT32_MAX)
+    return torch.where(seen & (logits > -math.inf), penalized, logits)
 
 
 def _keep_at_least_top1(remove: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """`remove` without each row's most likely token: truncation never empties a distribution."""
     top1 = probs.argmax(dim=-1, keepdim=True)
     return remove.scatter(-1, top1, False)
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature, shifted so that each row's largest is 0: nothing overflows to +inf however
+    small the temperature (softmax is the same), and a huge temperature does not turn −inf into NaN."""
+    return (logits - logits.max(dim=-1, keepdim=True).values) / min(temperature, FLOAT32_MAX)
 
 
 def to_probs(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
     """Processed sampling distribution for each row: logits [n, vocab] -> probs [n, vocab] (float32).
 
-    Call only when sampling (temperature > 0); greedy uses `greedy_tokens`.
+    Call only when sampling (temperature > 0); greedy uses `greedy_tokens`. Every row needs one finite
+    logit; each truncation (top-k/p, min-p, ε, η) keeps at least the row's most likely token.
     """
     logits = logits.float()
     if seen is not None:
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
-    logits = logits / params.temperature
+    logits = _scaled(logits, params.temperature)
     neg_inf = torch.finfo(logits.dtype).min
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [n, 1]
@@ -117,10 +129,11 @@ def to_probs(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | 
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [n, vocab]
         remove_sorted = mass_before >= params.top_p  # keeps the smallest prefix reaching top_p
+        remove_sorted[..., 0] = False  # a top_p below float32's resolution (1e-300) would remove every token
         probs = probs.masked_fill(remove_sorted.scatter(-1, order, remove_sorted), 0.0)
     if params.min_p > 0:
         threshold = params.min_p * probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = probs.masked_fill(probs < threshold, 0.0)  # min_p < 1: the top token stays
     if params.epsilon > 0:
         probs = _renormalize(probs)
         probs = probs.masked_fill(_keep_at_least_top1(probs < params.epsilon, probs), 0.0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
+from verispec.drafters import check_drafter_spec
 from verispec.engine import Engine, GenerationConfig
 from verispec.errors import InvalidParameterError, PromptError
 from verispec.sampling.processors import SamplingParams
@@ -13,7 +14,8 @@ from verispec.serving.http.schemas import UNSUPPORTED, ChatCompletionRequest, Ch
 
 __all__ = ["chat_prompt_ids", "check_request_drafter", "describe_invalid", "error_response", "invalid", "request_config"]
 
-ERROR_TYPES = {401: "authentication_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error", 504: "timeout_error"}
+ERROR_TYPES = {401: "authentication_error", 408: "timeout_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error",
+               504: "timeout_error"}
 # A request's drafter is built on the serving engine's worker from models already in memory (the
 # engine's frozen ModelCache refuses any other name or path). These would still touch the disk or
 # copy a model per request: the online drafter saves and loads adapters, int8= re-reads and
@@ -66,7 +68,9 @@ def describe_invalid(errors: list[dict]) -> tuple[int, str, str | None]:
 
 def check_request_drafter(spec: str | None, served_spec: str | None) -> None:
     """Refuse a request's drafter spec that would read files or build a new model copy (see
-    REQUEST_REFUSED_KINDS/OPTIONS); names of models not loaded are refused by the engine's ModelCache."""
+    REQUEST_REFUSED_KINDS/OPTIONS) or that the factory would refuse (`check_drafter_spec`: unknown
+    options, ranges, tree sizes), here and not once it reaches the worker; names of models not loaded
+    are refused by the engine's ModelCache when the drafter is built."""
     if spec is None or spec.strip() == (served_spec or "").strip():
         return
     kind, _, rest = spec.strip().partition(":")
@@ -78,6 +82,10 @@ def check_request_drafter(spec: str | None, served_spec: str | None) -> None:
         if "=" in item and option in REQUEST_REFUSED_OPTIONS:
             raise invalid(f"drafter: option {option}= cannot be used per request ({REQUEST_REFUSED_OPTIONS[option]}): "
                           "start the server with --draft naming it", "drafter")
+    try:
+        check_drafter_spec(spec)
+    except InvalidParameterError as error:
+        raise invalid(f"drafter: {error}", "drafter") from None
 
 
 def chat_prompt_ids(engine: Engine, messages: list[ChatMessage]) -> list[int]:

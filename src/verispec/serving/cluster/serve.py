@@ -6,8 +6,9 @@ proxy routes each request to a replica; with `min_replicas < max_replicas` Serve
 replicas to keep about `target_ongoing_requests` requests on each (default: `max_batch`, what one
 replica verifies in one target pass). A replica accepts at most `max_batch + max_queue` requests,
 the same limit beyond which a single server answers 429. Every limit of a single server (API key,
-CORS origins, body and token limits, stall time, prefill chunk, KV pool, max model length) applies
-to each replica as given.
+CORS origins, body size, time and token limits, stall time, prefill chunk, KV pool, max model length)
+applies to each replica as given; `shutdown_grace` is how long Serve lets a stopping replica's
+requests go on (its `graceful_shutdown_timeout_s`).
 
 A replica that dies is replaced by Serve; its in-flight requests get a 503 with a message that says
 to retry (`verispec.serving.cluster.proxy`), and new requests go to the live replicas. Responses carry
@@ -54,11 +55,13 @@ class ServeOptions:
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()
     max_body_bytes: int = 1 << 20
+    body_timeout: float = 30.0
     max_tokens_limit: int = 4096
     stall_seconds: float = 60.0
     prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK
     kv_pool_tokens: int | None = None
     max_model_len: int | None = None
+    shutdown_grace: float = 10.0
 
     def __post_init__(self) -> None:
         if (self.min_replicas is None) != (self.max_replicas is None):
@@ -81,14 +84,15 @@ class ServeOptions:
             "target_ongoing_requests": self.target_ongoing_requests or self.max_batch,
         }} if self.autoscaling else {"num_replicas": self.replicas})
         return {**scale, "max_ongoing_requests": self.max_batch + self.max_queue,
-                "ray_actor_options": {"num_cpus": self.replica_cpus}}
+                "graceful_shutdown_timeout_s": self.shutdown_grace, "ray_actor_options": {"num_cpus": self.replica_cpus}}
 
     def app_options(self) -> dict:
         return {"model_name": self.model_name, "max_batch": self.max_batch, "max_queue": self.max_queue,
                 "request_timeout": self.request_timeout, "api_key": self.api_key, "cors_origins": list(self.cors_origins),
-                "max_body_bytes": self.max_body_bytes, "max_tokens_limit": self.max_tokens_limit,
-                "stall_seconds": self.stall_seconds, "prefill_chunk": self.prefill_chunk,
-                "kv_pool_tokens": self.kv_pool_tokens, "max_model_len": self.max_model_len}
+                "max_body_bytes": self.max_body_bytes, "body_timeout": self.body_timeout,
+                "max_tokens_limit": self.max_tokens_limit, "stall_seconds": self.stall_seconds,
+                "prefill_chunk": self.prefill_chunk, "kv_pool_tokens": self.kv_pool_tokens,
+                "max_model_len": self.max_model_len, "shutdown_grace": self.shutdown_grace}
 
 
 class _ReplicaHeaders:

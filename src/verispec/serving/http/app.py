@@ -4,11 +4,17 @@ Endpoints: /v1/models, /v1/completions, /v1/chat/completions (streaming as SSE o
 /metrics (Prometheus text) and the playground at /. Handlers validate, hand the request to the
 `Scheduler` (which owns the models on its worker thread) and relay its updates. Every error is
 `{"error": {"message", "type", "param", "code"}}` with a status that says whose fault it was:
-400/422 bad request (the message names the field), 401 no or wrong API key, 413 body too large,
-429 server full, 504 too slow, 500 a failure inside this one generation. `/health` is 503
-"degraded" while the scheduler has work but has not gone round its loop for `stall_seconds`.
+400/422 bad request (the message names the field), 401 no or wrong API key, 408 body too slow to
+arrive, 413 body too large, 429 server full, 503 server shutting down, 504 too slow, 500 a failure inside
+this one generation. `/health` is 503 "degraded" while the scheduler has work but has not gone round its
+loop for `stall_seconds`, and 503 "stopping" once a shutdown has begun.
 
-Limits: `api_key` (every /v1 route and /metrics; `verispec.serving.http.guard`), `max_body_bytes`,
+Shutdown (`begin_shutdown`, which `verispec.serving.http.server` calls on SIGTERM or Ctrl-C): new
+requests are 503s at once; running ones go on for at most `shutdown_grace` seconds, then the scheduler
+stops and ends them with their text so far — a stream with a last chunk whose finish_reason is
+"shutdown", a non-streamed request with a 503 — and fails the queued ones with a 503.
+
+Limits: `api_key` (every path but /health and /; `verispec.serving.http.guard`), `max_body_bytes`, `body_timeout`,
 `max_tokens_limit` (a request asking for more new tokens is refused, not capped), `max_queue` (429
 with Retry-After), `max_model_len` (prompt + new tokens per request), `kv_pool_tokens` (the target
 cache positions running requests share) and `prefill_chunk` (see `Scheduler`); a request's drafter
@@ -22,6 +28,7 @@ scheduler's worker), and a prompt longer than `max_model_len` is a 400 before it
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Callable
@@ -43,18 +50,20 @@ from verispec.serving.http.formats import ChatFormat, CompletionFormat, sse
 from verispec.serving.http.guard import Guard
 from verispec.serving.http.metrics import Metrics
 from verispec.serving.http.scheduler import (
-    DEFAULT_PREFILL_CHUNK, Job, JobUpdate, QueueFullError, RequestTimeoutError, Scheduler,
+    DEFAULT_PREFILL_CHUNK, SHUTDOWN_FINISH_REASON, Job, JobUpdate, QueueFullError, RequestTimeoutError, Scheduler,
+    ServerStoppingError,
 )
 from verispec.serving.http.schemas import (
     ChatCompletionRequest, ChatCompletionResponse, ChatMessage, CompletionRequest, CompletionResponse, ErrorResponse,
     ModelList,
 )
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "begin_shutdown"]
 
 STATIC = Path(__file__).parent / "static"
 DISCONNECT_POLL_SECONDS = 0.25
-ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (400, 401, 413, 422, 429, 500, 504)}
+STOP_POLL_SECONDS = 0.1
+ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (400, 401, 408, 413, 422, 429, 500, 503, 504)}
 
 
 class ClientDisconnected(Exception):
@@ -72,6 +81,8 @@ def _error_status(error: BaseException) -> tuple[int, str, str | None]:
         return 429, str(error), None
     if isinstance(error, RequestTimeoutError):
         return 504, str(error), None
+    if isinstance(error, ServerStoppingError):
+        return 503, str(error), None
     if isinstance(error, PromptError):
         return 400, str(error), "prompt"
     if isinstance(error, (InvalidParameterError, VerispecError)):
@@ -95,6 +106,22 @@ def _tokenizer(request: Request):
     return request.app.state.scheduler.engine.target.tokenizer
 
 
+def begin_shutdown(app: FastAPI) -> None:
+    """Stop serving gracefully (safe from a signal handler or any thread): see the module docstring."""
+    app.state.stopping.set()
+
+
+async def _stop_when_asked(scheduler: Scheduler, stopping: threading.Event, grace: float) -> None:
+    """Once `stopping` is set: wait until the scheduler has no work or `grace` seconds have passed, then
+    stop it (it ends the running requests and fails the queued ones)."""
+    while not stopping.is_set():
+        await asyncio.sleep(STOP_POLL_SECONDS)
+    deadline = time.monotonic() + grace
+    while (scheduler.active_count or scheduler.queue_length) and time.monotonic() < deadline:
+        await asyncio.sleep(STOP_POLL_SECONDS)
+    await asyncio.to_thread(scheduler.stop)
+
+
 def create_app(
     engine_or_loader: Engine | Callable[[], Engine],
     *,
@@ -107,14 +134,17 @@ def create_app(
     api_key: str | None = None,
     cors_origins: list[str] | None = None,
     max_body_bytes: int = 1 << 20,
+    body_timeout: float = 30.0,
     stall_seconds: float = 60.0,
     prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     kv_pool_tokens: int | None = None,
     max_model_len: int | None = None,
+    shutdown_grace: float = 10.0,
 ) -> FastAPI:
     """An app serving one engine. Pass a loader to load the models when the server starts."""
-    if max_tokens_limit < 1 or stall_seconds <= 0:
-        raise ValueError(f"max_tokens_limit must be ≥ 1 and stall_seconds > 0, got {max_tokens_limit} and {stall_seconds}")
+    if max_tokens_limit < 1 or stall_seconds <= 0 or shutdown_grace < 0:
+        raise ValueError(f"max_tokens_limit must be ≥ 1, stall_seconds > 0 and shutdown_grace ≥ 0, got {max_tokens_limit}, "
+                         f"{stall_seconds} and {shutdown_grace}")
     metrics = Metrics()
     tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="verispec-tokenizer")  # one: a tokenizer is not shared
 
@@ -127,16 +157,20 @@ def create_app(
         app.state.scheduler = Scheduler(engine, metrics, max_batch, max_queue, request_timeout, prefill_chunk,
                                         kv_pool_tokens, max_model_len)
         app.state.scheduler.start()
+        stopper = asyncio.create_task(_stop_when_asked(app.state.scheduler, app.state.stopping, shutdown_grace))
         try:
             yield
         finally:
+            stopper.cancel()
             app.state.scheduler.stop()
             tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="verispec", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible server for lossless speculative decoding")
     app.state.metrics = metrics
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.state.stopping = threading.Event()  # set by begin_shutdown
+    app.state.shutdown_grace = shutdown_grace
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout=body_timeout)
     if cors_origins:  # outermost: preflights and error answers get the CORS headers too
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
@@ -175,6 +209,8 @@ def create_app(
                 check_request_drafter(body.drafter, scheduler.engine.drafter_spec)
                 config = request_config(body, default_max_tokens, max_tokens_limit)
                 ids = await asyncio.get_running_loop().run_in_executor(tokenizer_thread, encode, scheduler.engine)
+                if request.app.state.stopping.is_set():  # checked with no await before submit: a stopped scheduler admits none
+                    raise ServerStoppingError()
                 job = scheduler.submit(ids, config)
                 await _next(job, request)  # "admitted": a batch slot and pool room (the prefill follows in chunks)
                 if body.stream:
@@ -195,6 +231,9 @@ def create_app(
         events = []
         while (update := await _next(job, request)).kind == "tokens":
             events += update.events
+        if update.finish_reason == SHUTDOWN_FINISH_REASON:
+            raise ServerStoppingError(f"the server is shutting down and stopped this request after {len(events)} tokens: "
+                                      "retry on another server or later")
         return fmt.response("".join(event.text for event in events), [event.origin.value for event in events],
                             update.finish_reason, update.stats, events)
 
@@ -242,7 +281,8 @@ def create_app(
         scheduler: Scheduler = request.app.state.scheduler
         engine = scheduler.engine
         stalled = scheduler.stalled_seconds
-        status = "stopped" if not scheduler.running else "degraded" if stalled > stall_seconds else "ok"
+        status = ("stopping" if request.app.state.stopping.is_set() else "stopped" if not scheduler.running
+                  else "degraded" if stalled > stall_seconds else "ok")
         body = {"status": status, "model": request.app.state.model_name,
                 "drafter": engine.drafter.name if engine.drafter else "none", "drafter_spec": engine.drafter_spec,
                 "gamma": engine.gamma,

@@ -58,8 +58,9 @@ from verispec.errors import PromptError, VerispecError
 from verispec.serving.http.metrics import Metrics
 from verispec.types import GenerationStats, TokenEvent
 
-__all__ = ["Scheduler", "Job", "JobUpdate", "QueueFullError", "RequestTimeoutError", "Turn", "live_stats",
-           "DEFAULT_PREFILL_CHUNK", "auto_prefill_chunk", "default_kv_pool_tokens", "kv_bytes_per_token", "memory_limits"]
+__all__ = ["Scheduler", "Job", "JobUpdate", "QueueFullError", "RequestTimeoutError", "ServerStoppingError", "Turn", "live_stats",
+           "SHUTDOWN_FINISH_REASON", "DEFAULT_PREFILL_CHUNK", "auto_prefill_chunk", "default_kv_pool_tokens", "kv_bytes_per_token",
+           "memory_limits"]
 
 Encoder = Callable[[Engine], list[int]]  # runs on the worker: request → prompt token ids
 DEFAULT_PREFILL_CHUNK = None  # sized to PREFILL_BUDGET_SECONDS (`auto_prefill_chunk`)
@@ -116,6 +117,16 @@ class QueueFullError(VerispecError):
 
 class RequestTimeoutError(VerispecError):
     """A request ran past the server's per-request time limit."""
+
+
+class ServerStoppingError(VerispecError):
+    """The server is shutting down: the request is refused, or was stopped (a 503)."""
+
+    def __init__(self, message: str = "the server is shutting down: retry on another server or later"):
+        super().__init__(message)
+
+
+SHUTDOWN_FINISH_REASON = "shutdown"  # of the requests still running when the scheduler stops
 
 
 @dataclass
@@ -310,12 +321,15 @@ class Scheduler:
             except Exception as error:  # noqa: BLE001 — a bug outside any one request: fail the batch, keep serving
                 for job in list(self._active):
                     self._fail(job, error, "error")
-        for job in list(self._active):
-            self._fail(job, RequestTimeoutError("the server is shutting down"), "cancelled")
+        for job in list(self._active):  # stopped: running requests end now, with their text so far
+            if held_back := job.generation.cancel(SHUTDOWN_FINISH_REASON):
+                event = TokenEvent(job.generation.output_ids[-1], held_back, job.generation.origins[-1])
+                job.push(JobUpdate("tokens", events=[event], live=live_stats(job.generation.stats)))
+            self._finished(job)
         with self._work:
             waiting, self._waiting = list(self._waiting), deque()
         for job in waiting:
-            job.push(JobUpdate("failed", error=RequestTimeoutError("the server is shutting down")))
+            job.push(JobUpdate("failed", error=ServerStoppingError()))
 
     def _head(self) -> Job | None:
         """The first waiting job (idle: wait a little for one instead of spinning)."""

@@ -9,13 +9,14 @@ Ranges are checked here so that a bad value is a 422 naming the field. OpenAI fi
 does not implement (`UNSUPPORTED`: n > 1, tools, echo, suffix, best_of, penalties, logit_bias) are
 declared with the one neutral value they accept, so the OpenAPI schema says exactly what is accepted; any other value is a 400 naming the field, and an
 unknown field is refused, never silently ignored. Text must be valid Unicode (no lone surrogates).
+Types are strict: a number is not a string, an integer not `true` or 2.0 (`max_tokens: true` is not 1).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from verispec.drafters.specs import MAX_GAMMA
@@ -53,12 +54,21 @@ def _encodable(value: str) -> str:
     return value
 
 
+def _not_boolean(value: Any) -> Any:
+    """Refuse true/false where a number is expected (a Literal[1] takes True, which equals 1, even when strict)."""
+    if isinstance(value, bool):
+        raise PydanticCustomError("int_type", "Input should be a number, not {input}", {"input": str(value).lower()})
+    return value
+
+
 Text = Annotated[str, AfterValidator(_encodable)]
 Empty = Annotated[list[dict[str, Any]], Field(max_length=0)]
+One = Annotated[Literal[1], BeforeValidator(_not_boolean)]
+Zero = Annotated[Literal[0], BeforeValidator(_not_boolean)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # a misspelt or unimplemented field is refused
+    model_config = ConfigDict(extra="forbid", strict=True)  # a misspelt or unimplemented field is refused; no type coercion
 
 
 class StreamOptions(_Body):
@@ -70,14 +80,14 @@ class _GenerationFields(_Body):
     max_tokens: int | None = Field(None, ge=1, description="new tokens at most (default: the server's; at most its limit)")
     temperature: float = Field(1.0, ge=0, le=100, description=f"0 = greedy, else ≥ {MIN_TEMPERATURE}")
     top_p: float = Field(1.0, gt=0, le=1)
-    n: Literal[1] = Field(1, description="choices per request: this server generates one")
+    n: One = Field(1, description="choices per request: this server generates one")
     stop: Text | list[Text] | None = Field(None, description="up to 4 stop strings")
     seed: int | None = Field(None, ge=0, lt=2**63)
     stream: bool = False
     stream_options: StreamOptions | None = Field(None, description="only with stream: true")
     user: Text | None = Field(None, max_length=256, description="a label for the caller (not used)")
-    presence_penalty: Literal[0] = Field(0, description="not implemented: 0 only")
-    frequency_penalty: Literal[0] = Field(0, description="not implemented: 0 only")
+    presence_penalty: Zero = Field(0, description="not implemented: 0 only")
+    frequency_penalty: Zero = Field(0, description="not implemented: 0 only")
     logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = Field(None, description="not implemented: empty only")
     top_k: int = Field(0, ge=0, description="0 = off")
     min_p: float = Field(0.0, ge=0, lt=1)
@@ -111,7 +121,7 @@ class CompletionRequest(_GenerationFields):
         "return the target's log-probability of each token and of its `logprobs` most likely alternatives"))
     echo: Literal[False] = Field(False, description="not implemented: false only")
     suffix: Literal[""] | None = Field(None, description="not implemented: empty only")
-    best_of: Literal[1] | None = Field(None, description="not implemented: 1 only")
+    best_of: One | None = Field(None, description="not implemented: 1 only")
 
 
 class TextPart(_Body):
@@ -130,7 +140,7 @@ class ChatMessage(_Body):
 
 
 class JsonSchemaFormat(_Body):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
     name: Text | None = Field(None, max_length=64)
     description: Text | None = None
     schema_: dict[str, Any] = Field(alias="schema", description="the JSON Schema the answer must follow")
