@@ -232,6 +232,13 @@ class Transformer:
     positions: BENCHMARKS.md#avx2-int8-kernels-and-where-a-step-goes). Longer feeds (prompt prefill) use one
     batched call: prefill is shared by speculative and plain decoding. Float runners batch everything
     and are exact up to float rounding.
+
+    A row's company in `forward_ragged` does not matter (float32, int8, and bfloat16 where oneDNN
+    packs it): its logits (and cached keys/values) are the same bits whether it is fed alone or among
+    other sequences' rows, since every operation is per position or per row (the linear layers too:
+    int8's per-row scales, and a float target's `PackedLinear`, see `linear.py`) and attention runs per
+    row against its own cache. So a request served among others gets what it gets alone
+    (`tests/test_row_invariance.py`).
     """
 
     def __init__(
