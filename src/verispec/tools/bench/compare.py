@@ -204,7 +204,9 @@ class LlamaCppMethod:
         draft = LlamaPromptLookupDecoding() if name == LLAMA_CPP_PLD else None
         with status(f"loading {gguf.name} into llama.cpp"):
             llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=WINDOW, n_threads=torch.get_num_threads(),
-                                  n_threads_batch=torch.get_num_threads(), draft_model=draft, verbose=False)
+                                  n_threads_batch=torch.get_num_threads(), draft_model=draft,
+                                  flash_attn=True,  # llama.cpp's own default on a CPU (auto), and verispec's
+                                  verbose=False)
         return cls(name, llm, eos_ids, context_size(llama_cpp.llama_model_n_ctx_train(llm.model)), temperature)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> Output:
