@@ -78,4 +78,5 @@ def test_bench_runs_the_auto_plan(tiny_text_pair, questions, tmp_path, monkeypat
     assert cli_main(["bench", "--target", str(target), "--draft", str(draft), "--methods", "hf-plain,vs:auto",
                      "--questions", str(questions), "--categories", "rag", "--max-new-tokens", "12", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["methods"]["vs:auto"]["identical_to_baseline"] == 1.0
-    assert "vs:auto: plan: float32 ·" in " ".join(capsys.readouterr().out.split())
+    captured = capsys.readouterr()
+    assert "vs:auto: plan: float32 ·" in " ".join((captured.out + captured.err).split())
