@@ -25,19 +25,23 @@ from verispec.progress import status
 __all__ = ["CostModel", "measure_verify_curve", "prefill_seconds_per_token"]
 
 
+def _best_seconds(runner: Runner, cache, positions: int, logits: str, repeats: int) -> float:
+    """The fastest of `repeats` forwards over `positions` new positions, each rolled back after."""
+    kept, best = cache.length, float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runner.forward(cache, torch.zeros(positions, dtype=torch.long), logits=logits)
+        best = min(best, time.perf_counter() - start)
+        cache.truncate(kept)
+    return best
+
+
 def measure_verify_curve(runner: Runner, max_positions: int, context: int = 64, repeats: int = 3) -> list[float]:
     """Seconds of one forward over n = 1..max_positions new positions after `context` cached tokens."""
     cache = runner.new_cache(context + max_positions + 1)
     runner.forward(cache, torch.zeros(context, dtype=torch.long), logits="none")
-    times = []
-    for n in range(1, max_positions + 1):
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            runner.forward(cache, torch.zeros(n, dtype=torch.long), logits="all")
-            best = min(best, time.perf_counter() - start)
-            cache.truncate(context)
-        times.append(best)
+    times = [_best_seconds(runner, cache, n, "all", repeats) for n in range(1, max_positions + 1)]
+    cache.release()
     return times
 
 
@@ -76,13 +80,9 @@ def measure_prefill(runner: Runner, chunk: int, repeats: int = 2) -> float:
     """Seconds of one prefill forward over `chunk` prompt tokens after `chunk` cached ones (best of `repeats`)."""
     cache = runner.new_cache(2 * chunk + 1)
     runner.forward(cache, torch.zeros(chunk, dtype=torch.long), logits="none")
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        runner.forward(cache, torch.ones(chunk, dtype=torch.long), logits="none")
-        best = min(best, time.perf_counter() - start)
-        cache.truncate(chunk)
-    return best
+    seconds = _best_seconds(runner, cache, chunk, "none", repeats)
+    cache.release()
+    return seconds
 
 
 def prefill_seconds_per_token(model: LoadedModel, chunk: int = 64) -> float:

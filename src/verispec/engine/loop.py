@@ -296,7 +296,7 @@ class Generation:
         policy = config.gamma_policy or engine.gamma_policy
         gamma = config.gamma if config.gamma is not None else engine.gamma
         self.policy = make_gamma_policy(policy, gamma, engine.costs_for(self.drafter, policy), engine.max_gamma)
-        start = self._started = time.perf_counter()
+        self._started = time.perf_counter()
         # room for the first tokens; a cache grows as the sequence does, never by the request's promise
         self.initial_capacity, self.max_capacity = self.capacities(engine, self.prompt_len, config)
         self.session, self.prefilled, self._session_opened = None, False, False

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
-import os
 import shutil
 import subprocess
 import sys

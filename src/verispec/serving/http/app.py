@@ -54,7 +54,7 @@ from verispec.serving.http.scheduler import (
     ServerStoppingError,
 )
 from verispec.serving.http.schemas import (
-    ChatCompletionRequest, ChatCompletionResponse, ChatMessage, CompletionRequest, CompletionResponse, ErrorResponse,
+    ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse,
     ModelList,
 )
 

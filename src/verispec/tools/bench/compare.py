@@ -52,7 +52,6 @@ status is 1 when a generation failed, 130 when interrupted.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import platform
 import re
 import time

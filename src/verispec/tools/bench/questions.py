@@ -13,7 +13,6 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
-from collections.abc import Iterable
 from pathlib import Path
 
 from verispec.tools.bench.prompts import PROMPTS, Prompt, select
