@@ -293,3 +293,31 @@ def test_chunked_prefill_keeps_greedy_tokens(target):
         while not generation.done:
             generation.step()
         assert generation.result().token_ids == whole, chunk
+
+
+def test_the_exact_width_holds_after_a_long_context_too(target):
+    """Once single-token steps attend 512 cells or more, ggml splits their attention over threads
+    (a different summation from any pass of several rows): the runner's bound there is measured after
+    such a context, and passes within it give the single steps' logits bit for bit."""
+    from verispec.models.llama_cpp import SPLIT_ATTENTION_CELLS
+
+    runner = target.runner
+    short, long = runner.exact_positions_after(0), runner.exact_positions_after(2 * SPLIT_ATTENTION_CELLS)
+    assert short == runner.exact_positions and long == runner.exact_positions_long and 1 <= long <= short
+    prompt, fed = _tokens(target, SPLIT_ATTENTION_CELLS + 40, 10).tolist(), _tokens(target, long, 11)
+    single_cache, batch_cache = runner.prefilled_cache(prompt), runner.prefilled_cache(prompt)
+    single = torch.cat([runner.forward(single_cache, fed[i : i + 1]) for i in range(long)])  # [long, vocab]
+    assert torch.equal(runner.forward(batch_cache, fed), single)
+    single_cache.release(), batch_cache.release()
+
+
+def test_greedy_speculation_after_a_long_prompt_is_token_identical_to_plain_decoding(target):
+    """A prompt past 512 cells (a summary or RAG request): speculation keeps plain decoding's tokens
+    (it drafts only as far as the long-context bound allows)."""
+    text = " ".join(f"Item {i % 7}: the moon orbits the earth and reflects sunlight." for i in range(60))
+    config = GenerationConfig(max_new_tokens=40)
+    ids = Engine(target, None).prompt_ids(text)
+    assert len(ids) > 600
+    plain = Engine(target, None).generate(ids, config)
+    speculative = Engine(target, NgramDrafter(max_n=3), gamma=4, gamma_policy="constant").generate(ids, config)
+    assert speculative.token_ids == plain.token_ids

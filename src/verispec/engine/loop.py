@@ -15,10 +15,10 @@ token plus every node in one forward, with positions prefix + depth and a tree a
 node sees the committed prefix, its ancestors and itself); after verification `KVCache.keep` packs
 the accepted path's keys/values right after the prefix, so nothing is recomputed. γ caps the depth.
 
-On a row-invariant target (int8) a verification pass is exact only up to the runner's
-`exact_positions` (longer feeds use batched attention, whose rounding changes with the number of
-queries), so there a step drafts at most that many − 1 tokens: γ is capped, and a tree keeps its first
-nodes.
+On a row-invariant target (int8, llama.cpp) a verification pass is exact only up to the runner's
+`exact_positions_after(cache length)` (longer feeds use other kernels or batched attention, whose
+rounding changes with the number of queries; on llama.cpp the bound shrinks once a cache is long), so
+there a step drafts at most that many − 1 tokens: γ is capped, and a tree keeps its first nodes.
 
 Log-probabilities (`GenerationConfig.logprobs`): every emitted token was scored by the target in
 the verification pass that emitted it, so its log-probability is exact under speculation: the
@@ -281,9 +281,6 @@ class Generation:
         self.finish_reason: str | None = None
         self._closed = False
         self._detok = _Detokenizer(self.target.tokenizer)
-        # the most draft tokens one verification may hold and still score each like a decode step
-        exact = self.target.runner.exact_positions
-        self.max_draft_nodes = exact - 1 if exact is not None else None
 
         # building a drafter and measuring costs happen once per engine: not part of this request's time
         try:
@@ -372,17 +369,20 @@ class Generation:
         return self.finish_reason is not None and not self._held
 
     def _draft(self, gamma: int) -> Draft:
+        # the most draft tokens one verification may hold and still score each like a decode step
+        exact = self.target.runner.exact_positions_after(self.cache.length)
+        most = exact - 1 if exact is not None else None
+        if most is not None:
+            gamma = min(gamma, most)
         if self.session is None or gamma <= 0:
             return Draft(torch.zeros(0, dtype=torch.long))
-        if self.max_draft_nodes is not None:
-            gamma = min(gamma, self.max_draft_nodes)
         draft = self.session.propose(self.ids, gamma, self.params, self.generator)
         if not draft.is_tree or is_chain(draft.parents):
             return Draft(draft.tokens[:gamma], None if draft.probs is None else draft.probs[:gamma])
         check_parents(draft.parents)
         keep = depths(draft.parents) <= gamma  # γ caps the depth
-        if self.max_draft_nodes is not None:  # the first nodes (parents come first: a subtree)
-            keep &= keep.cumsum(0) <= self.max_draft_nodes
+        if most is not None:  # the first nodes (parents come first: a subtree)
+            keep &= keep.cumsum(0) <= most
         index, parents = keep_nodes(draft.parents, keep)
         return Draft(draft.tokens[index], None if draft.probs is None else draft.probs[index], parents)
 

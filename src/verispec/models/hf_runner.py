@@ -161,6 +161,9 @@ class HFRunner:
         """No bound: HF's batched attention rounds a multi-position forward differently from one position."""
         return None
 
+    def exact_positions_after(self, length: int) -> int | None:
+        return None
+
     # -- caches ----------------------------------------------------------------------------------
     def new_cache(self, capacity: int = 0) -> HFCache:
         return HFCache(self)

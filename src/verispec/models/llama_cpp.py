@@ -56,6 +56,9 @@ from verispec.paths import cache_dir, cpu_flags
 __all__ = ["WINDOW", "LlamaCppCache", "LlamaCppConfig", "LlamaCppRunner", "context_size", "exact_width", "require_llama_cpp"]
 
 CELL_GRANULE = 256  # llama.cpp pads the attended cells to a multiple of this (llama_kv_cache::get_n_kv)
+# from this many attended cells ggml's flash attention splits a one-row decode over its threads
+# (ggml-cpu ops.cpp, use_split_kv_path), a summation no pass of several rows shares
+SPLIT_ATTENTION_CELLS = 2 * CELL_GRANULE
 WINDOW = 16384  # the context verispec gives a GGUF model by default (the most positions of one request)
 INSTALL_HINT = "it is installed by scripts/setup.sh (a build of llama-cpp-python for this CPU)"
 
@@ -335,8 +338,23 @@ class LlamaCppRunner:
     @cached_property
     def exact_positions(self) -> int | None:
         """With `exact`: the most positions one pass scores bit for bit as single-token steps would
-        (`exact_width`, measured once per file, threads and CPU kind); None without."""
+        while a cache is short (`exact_width`, measured once per file, threads and CPU kind); None without."""
         return exact_width(self) if self.exact else None
+
+    @cached_property
+    def exact_positions_long(self) -> int | None:
+        """`exact_positions` once single-token steps attend SPLIT_ATTENTION_CELLS cells or more
+        (measured after a context that long)."""
+        return exact_width(self, context=SPLIT_ATTENTION_CELLS) if self.exact else None
+
+    def exact_positions_after(self, length: int) -> int | None:
+        """`exact_positions` while every single-token step of the pass would attend fewer than
+        SPLIT_ATTENTION_CELLS cells, `exact_positions_long` from there on (None without `exact`)."""
+        if not self.exact:
+            return None
+        if length + self.exact_positions <= SPLIT_ATTENTION_CELLS - CELL_GRANULE:
+            return self.exact_positions
+        return self.exact_positions_long
 
     # -- contexts and sequences ------------------------------------------------------------------
     def _context_for(self, cells: int) -> _Context:
@@ -437,7 +455,8 @@ def exact_width(runner: LlamaCppRunner, widest: int = 16, context: int = 32) -> 
     """The widest feed (≤ `widest` positions) whose logits equal one-at-a-time decoding bit for bit, at
     every narrower width too: measured on fixed pseudo-random tokens after a `context`-token prefix,
     then cached per file, thread count and CPU kind (`cache_dir()/exact_widths.json`)."""
-    key = f"{runner.path.resolve()}|threads={runner.threads}|cpu={hashlib.sha256(cpu_flags().encode()).hexdigest()[:12]}"
+    key = (f"{runner.path.resolve()}|threads={runner.threads}|context={context}"
+           f"|cpu={hashlib.sha256(cpu_flags().encode()).hexdigest()[:12]}")
     file = cache_dir() / "exact_widths.json"
     table = json.loads(file.read_text()) if file.exists() else {}
     if key in table:

@@ -41,6 +41,9 @@ class Runner(Protocol):
     def exact_positions(self) -> int | None:
         """The most positions one forward scores bit for bit as single-token steps would, or None."""
 
+    def exact_positions_after(self, length: int) -> int | None:
+        """`exact_positions` for a forward after `length` cached positions (it may shrink as a cache grows)."""
+
     def new_cache(self, capacity: int = ...) -> Cache: ...
 
     def prefilled_cache(self, prompt_ids: list[int], spare: int = ...) -> Cache:

@@ -415,6 +415,9 @@ class Transformer:
         (float runners are exact only up to rounding at any width)."""
         return ROW_INVARIANT_POSITIONS if self.row_invariant else None
 
+    def exact_positions_after(self, length: int) -> int | None:
+        return self.exact_positions  # the same at every cache length
+
     @property
     def compiled(self) -> bool:
         """Whether decode steps and chain verifications run the C++ decoder stack (`_compiled_layers`)."""
