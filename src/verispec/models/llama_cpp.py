@@ -347,6 +347,10 @@ class LlamaCppRunner:
         (measured after a context that long)."""
         return exact_width(self, context=SPLIT_ATTENTION_CELLS) if self.exact else None
 
+    def measure_exact_widths(self) -> tuple[int | None, int | None]:
+        """Both exact widths, measured now (or read from the cache), so that no request waits for them."""
+        return self.exact_positions, self.exact_positions_long
+
     def exact_positions_after(self, length: int) -> int | None:
         """`exact_positions` while every single-token step of the pass would attend fewer than
         SPLIT_ATTENTION_CELLS cells, `exact_positions_long` from there on (None without `exact`)."""
