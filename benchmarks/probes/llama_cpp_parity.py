@@ -1,0 +1,106 @@
+"""Does plain decoding on verispec's gguf backend give llama.cpp's own tokens, and at what speed?
+
+For each prompt (the chat template applied), greedy decoding of the same GGUF by verispec
+(`Engine(target, None)`, precision gguf) and by llama-cpp-python's own loop (`Llama.generate`, a fresh
+state per prompt, flash attention as llama.cpp's CPU default), interleaved: identical tokens or the
+first position where they differ, then tok/s of both and their ratio. With --profile, one verispec
+generation under cProfile: time inside `llama_decode` against everything around it.
+
+    .venv/bin/python benchmarks/probes/llama_cpp_parity.py [--target NAME] [--max-new-tokens 64] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+
+from verispec import Engine, GenerationConfig
+from verispec.models.llama_cpp import WINDOW, require_llama_cpp
+from verispec.models.loading import load_model
+from verispec.paths import cpu_summary
+
+PROMPTS = [
+    "Write a Python function that checks whether a number is prime.",
+    "Translate to French: The weather is lovely today and we are going to the beach.",
+    "Summarize in one sentence: The Industrial Revolution began in Britain in the late 18th century and spread to "
+    "Europe and North America, transforming economies from agrarian to industrial.",
+    "What is the capital of Australia, and why was it chosen?",
+    "If a train travels 120 km in 1.5 hours, what is its average speed? Explain step by step.",
+    "Context: The Eiffel Tower was completed in 1889 for the World's Fair. Question: When was the Eiffel Tower completed?",
+]
+
+
+def llama_cpp_tokens(llm, ids: list[int], eos: set[int], max_new: int) -> list[int]:
+    llm.reset()  # no prefix carried over from the previous prompt
+    out: list[int] = []
+    for token in llm.generate(ids, reset=True, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+        out.append(int(token))
+        if token in eos or len(out) >= max_new:
+            break
+    return out
+
+
+def timed(fn):
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
+def profile(engine: Engine, ids: list[int], max_new: int) -> None:
+    """Seconds inside llama_decode against the rest of one generation."""
+    lib = engine.target.runner.llama_cpp
+    inside = [0.0]
+    decode = lib.llama_decode
+
+    def counted(ctx, batch):
+        start = time.perf_counter()
+        status = decode(ctx, batch)
+        inside[0] += time.perf_counter() - start
+        return status
+    lib.llama_decode = counted
+    profiler = cProfile.Profile()
+    profiler.enable()
+    result, seconds = timed(lambda: engine.generate(ids, GenerationConfig(max_new_tokens=max_new)))
+    profiler.disable()
+    lib.llama_decode = decode
+    n = len(result.token_ids)
+    print(f"{n} tokens in {seconds:.2f} s: llama_decode {inside[0]:.2f} s, the rest {seconds - inside[0]:.3f} s "
+          f"= {(seconds - inside[0]) / n * 1000:.2f} ms per token (under cProfile)")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(10)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    print(cpu_summary())
+    target = load_model(args.target, "gguf")
+    engine = Engine(target, None)
+    threads = torch.get_num_threads()
+    llm = require_llama_cpp().Llama(model_path=str(target.runner.path), n_ctx=WINDOW, n_threads=threads,
+                                    n_threads_batch=threads, flash_attn=True, verbose=False)
+    same, ours_rate, theirs_rate = 0, [], []
+    for prompt in PROMPTS:
+        ids = engine.prompt_ids(prompt)
+        ours, ours_s = timed(lambda: engine.generate(ids, GenerationConfig(max_new_tokens=args.max_new_tokens)).token_ids)
+        theirs, theirs_s = timed(lambda: llama_cpp_tokens(llm, ids, target.eos_ids, args.max_new_tokens))
+        differ = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+        same += list(ours) == theirs
+        ours_rate.append(len(ours) / ours_s)
+        theirs_rate.append(len(theirs) / theirs_s)
+        print(f"{'same' if list(ours) == theirs else f'differs at {differ}'}: {len(ours)}/{len(theirs)} tokens, "
+              f"{ours_rate[-1]:.2f} / {theirs_rate[-1]:.2f} tok/s · {prompt[:40]!r}")
+    print(f"{same}/{len(PROMPTS)} identical; verispec {sum(ours_rate) / len(ours_rate):.2f} tok/s, llama.cpp "
+          f"{sum(theirs_rate) / len(theirs_rate):.2f} tok/s (× {sum(ours_rate) / sum(theirs_rate):.3f})")
+    if args.profile:
+        profile(engine, engine.prompt_ids(PROMPTS[0]), 128)
+
+
+if __name__ == "__main__":
+    main()
