@@ -36,6 +36,9 @@ input (a prompt too long, an unknown drafter) is not counted as a generation. Th
 it last went round its loop (`stalled_seconds`) and keeps the last turns' work (`turns`: which
 requests were prefilled by how many tokens, which were stepped) for tests and debugging.
 
+Stopping (`stop()`, the server's graceful shutdown): running requests end at once with finish
+reason "shutdown" and their text so far; waiting ones fail with `ServerStoppingError` (503).
+
 Results travel to the request's asyncio loop as `JobUpdate`s through `call_soon_threadsafe`.
 """
 
@@ -322,10 +325,7 @@ class Scheduler:
                 for job in list(self._active):
                     self._fail(job, error, "error")
         for job in list(self._active):  # stopped: running requests end now, with their text so far
-            if held_back := job.generation.cancel(SHUTDOWN_FINISH_REASON):
-                event = TokenEvent(job.generation.output_ids[-1], held_back, job.generation.origins[-1])
-                job.push(JobUpdate("tokens", events=[event], live=live_stats(job.generation.stats)))
-            self._finished(job)
+            self._end_early(job, SHUTDOWN_FINISH_REASON)
         with self._work:
             waiting, self._waiting = list(self._waiting), deque()
         for job in waiting:
@@ -468,16 +468,20 @@ class Scheduler:
             return True
         grown = max(needed, min(2 * job.reserved, job.generation.max_capacity))
         if self.reserved_tokens - job.reserved + grown > self.kv_pool_tokens:
-            generation = job.generation
-            held_back = generation.cancel("length")  # text kept for a stop string that can no longer come
-            if held_back:  # carried by an event repeating the last token
-                event = TokenEvent(generation.output_ids[-1], held_back, generation.origins[-1])
-                job.push(JobUpdate("tokens", events=[event], live=live_stats(generation.stats)))
-            self._finished(job)
+            self._end_early(job, "length")
             return False
         self.reserved_tokens += grown - job.reserved
         job.reserved = grown
         return True
+
+    def _end_early(self, job: Job, reason: str) -> None:
+        """Finish `job` now with `reason`; the text it held back for a stop string that can no longer
+        come goes out first, in an event repeating the last token."""
+        generation = job.generation
+        if held_back := generation.cancel(reason):
+            event = TokenEvent(generation.output_ids[-1], held_back, generation.origins[-1])
+            job.push(JobUpdate("tokens", events=[event], live=live_stats(generation.stats)))
+        self._finished(job)
 
     def _finished(self, job: Job) -> None:
         generation = job.generation
