@@ -41,7 +41,7 @@ class EngineSpec:
     draft: str | None = "model"
     dtype: str = "float32"
     gamma: int = 4
-    gamma_policy: str = "analytic"
+    gamma_policy: str | None = "analytic"  # None: `load`'s default (auto with a planned drafter)
 
     def __call__(self):
         from verispec import load
@@ -49,7 +49,7 @@ class EngineSpec:
         return load(self.target, self.draft, self.dtype, self.gamma, self.gamma_policy)
 
     def describe(self) -> str:
-        return f"target {self.target}, draft {self.draft or 'none'}, {self.dtype}, γ {self.gamma} ({self.gamma_policy})"
+        return f"target {self.target}, draft {self.draft or 'none'}, {self.dtype}, γ {self.gamma} ({self.gamma_policy or 'default policy'})"
 
 
 def worker_threads(num_cpus: float) -> int:
