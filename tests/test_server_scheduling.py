@@ -216,13 +216,13 @@ def test_the_soak_and_interference_commands_run(tiny_target, capsys):
         assert row["seconds_per_output_token_alone"]["n"] > 0 and "n" in row["seconds_per_output_token_during_long_prefill"]
 
 
-@pytest.mark.parametrize("seconds_per_token, chunk", [(0.1, 16), (0.02, 16), (0.001, 128), (1e-6, 512)])
+@pytest.mark.parametrize("seconds_per_token, chunk", [(0.1, 8), (0.02, 8), (0.001, 128), (1e-6, 512)])
 def test_the_default_prefill_chunk_is_what_fits_the_time_budget(tiny_target, monkeypatch, seconds_per_token, chunk):
-    """By default a prefill chunk is the most tokens (a power of two in 16…512) the target prefills in
+    """By default a prefill chunk is the most tokens (a power of two in 8…512) the target prefills in
     PREFILL_BUDGET_SECONDS (0.25 s): a slow CPU gets small chunks, so decoding requests wait little."""
     import verispec.serving.http.scheduler as scheduler
 
-    monkeypatch.setattr(scheduler, "prefill_seconds_per_token", lambda model: seconds_per_token)
+    monkeypatch.setattr(scheduler, "prefill_seconds_per_token", lambda model, chunk: seconds_per_token)
     assert scheduler.auto_prefill_chunk(tiny_engine(tiny_target)) == chunk
 
 
@@ -237,7 +237,7 @@ def test_a_server_measures_its_prefill_chunk_once_and_keeps_it(tiny_target):
     app = create_app(engine, model_name=MODEL)
     with LocalServer(app):
         chunk = app.state.scheduler.prefill_chunk
-    assert 16 <= chunk <= 512 and chunk & (chunk - 1) == 0
+    assert 8 <= chunk <= 512 and chunk & (chunk - 1) == 0
 
 
 def _identity(server, capsys) -> tuple[int, dict]:
@@ -274,3 +274,25 @@ def test_the_identity_command_catches_a_batch_dependent_runner(tiny_target, caps
     with LocalServer(create_app(slow(engine, 0.1), model_name=MODEL, prefill_chunk=8)) as server:  # the others outlast 0.5 s
         code, row = _identity(server, capsys)
     assert code == 1 and row["loaded_equal_to_alone"] < 2 and row["first_difference"].startswith("round")
+
+
+def test_the_shortest_prompt_is_prefilled_first_and_a_long_one_is_not_starved(tiny_target):
+    """Prefill turns, on the worker's own methods (no thread): three 8-token prompts admitted while a
+    60-token one is being prefilled go first, 4 tokens a turn, except that the long one gets a turn once
+    it has been passed over STARVATION_TURNS turns in a row. Round-robin or FIFO fail the first part,
+    shortest-first without aging the second."""
+    from verispec.serving.http.scheduler import STARVATION_TURNS, Scheduler
+
+    assert STARVATION_TURNS == 4  # the expected order below counts on it
+    engine = tiny_engine(tiny_target)
+    scheduler, loop = Scheduler(engine, prefill_chunk=4), asyncio.new_event_loop()
+    config = GenerationConfig(max_new_tokens=2)
+    long = scheduler.submit([2 + (i * 7) % 46 for i in range(60)], config, loop)
+    scheduler._admit()
+    assert list(scheduler._prefill()) == [long.id]
+    shorts = [scheduler.submit([20 + i, 21, 22, 20, 21, 5, 9, 13], config, loop) for i in range(3)]
+    scheduler._admit()
+    fed = [next(iter(scheduler._prefill())) for _ in range(9)]
+    s0, s1, s2 = (job.id for job in shorts)
+    assert fed == [s0, s0, s1, s1, s2, long.id, s2, long.id, long.id]
+    loop.close()

@@ -9,16 +9,18 @@ Every turn of the worker:
   3. decodes first: one step for every prefilled request: `plan()` each (drafts) → ONE
      `forward_ragged` target pass over every row's feed → `commit()` each. Acceptance is ragged:
      each row keeps its own prefix.
-  4. then ONE prefill chunk of at most `prefill_chunk` prompt tokens to one request still
-     prefilling (round-robin; 0: a whole prompt at once), so a long prompt delays the decoding
+  4. then ONE prefill chunk of at most `prefill_chunk` prompt tokens to the prefilling request with
+     the fewest prompt tokens left (a short prompt is not held behind a long one; a prompt passed
+     over STARVATION_TURNS turns in a row goes next; 0: a whole prompt at once), so a long prompt
+     delays the decoding
      requests by at most one chunk per turn; the chunk with the prompt's last token gives the first
      new token (sent at once); when the target's prefill completes the request opens
      its drafter's session, whose own prefill (the `model` drafter's) follows in chunks the same way
      (other drafters prefill their draft whole then).
 
 The chunk is a time budget: by default (`prefill_chunk=None`) the most tokens, a power of two in
-16…512, that the target prefills in `PREFILL_BUDGET_SECONDS` on this CPU (measured once per model and
-cached, so it is the same at every start). It is a fixed size, never adapted to the load: how a
+8…512, that the target prefills in `PREFILL_BUDGET_SECONDS` on this CPU (each size timed once per
+model and CPU and cached, so it is the same at every start). It is a fixed size, never adapted to the load: how a
 prompt is cut into forwards changes its rounding on some backends, and a request must get the same
 answer alone or among others.
 
@@ -68,6 +70,7 @@ __all__ = ["Scheduler", "Job", "JobUpdate", "QueueFullError", "RequestTimeoutErr
 Encoder = Callable[[Engine], list[int]]  # runs on the worker: request → prompt token ids
 DEFAULT_PREFILL_CHUNK = None  # sized to PREFILL_BUDGET_SECONDS (`auto_prefill_chunk`)
 PREFILL_BUDGET_SECONDS = 0.25  # what one prefill chunk may add to the decoding requests' step
+STARVATION_TURNS = 4  # a prompt passed over for shorter ones this many prefill turns in a row goes next
 POOL_TOKENS_PER_SLOT = 2048  # the default pool: this many positions per batch slot (at least one full-length request)
 POOL_HEADROOM = 64  # a full-length request's draft positions past max_model_len
 
@@ -79,10 +82,10 @@ def default_kv_pool_tokens(max_model_len: int, max_batch: int) -> int:
 
 
 def auto_prefill_chunk(engine: Engine, budget: float = PREFILL_BUDGET_SECONDS) -> int:
-    """The most prompt tokens (a power of two in 16…512) the target prefills within `budget` seconds."""
-    fitting = budget / prefill_seconds_per_token(engine.target)
-    chunk = 16
-    while chunk < 512 and 2 * chunk <= fitting:
+    """The most prompt tokens (a power of two in 8…512) the target prefills within `budget` seconds,
+    each size timed as it is (a small chunk costs more per token than a large one)."""
+    chunk = 8
+    while chunk < 512 and prefill_seconds_per_token(engine.target, 2 * chunk) * 2 * chunk <= budget:
         chunk *= 2
     return chunk
 
@@ -177,6 +180,7 @@ class Job:
         self.updates: asyncio.Queue[JobUpdate] = asyncio.Queue()
         self.generation: Generation | None = None
         self.reserved = 0  # KV pool positions this request holds
+        self.last_prefill_turn = 0  # the scheduler's prefill turn that last fed (or admitted) this request
         self.admitted_at = 0.0
         self._cancelled = threading.Event()
 
@@ -227,7 +231,8 @@ class Scheduler:
         self._waiting: deque[Job] = deque()
         self._work = threading.Condition()  # guards _waiting; notified on submit
         self._active: list[Job] = []
-        self._prefilling: deque[Job] = deque()  # active jobs whose prompt is not all in, round-robin
+        self._prefilling: deque[Job] = deque()  # active jobs whose prompt is not all in, in admission order
+        self._prefill_turns = 0  # prefill chunks fed so far (`Job.last_prefill_turn` counts in them)
         self.reserved_tokens = 0  # KV pool positions held by the active jobs
         self.turns: deque[Turn] = deque(maxlen=self.TURNS_KEPT)
         self._request_seconds = 0.0  # moving average of a request's time from admission to its end
@@ -369,6 +374,7 @@ class Scheduler:
             self.reserved_tokens += job.reserved
             job.admitted_at = time.monotonic()
             self._active.append(job)
+            job.last_prefill_turn = self._prefill_turns
             self._prefilling.append(job)
             self.metrics.record_admitted(job.generation.prompt_len)
             job.push(JobUpdate("admitted", prompt_tokens=job.generation.prompt_len))
@@ -414,11 +420,21 @@ class Scheduler:
             self.metrics.record_finished(reason)
         job.push(JobUpdate("failed", error=error))
 
+    def _next_prefill(self) -> Job:
+        """The prompt with the fewest tokens left (the first admitted among equals), unless one has been
+        passed over STARVATION_TURNS prefill turns in a row: then the one passed over longest."""
+        starved = min(self._prefilling, key=lambda job: job.last_prefill_turn)
+        if self._prefill_turns - starved.last_prefill_turn > STARVATION_TURNS:
+            return starved
+        return min(self._prefilling, key=lambda job: job.generation.prompt_len - job.generation.cache.length)
+
     def _prefill(self) -> dict[int, int]:
-        """Feed one chunk of one prefilling request's prompt (round-robin); {job id: tokens fed}."""
+        """Feed one chunk of one prefilling request's prompt (`_next_prefill`); {job id: tokens fed}."""
         if not self._prefilling:
             return {}
-        job = self._prefilling.popleft()
+        job = self._next_prefill()
+        self._prefill_turns += 1
+        job.last_prefill_turn = self._prefill_turns
         generation = job.generation
         before = generation.cache.length
         try:
@@ -426,8 +442,8 @@ class Scheduler:
         except Exception as error:  # noqa: BLE001
             self._fail(job, error, "error")
             return {}
-        if not done:
-            self._prefilling.append(job)
+        if done:
+            self._prefilling.remove(job)
         fed = generation.cache.length - before
         if held := generation.take_held():  # the first token came with the prompt's last chunk
             job.push(JobUpdate("tokens", events=held, live=live_stats(generation.stats)))
