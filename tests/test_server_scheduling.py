@@ -219,7 +219,7 @@ def test_the_soak_and_interference_commands_run(tiny_target, capsys):
 @pytest.mark.parametrize("seconds_per_token, chunk", [(0.1, 8), (0.02, 8), (0.001, 128), (1e-6, 512)])
 def test_the_default_prefill_chunk_is_what_fits_the_time_budget(tiny_target, monkeypatch, seconds_per_token, chunk):
     """By default a prefill chunk is the most tokens (a power of two in 8…512) the target prefills in
-    PREFILL_BUDGET_SECONDS (0.25 s): a slow CPU gets small chunks, so decoding requests wait little."""
+    PREFILL_BUDGET_SECONDS (0.15 s): a slow CPU gets small chunks, so decoding requests wait little."""
     import verispec.serving.http.scheduler as scheduler
 
     monkeypatch.setattr(scheduler, "prefill_seconds_per_token", lambda model, chunk: seconds_per_token)

@@ -394,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="/health answers 503 degraded when the scheduler has work but has not advanced for this long")
     serve.add_argument("--prefill-chunk", type=int, default=None,
                        help="prompt tokens prefilled per scheduler turn, after the other requests' decode steps "
-                            "(default: what the target prefills in 0.25 s on this CPU, measured once; "
+                            "(default: what the target prefills in 0.15 s on this CPU, measured once; "
                             "0: each prompt whole, holding up everyone else meanwhile)")
     serve.add_argument("--max-model-len", type=int, default=None,
                        help="most positions per request, prompt + new tokens (default: the target's context); a longer "

@@ -69,7 +69,7 @@ __all__ = ["Scheduler", "Job", "JobUpdate", "QueueFullError", "RequestTimeoutErr
 
 Encoder = Callable[[Engine], list[int]]  # runs on the worker: request → prompt token ids
 DEFAULT_PREFILL_CHUNK = None  # sized to PREFILL_BUDGET_SECONDS (`auto_prefill_chunk`)
-PREFILL_BUDGET_SECONDS = 0.25  # what one prefill chunk may add to the decoding requests' step
+PREFILL_BUDGET_SECONDS = 0.15  # what one prefill chunk may add to the decoding requests' step
 STARVATION_TURNS = 4  # a prompt passed over for shorter ones this many prefill turns in a row goes next
 POOL_TOKENS_PER_SLOT = 2048  # the default pool: this many positions per batch slot (at least one full-length request)
 POOL_HEADROOM = 64  # a full-length request's draft positions past max_model_len
