@@ -320,6 +320,7 @@ class LlamaCppRunner:
         self._dropped: deque[tuple[_Context, list[int]]] = deque()  # caches dropped without release()
 
     def __del__(self):
+        # getattr: a constructor that failed (no model file) leaves a runner without these
         for context in [*getattr(self, "_idle", []), getattr(self, "_shared", None)]:
             if context is not None:
                 context.close()
