@@ -124,3 +124,27 @@ def test_width_flips_counts_positions_and_catches_a_width_dependent_model(tiny_t
     assert cli_main(["analyze", "--flips", "--target", str(tiny_text_pair[0]), "--questions", str(questions),
                      "--max-new-tokens", "4", "--width", "3"]) == 0
     assert "positions per forward at 0 (0.00%)" in capsys.readouterr().out
+
+
+def test_the_profile_accounts_for_every_step(tiny_target):
+    """`analyze --profile`: each method's phases and the rest add up to the steps' wall time, the first
+    token (made by the prefill) is not counted as a step, and the table has a row per method, plain first."""
+    from verispec.drafters import DraftModelDrafter
+    from verispec.engine import Engine
+    from verispec.models.loading import load_model
+    from verispec.tools.profile import format_profile, profile_method
+
+    target = load_model(tiny_target)
+    target.eos_ids = frozenset()  # every request runs its 9 tokens
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    plain = profile_method(Engine(target, None), "none", prompts, 9)
+    self_draft = DraftModelDrafter(load_model(tiny_target), target.vocab_size)  # the target drafts itself: all accepted
+    spec = profile_method(Engine(target, self_draft, gamma=3, gamma_policy="constant"), "model", prompts, 9)
+    for row in (plain, spec):
+        assert row.tokens == 2 * 8  # 9 new tokens each, the first from the prefill
+        assert sum(row.phases.values()) + row.other == pytest.approx(row.seconds)
+        assert row.other >= 0 and all(seconds >= 0 for seconds in row.phases.values())
+    assert plain.steps == plain.tokens and plain.proposed == 0
+    assert spec.steps < spec.tokens and spec.alpha == 1.0 and spec.phases["draft"] > 0
+    table = format_profile([plain, spec], [0.01, 0.012, 0.013, 0.015], {"model": 0.002})
+    assert [line.split("|")[1].strip() for line in table.splitlines()[2:]] == ["none", "model"]

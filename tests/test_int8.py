@@ -336,7 +336,7 @@ def test_sampled_int8_output_is_distributed_as_the_int8_target(small_pair8, draf
 
 
 def test_the_int8_test_catches_a_wrong_bonus(small_pair8, monkeypatch):
-    import verispec.engine.loop as engine_module
+    import verispec.engine.shapes as engine_module
 
     monkeypatch.setattr(engine_module, "verify_sampled", bonus_from_the_wrong_row)
     target, draft = small_pair8

@@ -225,7 +225,7 @@ def test_sampled_speculation_is_lossless_on_the_backend(target, draft8, sampling
 
 def test_the_backend_test_rejects_a_bonus_from_the_wrong_row(target, draft8, sampling_case, monkeypatch):
     """Positive control: the bonus token drawn from the wrong row is caught by the same test."""
-    import verispec.engine.loop as loop
+    import verispec.engine.shapes as loop
 
     monkeypatch.setattr(loop, "verify_sampled", bonus_from_the_wrong_row)
     prompt_ids, exact = sampling_case

@@ -106,7 +106,7 @@ def test_sampled_tree_drafts_are_lossless(small_pair, kind):
 
 
 def test_the_end_to_end_test_catches_a_wrong_bonus(small_pair, monkeypatch):
-    import verispec.engine.loop as engine_module
+    import verispec.engine.shapes as engine_module
 
     monkeypatch.setattr(engine_module, "verify_tree_sampled", token_0_as_every_bonus)
     target, draft, hf = small_pair

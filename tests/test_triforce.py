@@ -136,7 +136,7 @@ def test_the_sampled_test_catches_a_wrong_rule(sampled_setup, monkeypatch, where
     reports), and when the engine draws the bonus token after a fully accepted block from the wrong
     row of the target's distributions."""
     import verispec.drafters.triforce as triforce_module
-    import verispec.engine.loop as engine_module
+    import verispec.engine.shapes as engine_module
 
     if where == "level 2":
         monkeypatch.setattr(triforce_module, "verify_sampled", accept_every_draft_token)

@@ -168,6 +168,12 @@ class GenerationStats:
     wall_seconds: float = 0.0
     records: list[StepRecord] = field(default_factory=list)
     acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per step phase (`PHASES`), summed over steps
+
+    PHASES = ("draft", "target", "verify", "commit", "policy", "emit")  # a step's parts, in order
+
+    def add_phase(self, phase: str, seconds: float) -> None:
+        self.phases[phase] = self.phases.get(phase, 0.0) + seconds
 
     def record(self, record: StepRecord) -> None:
         self.records.append(record)
@@ -236,6 +242,7 @@ class GenerationStats:
             "cost_ratio": round(self.cost_ratio, 4),
             "tokens_per_second": round(self.tokens_per_second, 3),
             "wall_seconds": round(self.wall_seconds, 4),
+            "phase_seconds": {phase: round(self.phases.get(phase, 0.0), 4) for phase in self.PHASES},
         }
 
 

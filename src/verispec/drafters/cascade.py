@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from verispec.drafters.base import ComposedSession, Drafter, DraftSession, ModelSession
 from verispec.errors import InvalidParameterError
 from verispec.models.loading import LoadedModel
-from verispec.sampling.processors import SamplingParams, greedy_tokens, seen_mask, to_probs
+from verispec.sampling.processors import SamplingParams, score_rows
 from verispec.types import Draft
 from verispec.verify import verify_greedy, verify_sampled
 
@@ -97,14 +97,12 @@ class _VerticalSession(ModelSession):
         """
         drafted = len(inner)
         logits = self._catch_up(context, inner.tokens.tolist(), logits="all")[-(drafted + 1) :]  # [m+1, vocab]
-        vocab = logits.shape[-1]
-        seen = seen_mask(vocab, context, inner.tokens) if params.repetition_penalty != 1.0 else None  # [m+1, vocab]
-        model_probs = None
-        if params.greedy:
-            verdict = verify_greedy(inner.tokens, greedy_tokens(logits, params, seen))
-        else:
-            model_probs = to_probs(logits, params, seen)  # [m+1, vocab]
-            width = max(vocab, inner.probs.shape[-1]) if inner.probs is not None else vocab
+        scores = score_rows(logits, params, context, inner.tokens)  # [m+1, …]
+        model_probs = scores.probs
+        if model_probs is None:
+            verdict = verify_greedy(inner.tokens, scores.greedy)
+        else:  # both distributions over the wider vocabulary
+            width = max(model_probs.shape[-1], 0 if inner.probs is None else inner.probs.shape[-1])
             inner_probs = None if inner.probs is None else _widen(inner.probs, width)
             verdict = verify_sampled(inner.tokens, inner_probs, _widen(model_probs, width), generator)
             model_probs = model_probs[: verdict.accepted + 1]

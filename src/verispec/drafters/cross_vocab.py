@@ -28,7 +28,7 @@ import torch
 from verispec.drafters.base import Drafter, DraftSession, ModelSession
 from verispec.drafters.prefix import common_prefix_length
 from verispec.models.loading import LoadedModel
-from verispec.sampling.processors import SamplingParams, greedy_tokens, seen_mask, to_probs
+from verispec.sampling.processors import SamplingParams, greedy_tokens, penalty_seen, to_probs
 from verispec.sampling.samplers import multinomial
 from verispec.types import Draft
 
@@ -213,7 +213,7 @@ class _CrossVocabSession(ModelSession):
 
     def _greedy(self, ids: list[int], context: list[int], logits: torch.Tensor, gamma: int, params: SamplingParams) -> Draft:
         """γ draft tokens by the draft's own argmax, turned into the target's tokens through their text."""
-        seen = seen_mask(logits.shape[-1], context) if params.repetition_penalty != 1.0 else None  # [1, vocab]
+        seen = penalty_seen(params, logits.shape[-1], context)  # [1, vocab] or None
         drafted: list[int] = []
         for _ in range(gamma):
             token = int(greedy_tokens(logits, params, seen))
@@ -232,7 +232,7 @@ class _CrossVocabSession(ModelSession):
         """γ tokens drawn from the draft's distribution restricted to the shared vocabulary; their probs
         [γ, target vocab] sit at the target's ids."""
         shared = self.drafter.shared
-        seen = seen_mask(logits.shape[-1], context) if params.repetition_penalty != 1.0 else None  # [1, vocab]
+        seen = penalty_seen(params, logits.shape[-1], context)  # [1, vocab] or None
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         for i in range(gamma):

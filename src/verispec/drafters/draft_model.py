@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from verispec.drafters.base import Drafter, DraftSession, ModelSession
 from verispec.models.loading import LoadedModel
-from verispec.sampling.processors import SamplingParams, greedy_tokens, seen_mask, to_probs
+from verispec.sampling.processors import SamplingParams, greedy_tokens, penalty_seen, to_probs
 from verispec.sampling.samplers import multinomial
 from verispec.types import Draft
 
@@ -33,7 +33,7 @@ def sample_chain(
     """Draw `gamma` tokens one by one: `logits` [1, vocab] predict the first, `step(token)` feeds a
     token and returns the logits [1, vocab] after it. Draft probs are padded to the target's vocab."""
     vocab = logits.shape[-1]
-    seen = seen_mask(vocab, ids) if params.repetition_penalty != 1.0 else None  # [1, vocab]
+    seen = penalty_seen(params, vocab, ids)  # [1, vocab] or None
     tokens: list[int] = []
     probs: list[torch.Tensor] = []
     for i in range(gamma):

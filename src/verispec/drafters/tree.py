@@ -22,7 +22,7 @@ from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.ngram import NgramDrafter
 from verispec.errors import InvalidParameterError
 from verispec.models.loading import LoadedModel
-from verispec.sampling.processors import seen_mask
+from verispec.sampling.processors import penalty_seen
 from verispec.tokentree import ancestor_mask, depths
 from verispec.types import Draft
 
@@ -51,11 +51,9 @@ class _ExpansionSession(ModelSession):
 
     def _distributions(self, ids, builder: TreeBuilder, logits: torch.Tensor, params) -> torch.Tensor:
         """Distributions [rows, vocab] after the root (row 0) and after each node (rows 1..)."""
-        seen = None
-        if params.repetition_penalty != 1.0:
-            tokens = torch.tensor(builder.tokens, dtype=torch.long)
-            parents = torch.tensor(builder.parents, dtype=torch.long)
-            seen = seen_mask(self.runner.config.vocab_size, ids, tokens, ancestor_mask(parents))[: logits.shape[0]]
+        tokens, parents = torch.tensor(builder.tokens, dtype=torch.long), torch.tensor(builder.parents, dtype=torch.long)
+        seen = penalty_seen(params, self.runner.config.vocab_size, ids, tokens, ancestor_mask(parents))  # [n+1, vocab] or None
+        seen = None if seen is None else seen[: logits.shape[0]]
         return node_distributions(logits, params, seen, self.drafter.target_vocab_size)
 
     def propose(self, ids, gamma, params, generator):

@@ -24,7 +24,7 @@ from verispec.errors import InvalidParameterError
 from verispec.models.loading import LoadedModel, require_own_runner
 from verispec.models.retrieval_cache import SparseCache, build_retrieval_cache
 from verispec.models.transformer import KVCache
-from verispec.sampling.processors import greedy_tokens, seen_mask, to_probs
+from verispec.sampling.processors import score_rows
 from verispec.types import Draft
 from verispec.verify import verify_greedy, verify_sampled
 
@@ -127,14 +127,12 @@ class _TriForceSession(DraftSession):
         inner = self.level1.propose(seq, gamma1, params, generator, vocab)
         feed = seq[self.level2.covered :] + inner.tokens.tolist()
         logits = self.level2.feed(feed, logits="all")[-(len(inner) + 1) :]  # [γ1+1, vocab]
-        seen = seen_mask(vocab, seq, inner.tokens) if params.repetition_penalty != 1.0 else None
-        if params.greedy:
-            verdict = verify_greedy(inner.tokens, greedy_tokens(logits, params, seen))
-            level2_probs = []
+        scores = score_rows(logits, params, seq, inner.tokens)  # [γ1+1, …]
+        if scores.greedy is not None:
+            verdict, level2_probs = verify_greedy(inner.tokens, scores.greedy), []
         else:
-            level2_probs = to_probs(logits, params, seen)  # [γ1+1, vocab]
-            verdict = verify_sampled(inner.tokens, inner.probs, level2_probs, generator)
-            level2_probs = list(level2_probs[: verdict.accepted + 1])
+            verdict = verify_sampled(inner.tokens, inner.probs, scores.probs, generator)
+            level2_probs = list(scores.probs[: verdict.accepted + 1])  # each [vocab]
         return inner.tokens[: verdict.accepted].tolist() + [verdict.next_token], level2_probs
 
     def commit(self, ids):

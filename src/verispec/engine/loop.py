@@ -51,12 +51,9 @@ from verispec.drafters.base import Drafter
 from verispec.errors import InvalidParameterError, PromptError, VerispecError
 from verispec.models.loading import LoadedModel, ModelCache
 from verispec.sampling.grammar import Constraint, check_response_format
-from verispec.sampling.processors import MAX_TOP_LOGPROBS, SamplingParams, greedy_tokens, seen_mask, to_probs, token_logprobs
-from verispec.tokentree import ancestor_mask, check_parents, depths, is_chain, keep_nodes, tree_attention_mask
-from verispec.types import (
-    Draft, GenerationResult, GenerationStats, Origin, StepRecord, TokenEvent, TokenLogprobs, Verdict,
-)
-from verispec.verify import verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_sampled
+from verispec.engine.shapes import Chain, shape_of
+from verispec.sampling.processors import MAX_TOP_LOGPROBS, SamplingParams, Scores, score_rows, token_logprobs
+from verispec.types import Draft, GenerationResult, GenerationStats, Origin, StepRecord, TokenEvent, TokenLogprobs
 
 __all__ = ["Engine", "Generation", "GenerationConfig", "StepPlan"]
 
@@ -221,21 +218,35 @@ class StepPlan:
     """What one step asks of the target: score `feed` [n+1] (the last committed token + the draft).
 
     For a token tree, `positions` [n+1] and `tree_mask` [n+1, n+1] go to the same forward call;
-    both are None for a chain. `draft.parents` is None for a chain (trees that are chains included).
+    both are None for a chain.
     """
 
-    draft: Draft
+    shape: Chain  # the draft, as a chain or a tree
     feed: torch.Tensor
     draft_seconds: float
     positions: torch.Tensor | None = None
     tree_mask: torch.Tensor | None = None
 
     @property
-    def depth(self) -> int:
-        """The longest path the draft offers (γ for a chain)."""
-        if not self.draft.is_tree:
-            return len(self.draft)
-        return int(depths(self.draft.parents).max()) if len(self.draft) else 0
+    def draft(self) -> Draft:
+        return self.shape.draft
+
+
+class _Laps:
+    """A step's seconds, phase by phase, into `GenerationStats.phases`: the draft and the target's forward
+    as measured by their callers, then each `mark(phase)` adds the time since the previous mark."""
+
+    def __init__(self, stats: GenerationStats, draft_seconds: float, target_seconds: float):
+        self.stats, self.since_target = stats, 0.0
+        stats.add_phase("draft", draft_seconds)
+        stats.add_phase("target", target_seconds)
+        self.last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.stats.add_phase(phase, now - self.last)
+        self.since_target += now - self.last
+        self.last = now
 
 
 class _Detokenizer:
@@ -351,8 +362,8 @@ class Generation:
             logits = self.target.runner.forward(self.cache, torch.tensor(self.ids[done:end]), logits="last" if last else "none")
             if last:  # [1, vocab]: the first token, a step without a draft (its forward is the prefill's)
                 self._open_session(chunked=max_tokens is not None)
-                self._held = self.commit(StepPlan(Draft(torch.zeros(0, dtype=torch.long)), torch.tensor(self.ids[-1:]), 0.0),
-                                         logits, 0.0)
+                first = StepPlan(Chain(Draft(torch.zeros(0, dtype=torch.long))), torch.tensor(self.ids[-1:]), 0.0)
+                self._held = self.commit(first, logits, 0.0)
         else:
             self.prefilled = self.session.prefill_step(max_tokens)
         self.stats.prefill_seconds += time.perf_counter() - start
@@ -368,23 +379,14 @@ class Generation:
         """Finished, and every event given out (the first token's included)."""
         return self.finish_reason is not None and not self._held
 
-    def _draft(self, gamma: int) -> Draft:
-        # the most draft tokens one verification may hold and still score each like a decode step
+    def _draft(self, gamma: int) -> Chain:
+        """Up to γ draft tokens (a tree: up to depth γ), capped to what one verification scores exactly."""
         exact = self.target.runner.exact_positions_after(self.cache.length)
-        most = exact - 1 if exact is not None else None
-        if most is not None:
-            gamma = min(gamma, most)
+        most = exact - 1 if exact is not None else None  # draft tokens one pass may hold beside the last committed one
+        gamma = gamma if most is None else min(gamma, most)
         if self.session is None or gamma <= 0:
-            return Draft(torch.zeros(0, dtype=torch.long))
-        draft = self.session.propose(self.ids, gamma, self.params, self.generator)
-        if not draft.is_tree or is_chain(draft.parents):
-            return Draft(draft.tokens[:gamma], None if draft.probs is None else draft.probs[:gamma])
-        check_parents(draft.parents)
-        keep = depths(draft.parents) <= gamma  # γ caps the depth
-        if most is not None:  # the first nodes (parents come first: a subtree)
-            keep &= keep.cumsum(0) <= most
-        index, parents = keep_nodes(draft.parents, keep)
-        return Draft(draft.tokens[index], None if draft.probs is None else draft.probs[index], parents)
+            return Chain(Draft(torch.zeros(0, dtype=torch.long)))
+        return shape_of(self.session.propose(self.ids, gamma, self.params, self.generator)).cut(gamma, most)
 
     def plan(self) -> StepPlan:
         """Draft this step's tokens and say what the target must score."""
@@ -392,66 +394,9 @@ class Generation:
         remaining = self.max_new - len(self.output_ids)
         gamma = min(self.policy.next_gamma(), remaining - 1) if self.session is not None else 0
         start = time.perf_counter()
-        draft = self._draft(gamma)
-        feed = torch.cat([torch.tensor(self.ids[-1:]), draft.tokens])  # [n+1]
-        seconds = time.perf_counter() - start
-        if not draft.is_tree:
-            return StepPlan(draft, feed, seconds)
-        last = len(self.ids) - 1  # position of the last committed token
-        positions = last + torch.cat([torch.zeros(1, dtype=torch.long), depths(draft.parents)])  # [n+1]
-        return StepPlan(draft, feed, seconds, positions, tree_attention_mask(draft.parents))
-
-    def commit(self, plan: StepPlan, logits: torch.Tensor, target_seconds: float) -> list[TokenEvent]:
-        """Verify `plan` against the target's logits [n+1, vocab]; keep the accepted path; emit tokens."""
-        start = time.perf_counter()
-        draft = plan.draft
-        tree = draft.parents if draft.is_tree else None  # [n] parent of each node, for a tree
-        raw_logits = logits
-        if self.constraint is not None:  # forbidden tokens get probability 0: a forbidden draft token is rejected
-            allowed = self.constraint.masks(draft.tokens.tolist(), None if tree is None else tree.tolist())  # [n+1, vocab]
-            logits = logits.masked_fill(~allowed, float("-inf"))
-        seen = None
-        if self.params.repetition_penalty != 1.0:
-            ancestors = ancestor_mask(tree) if tree is not None else None
-            seen = seen_mask(logits.shape[-1], self.ids, draft.tokens, ancestors)  # [n+1, vocab]
-        target_probs = None if self.params.greedy else to_probs(logits, self.params, seen)  # [n+1, vocab]
-        verdict = self._verify(draft, logits, target_probs, seen)
-
-        # rows of the logits on the committed path: the last committed token, then each accepted node
-        path = list(verdict.path) if verdict.path is not None else list(range(verdict.accepted))
-        rows = torch.tensor([0] + [node + 1 for node in path])  # [accepted+1]
-        new_tokens = draft.tokens[path].tolist() + [verdict.next_token]
-        last_origin = Origin.TARGET if len(draft) == 0 else verdict.next_origin
-        origins = [Origin.ACCEPTED] * verdict.accepted + [last_origin]
-        start_slot = len(self.ids) - 1
-        self.ids.extend(new_tokens)
-        if draft.is_tree:
-            self.cache.keep(start_slot, rows)  # the accepted path's keys/values, packed; no recompute
-        else:
-            self.cache.truncate(len(self.ids) - 1)
-        if self.session is not None:
-            self.session.commit(self.ids)
-            if self.session.observes_target:
-                observed = target_probs[rows] if target_probs is not None else torch.softmax(logits[rows], dim=-1)
-                self.session.observe(self.ids, observed)  # [accepted+1, vocab]
-        verify_seconds = time.perf_counter() - start
-        self.stats.record(StepRecord(plan.depth, verdict.accepted, plan.draft_seconds, target_seconds + verify_seconds))
-        self.policy.update(plan.depth, verdict.accepted)
-        if self.constraint is not None:
-            self.constraint.advance(new_tokens)
-        logprobs = None if self.config.logprobs is None else token_logprobs(raw_logits[rows], new_tokens, self.config.logprobs)
-        return self.take_held() + self._emit(new_tokens, origins, logprobs)
-
-    def _verify(self, draft: Draft, logits: torch.Tensor, target_probs: torch.Tensor | None, seen) -> Verdict:
-        """Chain or tree, greedy or sampled: the verifier that fits this draft."""
-        if self.params.greedy:
-            target_tokens = greedy_tokens(logits, self.params, seen)  # [n+1]
-            if not draft.is_tree:
-                return verify_greedy(draft.tokens, target_tokens)
-            return verify_tree_greedy(draft.tokens, draft.parents, target_tokens)
-        if not draft.is_tree:
-            return verify_sampled(draft.tokens, draft.probs, target_probs, self.generator)
-        return verify_tree_sampled(draft.tokens, draft.parents, draft.probs, target_probs, self.generator)
+        shape = self._draft(gamma)
+        feed = torch.cat([torch.tensor(self.ids[-1:]), shape.draft.tokens])  # [n+1]
+        return StepPlan(shape, feed, time.perf_counter() - start, *shape.layout(len(self.ids) - 1))
 
     def step(self) -> list[TokenEvent]:
         """One draft + verify step: the drafter proposes, the target scores the proposal in one forward,
@@ -459,16 +404,51 @@ class Generation:
         the tokens it emitted (one or more; an EOS token only when it releases held-back text); [] once
         `done`. The request finishes (and releases its caches) on EOS, a stop string or its length."""
         self.prefill_step()  # a prefill left unfinished: the rest of it now
-        if self._held:
+        if self._held or self.done:
             return self.take_held()
-        if self.done:
-            return []
-        plan = self.plan()
+        plan = self.plan()  # draft
         start = time.perf_counter()
         logits = self.target.runner.forward(
             self.cache, plan.feed, positions=plan.positions, tree_mask=plan.tree_mask, logits="all"
-        )  # [n+1, vocab]
-        return self.commit(plan, logits, time.perf_counter() - start)
+        )  # score: [n+1, vocab]
+        return self.commit(plan, logits, time.perf_counter() - start)  # verify, commit, emit
+
+    def commit(self, plan: StepPlan, logits: torch.Tensor, target_seconds: float) -> list[TokenEvent]:
+        """Verify `plan` against the target's logits [n+1, vocab]; keep the accepted path; emit tokens.
+        Each phase's seconds go to `stats.phases` (the target's forward: `target_seconds`)."""
+        laps = _Laps(self.stats, plan.draft_seconds, target_seconds)
+        shape, draft = plan.shape, plan.draft
+        allowed = None if self.constraint is None else self.constraint.masks(draft.tokens.tolist(), shape.parent_list)
+        scores = score_rows(logits, self.params, self.ids, draft.tokens, shape.ancestors, allowed)  # [n+1, …]
+        verdict = shape.verify(scores, self.generator)
+        laps.mark("verify")
+        path = list(verdict.path) if verdict.path is not None else list(range(verdict.accepted))
+        rows = torch.tensor([0] + [node + 1 for node in path])  # [accepted+1] block rows on the committed path
+        new_tokens = draft.tokens[path].tolist() + [verdict.next_token]
+        self._commit_tokens(shape, rows, new_tokens, scores)
+        laps.mark("commit")
+        self.stats.record(StepRecord(shape.depth, verdict.accepted, plan.draft_seconds, target_seconds + laps.since_target))
+        self.policy.update(shape.depth, verdict.accepted)
+        laps.mark("policy")
+        origins = [Origin.ACCEPTED] * verdict.accepted + [Origin.TARGET if len(draft) == 0 else verdict.next_origin]
+        logprobs = None if self.config.logprobs is None else token_logprobs(logits[rows], new_tokens, self.config.logprobs)
+        events = self.take_held() + self._emit(new_tokens, origins, logprobs)
+        laps.mark("emit")
+        return events
+
+    def _commit_tokens(self, shape: Chain, rows: torch.Tensor, new_tokens: list[int], scores: Scores) -> None:
+        """Append the accepted tokens; keep their keys/values (`rows` of the block); tell the drafter and
+        the grammar. A drafter that learns from the target gets its distributions on those rows."""
+        start = len(self.ids) - 1  # the last committed token's position: the block's row 0
+        self.ids.extend(new_tokens)
+        shape.keep(self.cache, start, rows)
+        if self.session is not None:
+            self.session.commit(self.ids)
+            if self.session.observes_target:
+                observed = scores.probs[rows] if scores.probs is not None else torch.softmax(scores.logits[rows], dim=-1)
+                self.session.observe(self.ids, observed)  # [accepted+1, vocab]
+        if self.constraint is not None:
+            self.constraint.advance(new_tokens)
 
     def _emit(self, tokens: list[int], origins: list[Origin], logprobs: list[TokenLogprobs] | None = None) -> list[TokenEvent]:
         """Record accepted tokens; each event carries the text its token made final.

@@ -21,7 +21,10 @@ MIN_TEMPERATURE = 1e-3  # logits / smaller temperatures overflow float32: the di
 MIN_REPETITION_PENALTY = 1e-2  # the same overflow, through the penalty's division
 FLOAT32_MAX = torch.finfo(torch.float32).max  # a larger temperature or penalty acts as this (float32 would make it inf)
 
-__all__ = ["SamplingParams", "MIN_TEMPERATURE", "MIN_REPETITION_PENALTY", "apply_repetition_penalty", "to_probs", "greedy_tokens", "seen_mask", "token_logprobs", "MAX_TOP_LOGPROBS"]
+__all__ = [
+    "SamplingParams", "MIN_TEMPERATURE", "MIN_REPETITION_PENALTY", "apply_repetition_penalty", "to_probs", "greedy_tokens",
+    "seen_mask", "penalty_seen", "Scores", "score_rows", "token_logprobs", "MAX_TOP_LOGPROBS",
+]
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,16 @@ def seen_mask(
     added = torch.zeros(len(block) + 1, vocab_size, dtype=torch.int32)
     added[torch.arange(1, len(block) + 1), block] = 1
     return base[None] | (added.cumsum(0) > 0)
+
+
+def penalty_seen(
+    params: SamplingParams, vocab_size: int, prefix: list[int] | torch.Tensor,
+    block: torch.Tensor | None = None, ancestors: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """`seen_mask` when `params` has a repetition penalty, else None (nothing to penalise)."""
+    if params.repetition_penalty == 1.0:
+        return None
+    return seen_mask(vocab_size, prefix, block, ancestors)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -154,6 +167,36 @@ def greedy_tokens(logits: torch.Tensor, params: SamplingParams, seen: torch.Tens
     if seen is not None:
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
     return logits.argmax(dim=-1)
+
+
+@dataclass(frozen=True)
+class Scores:
+    """What a verifier needs from a scoring pass over a block (the last committed token + n drafts).
+
+    logits: [n+1, vocab] after any grammar mask (a forbidden token is −inf); greedy: [n+1] the
+    processed argmax of each row (greedy decoding only); probs: [n+1, vocab] the processed sampling
+    distribution of each row (sampling only).
+    """
+
+    logits: torch.Tensor
+    greedy: torch.Tensor | None = None
+    probs: torch.Tensor | None = None
+
+
+def score_rows(
+    logits: torch.Tensor, params: SamplingParams, prefix: list[int], block: torch.Tensor | None = None,
+    ancestors: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
+) -> Scores:
+    """Turn a scoring pass's logits [n+1, vocab] over `block` [n] (drafted after `prefix`) into `Scores`:
+    the grammar mask `allowed` [n+1, vocab] (None: no grammar), the repetition penalty over each row's
+    own prefix (a tree's rows: over their ancestors, `ancestors` [n, n]), then argmax or probabilities.
+    The one place a target's (or a checking draft model's) logits become a verifier's inputs."""
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
+    seen = penalty_seen(params, logits.shape[-1], prefix, block, ancestors)  # [n+1, vocab] or None
+    if params.greedy:
+        return Scores(logits, greedy=greedy_tokens(logits, params, seen))
+    return Scores(logits, probs=to_probs(logits, params, seen))
 
 
 MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for per token (OpenAI's bound)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from verispec.sampling.processors import SamplingParams, greedy_tokens, seen_mask, to_probs
+from verispec.sampling.processors import SamplingParams, greedy_tokens, penalty_seen, to_probs
 from verispec.sampling.samplers import multinomial
 
 __all__ = ["next_token_probs", "reference_generate", "sequence_distribution"]
@@ -33,7 +33,7 @@ def next_token_probs(hf_model, ids: list[int], params: SamplingParams, allowed: 
     logits = _last_logits(hf_model, ids)
     if allowed is not None:
         logits = logits.masked_fill(~allowed[: logits.shape[-1]], float("-inf"))  # [1, vocab]
-    seen = seen_mask(logits.shape[-1], ids) if params.repetition_penalty != 1.0 else None
+    seen = penalty_seen(params, logits.shape[-1], ids)  # [1, vocab] or None
     if params.greedy:
         probs = torch.zeros_like(logits[0])
         probs[greedy_tokens(logits, params, seen)] = 1.0

@@ -5,6 +5,7 @@
     verispec analyze --plots plots/                      # the theory's figures
     verispec analyze --measure --target NAME --draft NAME --questions own --per-category 1
     verispec analyze --flips --target NAME --dtype bfloat16 --width 5   # 1-wide vs 5-wide argmax flips
+    verispec analyze --profile --dtype gguf --methods none,ngram,model   # where a step's milliseconds go
 
 The measurement (see `verispec.tools.measure`) reports α (probability overlap at --temperature), the greedy
 α (argmax agreement), c and the target's T(n), then the same table for each α.
@@ -31,6 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--measure", action="store_true", help="measure α and c of --target and --draft on prompts")
     parser.add_argument("--flips", action="store_true",
                         help="count the positions where --target's argmax differs between 1 and --width positions per forward")
+    parser.add_argument("--profile", action="store_true",
+                        help="decode with each of --methods and split every step's time into its phases (verispec.tools.profile)")
+    parser.add_argument("--methods", default="none,ngram,model",
+                        help="--profile: drafter specs, comma-separated; plain decoding (none) always comes first")
+    parser.add_argument("--gamma", type=int, default=4, help="--profile: the starting draft length")
+    parser.add_argument("--gamma-policy", default="analytic", help="--profile: constant, heuristic, analytic or auto")
     parser.add_argument("--width", type=int, default=5, help="positions per forward for --flips (γ + 1; default 5)")
     parser.add_argument("--target", default=None, help="target model (shipped name, HF folder or .gguf)")
     parser.add_argument("--draft", default=None, help="draft model (shipped name, HF folder or .gguf)")
@@ -124,6 +131,10 @@ def run(args: argparse.Namespace) -> int:
     if args.flips:
         _flips(args)
         return 0
+    if args.profile:
+        from verispec.tools.profile import run_profile
+
+        return run_profile(args)
     if args.measure:
         alpha, c, curve = _measure(args)
         verify_cost = verify_cost or _curve(curve)

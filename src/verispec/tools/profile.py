@@ -1,0 +1,149 @@
+"""`verispec analyze --profile`: where each millisecond of a decoding step goes, per drafter, on one backend.
+
+    verispec analyze --profile --target qwen2.5-coder-1.5b-instruct --dtype gguf --methods none,ngram,model
+    verispec analyze --profile --dtype int8 --methods none,model --questions humaneval,mt_bench.jsonl --per-category 2
+
+Each method (a drafter spec over the chosen target and backend) decodes the prompts greedily, one
+after the other, and each step's time is split into the phases the engine records
+(`GenerationStats.PHASES`: the draft, the target's forward, verification with its processors, the
+cache and drafter commit, statistics and the γ policy, detokenization with stop strings) and what is
+left (the loop around them). The table gives milliseconds per step, then per token, τ, and the
+speedup over the plain row: measured, and predicted by the cost model from the measured α, c and
+T(n), with and without the per-step work outside the forwards (`theory.expected_speedup`'s overhead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass, field
+
+from verispec.types import GenerationStats
+
+__all__ = ["MethodProfile", "profile_method", "format_profile", "run_profile"]
+
+
+@dataclass
+class MethodProfile:
+    """One method's decoding time over the prompts, phase by phase (prefill excluded)."""
+
+    method: str
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0  # wall time of the steps
+    phases: dict[str, float] = field(default_factory=dict)
+    proposed: int = 0
+    accepted: int = 0
+    judged: int = 0
+
+    def add(self, stats: GenerationStats, seconds: float, before: dict[str, float]) -> None:
+        """A request's steps: its statistics, their wall time and the phases recorded before the steps
+        (the first token's, made by the prefill)."""
+        self.steps += stats.steps - 1  # the first token came from the prefill, recorded as a step of its own
+        self.tokens += stats.new_tokens - 1
+        self.seconds += seconds
+        for phase in GenerationStats.PHASES:
+            self.phases[phase] = self.phases.get(phase, 0.0) + stats.phases.get(phase, 0.0) - before.get(phase, 0.0)
+        self.proposed += stats.proposed_tokens
+        self.accepted += stats.accepted_tokens
+        self.judged += stats.judged_tokens
+
+    @property
+    def other(self) -> float:
+        """Seconds of the steps outside every recorded phase."""
+        return self.seconds - sum(self.phases.values())
+
+    @property
+    def overhead(self) -> float:
+        """Seconds per step outside the target's forward and the draft: what the classic cost model omits."""
+        return (self.seconds - self.phases.get("target", 0.0) - self.phases.get("draft", 0.0)) / max(self.steps, 1)
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.judged if self.judged else 0.0
+
+    @property
+    def tau(self) -> float:
+        return self.tokens / self.steps if self.steps else 0.0
+
+
+def profile_method(engine, method: str, prompts: list[list[int]], max_new_tokens: int) -> MethodProfile:
+    """Decode each prompt greedily with `engine` and account for every step's time."""
+    from verispec.engine import GenerationConfig
+
+    profile = MethodProfile(method)
+    for ids in prompts:
+        generation = engine.start(ids, GenerationConfig(max_new_tokens=max_new_tokens, chat=False))
+        before = dict(generation.stats.phases)
+        start = time.perf_counter()
+        while not generation.done:
+            generation.step()
+        profile.add(generation.stats, time.perf_counter() - start, before)
+    return profile
+
+
+def format_profile(rows: list[MethodProfile], curve: list[float], draft_seconds: dict[str, float]) -> str:
+    """A Markdown table: ms per step for each phase, ms per token, τ, α, measured and predicted speedup
+    over the first row (plain decoding), from the target's curve T(n) and each method's draft cost."""
+    from verispec.control.theory import curve_verify_cost, expected_tokens
+
+    verify = curve_verify_cost(curve)
+    plain = rows[0]
+    plain_token = plain.seconds / max(plain.tokens, 1)
+    plain_overhead = plain.overhead / curve[0]  # per-step work of plain decoding, in T(1)
+    headers = ["method", "steps", *GenerationStats.PHASES, "other", "ms/step", "ms/token", "τ", "α",
+               "speedup", "predicted (forwards only)", "predicted (+ per-step work)"]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    for row in rows:
+        per_step = [1e3 * row.phases.get(phase, 0.0) / max(row.steps, 1) for phase in GenerationStats.PHASES]
+        gamma = row.proposed / max(row.steps, 1)  # mean draft length
+        c = draft_seconds.get(row.method, 0.0) / curve[0]
+        step_cost = gamma * c + verify(round(gamma))  # the forwards of a step, in T(1)
+        tokens = expected_tokens(row.alpha, gamma)
+        forwards = tokens / step_cost
+        honest = tokens * (1 + plain_overhead) / (step_cost + row.overhead / curve[0])
+        cells = [row.method, str(row.steps), *(f"{ms:.2f}" for ms in per_step),
+                 f"{1e3 * row.other / max(row.steps, 1):.2f}", f"{1e3 * row.seconds / max(row.steps, 1):.2f}",
+                 f"{1e3 * row.seconds / max(row.tokens, 1):.2f}", f"{row.tau:.2f}", f"{row.alpha:.2f}",
+                 f"{plain_token / (row.seconds / max(row.tokens, 1)):.3f}×", f"{forwards:.3f}×", f"{honest:.3f}×"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    """`analyze --profile`: load the target once, profile each method in `--methods`, print the table."""
+    from verispec.control.costs import CostModel
+    from verispec.engine.build import AUTO, EngineBuilder, auto_precision
+    from verispec.errors import InvalidParameterError
+    from verispec.models.registry import DEFAULT_TARGET
+    from verispec.paths import cpu_summary
+    from verispec.tools.bench.questions import load_sources, select
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods or methods[0] != "none":
+        methods = ["none", *[m for m in methods if m != "none"]]  # plain decoding: the row the others compare with
+    if args.max_new_tokens < 1:
+        raise InvalidParameterError("--max-new-tokens must be ≥ 1")
+    target_spec = args.target or DEFAULT_TARGET
+    precision = auto_precision(target_spec) if args.dtype == AUTO else args.dtype
+    builder = EngineBuilder(target_spec, precision, default_draft=args.draft)
+    target = builder.target()
+    prompts = [target.encode_prompt(p.text, chat=True) for p in select(load_sources(args.questions), None, args.per_category)]
+    print(f"{cpu_summary()} · {target.name} · {target.precision} · {len(prompts)} prompts · {args.max_new_tokens} new tokens, greedy")
+    rows, draft_seconds, curve = [], {}, None
+    for method in methods:
+        engine = builder.engine(method, args.gamma, args.gamma_policy)
+        costs = engine.costs_for(engine.drafter, "analytic") if engine.drafter is not None else CostModel()
+        if costs.target_seconds:
+            curve = curve or costs.target_seconds
+            draft_seconds[method] = costs.draft_token_seconds or 0.0
+        profile_method(engine, method, prompts[:1], min(8, args.max_new_tokens))  # warm-up: first-call costs stay out
+        rows.append(profile_method(engine, method, prompts, args.max_new_tokens))
+        print(f"  {method}: {rows[-1].tokens} tokens in {rows[-1].seconds:.2f} s", flush=True)
+    if curve is None:  # plain decoding only: the curve is still what the prediction needs
+        curve = CostModel.calibrated(target, builder.engine("none").max_gamma + 1).target_seconds
+    print(f"target T(n)/T(1), n = 1…{len(curve)}: " + " ".join(f"{t / curve[0]:.2f}" for t in curve)
+          + f" (T(1) {1e3 * curve[0]:.1f} ms)")
+    print("milliseconds per step (phases of `GenerationStats.phases`; other: the loop around them):\n")
+    print(format_profile(rows, curve, draft_seconds))
+    return 0
