@@ -290,3 +290,26 @@ def test_a_request_sets_gamma_and_policy(target):
         GenerationConfig(gamma=0)
     with pytest.raises(InvalidParameterError, match="gamma policy"):
         GenerationConfig(gamma_policy="fastest")
+
+
+def test_a_prepared_drafter_is_only_read_by_a_request(tiny_target, tiny_draft, monkeypatch):
+    """`Engine.prepare` builds a request's drafter and measures its costs; a request over it (the
+    scheduler's `Generation`) then builds and measures nothing."""
+    import verispec.drafters as drafters_module
+    from verispec.control.costs import CostModel
+    from verispec.engine import Generation
+
+    engine = load(str(tiny_target), str(tiny_draft), gamma_policy="analytic")
+    built = engine.prepare("ngram:max_n=3")
+    assert built is engine.prepare(" ngram:max_n=3 ") and built.name.startswith("ngram")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("heavy work on the request path")
+
+    monkeypatch.setattr(drafters_module, "make_drafter", refuse)
+    monkeypatch.setattr(CostModel, "calibrated", classmethod(refuse))
+    config = GenerationConfig(max_new_tokens=4, drafter="ngram:max_n=3")
+    generation = Generation(engine, [5, 9, 2, 7, 5, 9], config)
+    assert generation.drafter is built
+    with pytest.raises(AssertionError, match="request path"):
+        Generation(engine, [5, 9, 2], GenerationConfig(max_new_tokens=4, drafter="ngram:max_n=4"))  # not prepared

@@ -19,7 +19,7 @@ from verispec.control.costs import CostModel
 from verispec.errors import InvalidParameterError
 from verispec.types import AcceptanceStats
 
-__all__ = ["GammaPolicy", "ConstantGamma", "HeuristicGamma", "AnalyticGamma", "make_gamma_policy", "POLICIES", "PROBE_EVERY"]
+__all__ = ["GammaPolicy", "ConstantGamma", "HeuristicGamma", "AnalyticGamma", "make_gamma_policy", "check_gamma_policy", "POLICIES", "PROBE_EVERY"]
 
 PROBE_EVERY = 16  # plain steps between the one-token drafts of a paused `auto` policy
 
@@ -91,13 +91,19 @@ class AnalyticGamma(GammaPolicy):
 POLICIES = ("constant", "heuristic", "analytic", "auto")
 
 
-def make_gamma_policy(name: str, gamma: int, costs: CostModel, max_gamma: int = 12) -> GammaPolicy:
-    if not isinstance(gamma, int) or gamma < 1:
+def check_gamma_policy(name: str | None, gamma: int | None) -> None:
+    """Raise InvalidParameterError unless `name` (None: the engine's) is a γ policy and `gamma` (None:
+    the engine's) an integer ≥ 1: a request's settings, checked before any work."""
+    if gamma is not None and (not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 1):
         raise InvalidParameterError(f"gamma (draft length) must be an integer ≥ 1, got {gamma!r}")
+    if name is not None and name not in POLICIES:
+        raise InvalidParameterError(f"unknown gamma policy {name!r}: use one of {', '.join(POLICIES)}")
+
+
+def make_gamma_policy(name: str, gamma: int, costs: CostModel, max_gamma: int = 12) -> GammaPolicy:
+    check_gamma_policy(name, gamma)
     if name == "constant":
         return ConstantGamma(gamma)
     if name == "heuristic":
         return HeuristicGamma(gamma, max_gamma=max(max_gamma, gamma))
-    if name in ("analytic", "auto"):
-        return AnalyticGamma(costs, gamma, max_gamma=max(max_gamma, gamma), may_pause=name == "auto")
-    raise InvalidParameterError(f"unknown gamma policy {name!r}: use one of {', '.join(POLICIES)}")
+    return AnalyticGamma(costs, gamma, max_gamma=max(max_gamma, gamma), may_pause=name == "auto")

@@ -39,6 +39,7 @@ stop string is held back until it cannot, or until the request ends by length or
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 from verispec.control import CostModel, make_gamma_policy
+from verispec.control.gamma import check_gamma_policy
 from verispec.control.plan import Plan
 from verispec.drafters.base import Drafter
 from verispec.errors import InvalidParameterError, PromptError, VerispecError
@@ -98,7 +100,10 @@ class GenerationConfig:
             raise InvalidParameterError(f"max_new_tokens must be an integer ≥ 1, got {self.max_new_tokens!r}")
         if any(not s for s in self.stop):
             raise InvalidParameterError("stop strings must be non-empty")
-        make_gamma_policy(self.gamma_policy or "constant", 1 if self.gamma is None else self.gamma, CostModel())
+        check_gamma_policy(self.gamma_policy, self.gamma)
+
+
+_UNPREPARED = object()  # `Engine.prepare`'s lookup: no drafter built yet (None is plain decoding)
 
 
 class Engine:
@@ -123,16 +128,38 @@ class Engine:
     ):
         self.target, self.drafter, self.drafter_spec = target, drafter, drafter_spec
         self.gamma, self.gamma_policy, self.max_gamma = gamma, gamma_policy, max_gamma
-        make_gamma_policy(gamma_policy, gamma, CostModel(), max_gamma)  # validate now, not mid-request
+        check_gamma_policy(gamma_policy, gamma)  # now, not mid-request
         self.models = models if models is not None else ModelCache(target, frozen=True)
         self.plan: Plan | None = None  # how `load(draft="auto")` chose the drafter and γ
-        self._drafters: dict[str, Drafter | None] = {}
         self._costs: dict[tuple[str, str] | None, CostModel] = {}
+        self._drafters: dict[str, Drafter | None] = {}
+        self._preparing = threading.Lock()  # a server prepares requests' drafters on worker threads
+        self._prepared: dict[tuple[str | None, str], Drafter | None] = {}  # (drafter spec, γ policy) → built, measured
 
     @property
     def costs(self) -> CostModel:
         """The cost model of the engine's own drafter and policy (measured once, then cached on disk)."""
         return self.costs_for(self.drafter, self.gamma_policy)
+
+    def prepare(self, drafter: str | None = None, gamma_policy: str | None = None) -> Drafter | None:
+        """Build the drafter a spec names (None: the engine's own) and measure what the γ policy reads
+        (the target's T(n), the draft model's cost: measured once per CPU kind, then cached), with a
+        progress display, so that a request over it only reads; returns that drafter. `start()`
+        prepares its request; a server prepares the engine at start and each request's drafter on a
+        worker thread before queueing it, never on the thread that steps every request. Raises what
+        `drafter_for` raises."""
+        spec = None if drafter is None or drafter.strip() == self.drafter_spec else drafter.strip()
+        key = (spec, gamma_policy or self.gamma_policy)
+        if (found := self._prepared.get(key, _UNPREPARED)) is not _UNPREPARED:
+            return found  # the request path: a lookup, never the lock a preparing thread holds
+        with self._preparing:
+            if key not in self._prepared:
+                built = self.drafter_for(drafter)
+                self.costs_for(built, key[1])
+                if len(self._prepared) > self.MAX_EXTRA_DRAFTERS:  # the oldest request's drafter first
+                    self._prepared.pop(next((k for k in self._prepared if k[0] is not None), None), None)
+                self._prepared[key] = built
+            return self._prepared[key]
 
     def costs_for(self, drafter: Drafter | None, gamma_policy: str) -> CostModel:
         """T(n) of the target and the draft model's cost, which only the analytic γ policy reads."""
@@ -145,14 +172,20 @@ class Engine:
         return self._costs[key]
 
     def drafter_for(self, spec: str | None) -> Drafter | None:
-        """The engine's drafter (spec None or its own), or the one `spec` names, built once."""
+        """The engine's drafter (spec None or its own), or the one `spec` names, built once (at most
+        MAX_EXTRA_DRAFTERS kept). Raises InvalidParameterError (param "drafter") for a spec that is
+        unknown or names a model this engine has not loaded."""
         if spec is None or spec.strip() == self.drafter_spec:
             return self.drafter
         spec = spec.strip()
         if spec not in self._drafters:
             from verispec.drafters import make_drafter
 
-            drafter = make_drafter(spec, self.target, load=self.models)
+            try:
+                drafter = make_drafter(spec, self.target, load=self.models)
+            except VerispecError as error:
+                error.param = "drafter"  # the field a server names in its 400
+                raise
             if len(self._drafters) >= self.MAX_EXTRA_DRAFTERS:
                 self._drafters.pop(next(iter(self._drafters)))
             self._drafters[spec] = drafter
@@ -186,6 +219,7 @@ class Engine:
         engine has not loaded; its `param` is "drafter").
         """
         config = config or GenerationConfig()
+        self.prepare(config.drafter, config.gamma_policy)  # before the prompt's work: a bad drafter fails first
         return Generation(self, self.prompt_ids(prompt, config.chat), config)
 
     def stream(self, prompt: str | Sequence[int], config: GenerationConfig | None = None) -> Iterator[TokenEvent]:
@@ -293,12 +327,9 @@ class Generation:
         self._closed = False
         self._detok = _Detokenizer(self.target.tokenizer)
 
-        # building a drafter and measuring costs happen once per engine: not part of this request's time
-        try:
-            self.drafter = engine.drafter_for(config.drafter)
-        except VerispecError as error:
-            error.param = "drafter"  # the field a server names in its 400
-            raise
+        # building a drafter and measuring costs happen once per engine, in `Engine.prepare` (here a
+        # lookup once prepared): not part of this request's time
+        self.drafter = engine.prepare(config.drafter, config.gamma_policy)
         self.constraint = Constraint.from_response_format(
             config.response_format, self.target.tokenizer, self.target.vocab_size, self.target.eos_ids)
         policy = config.gamma_policy or engine.gamma_policy

@@ -151,7 +151,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = engine_or_loader if isinstance(engine_or_loader, Engine) else engine_or_loader()
-        engine.costs  # noqa: B018 — measure draft/target costs (analytic γ) now, not inside the first request
+        engine.prepare()  # every measurement the engine's own drafter needs: now, not inside the first request
         app.state.model_name = model_name or engine.target.name
         app.state.created = int(time.time())
         app.state.scheduler = Scheduler(engine, metrics, max_batch, max_queue, request_timeout, prefill_chunk,
@@ -208,6 +208,8 @@ def create_app(
             try:
                 check_request_drafter(body.drafter, scheduler.engine.drafter_spec)
                 config = request_config(body, default_max_tokens, max_tokens_limit)
+                # a drafter of the request's own is built (and its costs measured) here, not on the scheduler's thread
+                await asyncio.to_thread(scheduler.engine.prepare, config.drafter, config.gamma_policy)
                 ids = await asyncio.get_running_loop().run_in_executor(tokenizer_thread, encode, scheduler.engine)
                 if request.app.state.stopping.is_set():  # checked with no await before submit: a stopped scheduler admits none
                     raise ServerStoppingError()
