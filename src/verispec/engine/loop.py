@@ -420,8 +420,9 @@ class Generation:
         return shape_of(self.session.propose(self.ids, gamma, self.params, self.generator)).cut(gamma, most)
 
     def plan(self) -> StepPlan:
-        """Draft this step's tokens and say what the target must score."""
-        self.prefill_step()  # a prefill left unfinished: the rest of it now
+        """Draft this step's tokens and say what the target must score (after the prefill: `prefilled`)."""
+        if not self.prefilled:
+            raise VerispecError("plan() needs the whole prompt prefilled: call prefill_step() until it returns True")
         remaining = self.max_new - len(self.output_ids)
         gamma = min(self.policy.next_gamma(), remaining - 1) if self.session is not None else 0
         start = time.perf_counter()
