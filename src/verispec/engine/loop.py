@@ -48,8 +48,9 @@ import torch
 from verispec.control import CostModel, make_gamma_policy
 from verispec.control.plan import Plan
 from verispec.drafters.base import Drafter
-from verispec.errors import InvalidParameterError, PromptError, VerispecError
-from verispec.models.loading import LoadedModel, ModelCache
+from verispec.errors import InvalidParameterError, VerispecError
+from verispec.models.loading import ModelCache
+from verispec.models.runner import LoadedModel
 from verispec.sampling.grammar import Constraint, check_response_format
 from verispec.sampling.processors import MAX_TOP_LOGPROBS, SamplingParams, greedy_tokens, seen_mask, to_probs, token_logprobs
 from verispec.tokentree import ancestor_mask, check_parents, depths, is_chain, keep_nodes, tree_attention_mask
@@ -124,6 +125,8 @@ class Engine:
         drafter_spec: str | None = None,
         models: ModelCache | None = None,
     ):
+        if drafter is not None:
+            drafter.check_target(target)  # a drafter the target cannot verify is refused now, not at its first step
         self.target, self.drafter, self.drafter_spec = target, drafter, drafter_spec
         self.gamma, self.gamma_policy, self.max_gamma = gamma, gamma_policy, max_gamma
         make_gamma_policy(gamma_policy, gamma, CostModel(), max_gamma)  # validate now, not mid-request
@@ -156,28 +159,16 @@ class Engine:
             from verispec.drafters import make_drafter
 
             drafter = make_drafter(spec, self.target, load=self.models)
+            if drafter is not None:
+                drafter.check_target(self.target)
             if len(self._drafters) >= self.MAX_EXTRA_DRAFTERS:
                 self._drafters.pop(next(iter(self._drafters)))
             self._drafters[spec] = drafter
         return self._drafters[spec]
 
     def prompt_ids(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt.strip():
-                raise PromptError("the prompt is empty: give some text to continue")
-            ids = self.target.encode_prompt(prompt, chat)
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise PromptError("the prompt has no tokens: give some text to continue")
-        if len(ids) >= self.target.context_length:
-            raise PromptError(
-                f"the prompt has {len(ids)} tokens but {self.target.name} has a context of "
-                f"{self.target.context_length}: shorten the prompt to leave room for new tokens"
-            )
-        if max(ids) >= self.target.vocab_size or min(ids) < 0:
-            raise PromptError(f"prompt token ids must lie in [0, {self.target.vocab_size})")
-        return ids
+        """The target's checked token ids for `prompt` (`LoadedModel.prompt_ids`)."""
+        return self.target.prompt_ids(prompt, chat)
 
     def start(self, prompt: str | Sequence[int], config: GenerationConfig | None = None) -> Generation:
         """Open a request: prefill the target's (and the drafter's) cache and return its `Generation`,
