@@ -9,7 +9,8 @@ from conftest import make_tiny_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from verispec.models.loading import LoadedModel, load_model
+from verispec.models.loading import load_model
+from verispec.models.runner import LoadedModel
 
 CHARS = list('{}":,[]?-.') + [str(d) for d in range(10)] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
 VOCAB = ["</s>"] + CHARS  # 47 tokens; the model's logits are 48 wide (one padding row, never allowed)

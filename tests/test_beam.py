@@ -7,7 +7,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from verispec.errors import InvalidParameterError, PromptError
-from verispec.models.loading import LoadedModel
+from verispec.models.runner import LoadedModel
 from verispec.models.transformer import Transformer
 from verispec.engine.beam import beam_search
 

@@ -17,9 +17,8 @@ from collections.abc import Callable
 
 import torch
 
-from verispec.models.loading import LoadedModel
+from verispec.models.runner import LoadedModel, Runner
 from verispec.paths import cache_dir, cpu_flags
-from verispec.models.runner import Runner
 from verispec.progress import status
 
 __all__ = ["CostModel", "measure_verify_curve", "prefill_seconds_per_token"]
@@ -77,8 +76,8 @@ def _cached(key: str, needed: int, measure: Callable[[], list[float]]) -> list[f
 
 def _runner_key(runner: Runner, folder: str) -> str:
     """What a runner's timings depend on: model, variant, dtype, threads and CPU kind."""
-    variant = getattr(runner, "variant", "")  # a derived draft (fewer layers, int8, …) is timed on its own
-    if getattr(runner, "compiled", False):  # the C++ decoder stack changes the curve: timed apart
+    variant = runner.variant  # a derived draft (fewer layers, int8, …) is timed on its own
+    if runner.compiled:  # the C++ decoder stack changes the curve: timed apart
         variant += ",compiled"
     return f"{folder}{variant}|{runner.dtype}|threads={torch.get_num_threads()}|cpu={_cpu_key()}"
 

@@ -52,7 +52,8 @@ from verispec.drafters.stand import StandDrafter
 from verispec.drafters.tree import ExpansionDrafter, MergeDrafter
 from verispec.drafters.triforce import TriForceDrafter, make_triforce
 from verispec.errors import InvalidParameterError
-from verispec.models.loading import LoadedModel, ModelLoader, load_model
+from verispec.models.loading import ModelLoader, load_model
+from verispec.models.runner import LoadedModel
 from verispec.models.variants import derive_model
 
 __all__ = [

@@ -20,6 +20,9 @@ model, tree expansion, vertical cascade): it prefills the cache, feeds it the co
 lacks, rolls it back to the committed prefix after verification and releases it at the end.
 `ComposedSession` is the base of sessions built from other drafters' sessions (merge, horizontal
 cascade, hybrid): commit, observe and finish reach every part.
+
+A drafter whose drafts may be token trees says so (`drafts_trees`); `check_target` refuses it for a
+target whose runner scores chains only (`Runner.supports_trees`), when an engine takes it.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ from collections.abc import Sequence
 import torch
 
 from verispec.drafters.prefix import common_prefix_length
-from verispec.models.loading import LoadedModel
-from verispec.models.runner import Cache
+from verispec.errors import InvalidParameterError
+from verispec.models.runner import Cache, LoadedModel
 from verispec.sampling.processors import SamplingParams
 from verispec.types import Draft
 
@@ -71,6 +74,18 @@ class DraftSession(ABC):
 class Drafter(ABC):
     name: str = "drafter"
     model: LoadedModel | None = None  # the draft model whose forward passes are the drafting cost (None: model-free, c = 0)
+    drafts_trees: bool = False  # whether a draft may be a token tree (the target verifies it with a tree mask)
+
+    def check_target(self, target: LoadedModel) -> None:
+        """Refuse a target that cannot verify this drafter's drafts (token trees on a runner that scores
+        chains only), with an error that says what to use instead. The engine calls it when it takes
+        the drafter, so the refusal comes at load, not at the first step."""
+        if self.drafts_trees and not target.runner.supports_trees:
+            raise InvalidParameterError(
+                f"the {self.name} drafter drafts token trees, which {target.name} cannot verify: its runner "
+                f"({target.precision}, model type {target.runner.config.model_type!r}) scores chains only; "
+                "use a chain drafter (model, ngram, hybrid, …)"
+            )
 
     @abstractmethod
     def start(self, prompt_ids: list[int]) -> DraftSession:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from verispec.drafters.base import ComposedSession, Drafter, DraftSession, ModelSession
 from verispec.errors import InvalidParameterError
-from verispec.models.loading import LoadedModel
+from verispec.models.runner import LoadedModel
 from verispec.sampling.processors import SamplingParams, score_rows
 from verispec.types import Draft
 from verispec.verify import verify_greedy, verify_sampled

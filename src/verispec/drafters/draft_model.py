@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from verispec.drafters.base import Drafter, DraftSession, ModelSession
-from verispec.models.loading import LoadedModel
+from verispec.models.runner import LoadedModel
 from verispec.sampling.processors import SamplingParams, greedy_tokens, penalty_seen, to_probs
 from verispec.sampling.samplers import multinomial
 from verispec.types import Draft

@@ -15,7 +15,7 @@ from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.ngram import NgramDrafter
 from verispec.drafters.prefix import common_prefix_length
 from verispec.errors import InvalidParameterError
-from verispec.models.loading import LoadedModel
+from verispec.models.runner import LoadedModel
 
 __all__ = ["HybridDrafter"]
 

@@ -41,7 +41,8 @@ import torch.nn.functional as F
 
 from verispec.drafters.base import Drafter, DraftSession
 from verispec.drafters.draft_model import DraftModelDrafter
-from verispec.models.loading import LoadedModel, require_own_runner
+from verispec.models.loading import require_own_runner
+from verispec.models.runner import LoadedModel
 from verispec.paths import cache_dir
 from verispec.types import AcceptanceStats
 
@@ -59,6 +60,11 @@ class LowRankHead:
         self.B = torch.zeros(self.out_features, rank)  # [vocab, rank]
         self.bias = None
         self.tap: list[torch.Tensor] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """The base head's bytes and the correction's (float32 A and B)."""
+        return self.base.nbytes + (self.A.numel() + self.B.numel()) * self.A.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [rows, hidden] -> [rows, vocab]
         if self.tap is not None:

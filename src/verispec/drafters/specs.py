@@ -28,8 +28,9 @@ from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.ngram import NgramDrafter
 from verispec.errors import InvalidParameterError
 from verispec.models.int8 import int8_available
-from verispec.models.loading import LoadedModel, ModelLoader, check_compatible, load_model, tokenizer_problems
+from verispec.models.loading import ModelLoader, check_compatible, load_model, tokenizer_problems
 from verispec.models.registry import default_draft_for
+from verispec.models.runner import LoadedModel
 from verispec.models.variants import derive_model
 
 __all__ = [

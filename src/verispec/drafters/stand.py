@@ -114,6 +114,7 @@ class StandDrafter(Drafter):
             paths = searched_shape(nodes) if nodes else level_paths(k, depth, wide)
         self.paths = check_paths(paths)
         self.fanout = fanouts(self.paths)
+        self.drafts_trees = any(children > 1 for children in self.fanout.values())
         shape = f"nodes={len(self.paths)}" if nodes or paths is not None else f"k={k},depth={depth}"
         self.name = f"stand:max_n={self.table.max_n},{shape}"
 

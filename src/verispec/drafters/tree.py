@@ -21,7 +21,7 @@ from verispec.drafters.branching import TreeBuilder, choose_children, node_distr
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.ngram import NgramDrafter
 from verispec.errors import InvalidParameterError
-from verispec.models.loading import LoadedModel
+from verispec.models.runner import LoadedModel
 from verispec.sampling.processors import penalty_seen
 from verispec.tokentree import ancestor_mask, depths
 from verispec.types import Draft
@@ -36,6 +36,12 @@ class ExpansionDrafter(Drafter):
         self.model, self.target_vocab_size = model, target_vocab_size
         self.shape = static_shape(k, depth, wide)
         self.name = f"tree:k={k},depth={depth},wide={wide}"
+        self.drafts_trees = any(children > 1 for children in self.shape)
+        if not model.runner.supports_trees:  # each depth is one tree-masked forward of the draft model
+            raise InvalidParameterError(
+                f"the tree drafter expands a token tree with its draft model, and {model.name}'s runner ({model.precision}, "
+                f"model type {model.runner.config.model_type!r}) scores chains only: use another draft model or a chain drafter"
+            )
 
     def start(self, prompt_ids: list[int]) -> DraftSession:
         return _ExpansionSession(self, prompt_ids)
@@ -85,6 +91,8 @@ class _ExpansionSession(ModelSession):
 
 class MergeDrafter(Drafter):
     """Several drafters' chains merged into one token tree (by default: draft model + n-gram)."""
+
+    drafts_trees = True
 
     def __init__(self, drafters: list[Drafter], target_vocab_size: int):
         if not drafters:

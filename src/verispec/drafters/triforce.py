@@ -21,9 +21,9 @@ import torch
 from verispec.drafters.base import Drafter, DraftSession
 from verispec.drafters.draft_model import sample_chain
 from verispec.errors import InvalidParameterError
-from verispec.models.loading import LoadedModel, require_own_runner
+from verispec.models.loading import require_own_runner
 from verispec.models.retrieval_cache import SparseCache, build_retrieval_cache
-from verispec.models.transformer import KVCache
+from verispec.models.runner import Cache, LoadedModel
 from verispec.sampling.processors import score_rows
 from verispec.types import Draft
 from verispec.verify import verify_greedy, verify_sampled
@@ -99,7 +99,7 @@ class _TriForceSession(DraftSession):
         self.level2: SparseCache | None = None
         self.prompt_len = len(prompt_ids)
 
-    def attach_target_cache(self, cache: KVCache) -> None:
+    def attach_target_cache(self, cache: Cache) -> None:
         d = self.drafter
         self.level2 = build_retrieval_cache(d.target.runner, cache, d.chunk, d.budget, d.recent)
 

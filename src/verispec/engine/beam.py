@@ -23,9 +23,10 @@ Differences from HF, all on edge cases: HF starts with k copies of the prompt (k
 prompt beam and keeps fewer live beams when fewer continuations exist. Generation is also capped at
 the model's context length.
 
-Caches: one `KVCache` per live beam. After selection, a source beam's cache is handed to its first
-child as is and cloned (valid slots only) for any further child; each child then runs its one new
-token (k single-token forwards per step; the runner has no batch dimension).
+Caches: one per live beam. After selection, a source beam's cache is handed to its first child as is
+and cloned (`Cache.clone`) for any further child; a source with no child releases its cache. Each
+child then runs its one new token (k single-token forwards per step; the runner has no batch
+dimension). Beam search runs on verispec's own runner and refuses the others (`require_own_runner`).
 """
 
 from __future__ import annotations
@@ -36,9 +37,8 @@ from dataclasses import dataclass
 import torch
 
 from verispec.errors import InvalidParameterError
-from verispec.models.loading import LoadedModel, require_own_runner
-from verispec.models.transformer import KVCache, Transformer
-from verispec.engine.loop import Engine
+from verispec.models.loading import require_own_runner
+from verispec.models.runner import Cache, LoadedModel
 
 __all__ = ["BeamResult", "beam_search"]
 
@@ -65,26 +65,17 @@ def _validate(num_beams: int, max_new_tokens: int, length_penalty: float) -> Non
         raise InvalidParameterError(f"length_penalty must be a finite number, got {length_penalty!r}")
 
 
-def _checked_prompt(model: LoadedModel, prompt_ids: list[int]) -> list[int]:
-    return Engine(model).prompt_ids(prompt_ids)
-
-
-def _clone(runner: Transformer, cache: KVCache) -> KVCache:
-    """A copy of the cache's valid slots, with the same capacity."""
-    copy = runner.new_cache(cache.capacity)
-    copy.keys[:, :, : cache.length] = cache.keys[:, :, : cache.length]
-    copy.values[:, :, : cache.length] = cache.values[:, :, : cache.length]
-    copy.length = cache.length
-    return copy
-
-
-def _reorder(runner: Transformer, caches: list[KVCache], sources: list[int]) -> list[KVCache]:
-    """Caches for the new beams: the first child of a source takes its cache, later ones a clone."""
+def _reorder(caches: list[Cache], sources: list[int]) -> list[Cache]:
+    """Caches for the new beams: the first child of a source takes its cache, later ones a clone; the
+    caches of sources without a child are released."""
     taken: set[int] = set()
     new = []
     for source in sources:
-        new.append(caches[source] if source not in taken else _clone(runner, caches[source]))
+        new.append(caches[source] if source not in taken else caches[source].clone())
         taken.add(source)
+    for source, cache in enumerate(caches):
+        if source not in taken:
+            cache.release()
     return new
 
 
@@ -114,7 +105,7 @@ def beam_search(
     """Beam search with the target model alone; see the module docstring for the exact rules."""
     _validate(num_beams, max_new_tokens, length_penalty)
     require_own_runner(model, "beam search")
-    prompt = _checked_prompt(model, prompt_ids)
+    prompt = model.prompt_ids(prompt_ids)
     runner = model.runner
     max_new = min(max_new_tokens, model.context_length - len(prompt))
     eos = model.eos_ids
@@ -127,34 +118,38 @@ def beam_search(
     sums = torch.zeros(1)  # [live] float32 running sums of log-probabilities
     finished: list[_Hypothesis] = []
 
-    for step in range(1, max_new + 1):
-        last = step == max_new
-        totals = (torch.log_softmax(logits, dim=-1) + sums[:, None]).flatten()  # [live * vocab]
-        top_sums, top_index = torch.topk(totals, min(keep, totals.numel()))  # [K'] sorted descending
-        penalised = (top_sums / step**length_penalty).tolist()
-        vocab = logits.shape[-1]
+    try:
+        for step in range(1, max_new + 1):
+            last = step == max_new
+            totals = (torch.log_softmax(logits, dim=-1) + sums[:, None]).flatten()  # [live * vocab]
+            top_sums, top_index = torch.topk(totals, min(keep, totals.numel()))  # [K'] sorted descending
+            penalised = (top_sums / step**length_penalty).tolist()
+            vocab = logits.shape[-1]
 
-        new_hyps, sources, next_beams, next_sums = [], [], [], []
-        for rank, (index, total) in enumerate(zip(top_index.tolist(), top_sums.tolist())):
-            source, token = divmod(index, vocab)
-            tokens = beams[source] + [token]
-            if last or token in eos:
-                if rank < num_beams:
-                    new_hyps.append(_Hypothesis(tokens, penalised[rank]))
-            elif len(next_beams) < num_beams:
-                sources.append(source)
-                next_beams.append(tokens)
-                next_sums.append(total)
-        finished = _add_hypotheses(finished, new_hyps, num_beams)
+            new_hyps, sources, next_beams, next_sums = [], [], [], []
+            for rank, (index, total) in enumerate(zip(top_index.tolist(), top_sums.tolist())):
+                source, token = divmod(index, vocab)
+                tokens = beams[source] + [token]
+                if last or token in eos:
+                    if rank < num_beams:
+                        new_hyps.append(_Hypothesis(tokens, penalised[rank]))
+                elif len(next_beams) < num_beams:
+                    sources.append(source)
+                    next_beams.append(tokens)
+                    next_sums.append(total)
+            finished = _add_hypotheses(finished, new_hyps, num_beams)
 
-        if last or not next_beams:
-            break
-        if _cannot_improve(finished, next_sums[0], step, num_beams, length_penalty):
-            break
-        caches = _reorder(runner, caches, sources)
-        beams, sums = next_beams, torch.tensor(next_sums)
-        # one single-token forward per live beam -> [live, vocab]
-        logits = torch.cat([runner.forward(c, torch.tensor(b[-1:]), logits="last") for c, b in zip(caches, beams)])
+            if last or not next_beams:
+                break
+            if _cannot_improve(finished, next_sums[0], step, num_beams, length_penalty):
+                break
+            caches = _reorder(caches, sources)
+            beams, sums = next_beams, torch.tensor(next_sums)
+            # one single-token forward per live beam -> [live, vocab]
+            logits = torch.cat([runner.forward(c, torch.tensor(b[-1:]), logits="last") for c, b in zip(caches, beams)])
+    finally:
+        for cache in caches:
+            cache.release()
 
     best = finished[0]
     reason = "stop" if best.tokens[-1] in eos else "length"

@@ -12,8 +12,9 @@ from verispec.drafters import make_drafter
 from verispec.drafters.base import Drafter
 from verispec.engine.loop import Engine
 from verispec.models.linear import VERIFY_ROWS
-from verispec.models.loading import LoadedModel, ModelCache, parse_precision
+from verispec.models.loading import ModelCache, parse_precision
 from verispec.models.registry import DEFAULT_TARGET, SHIPPED_MODELS
+from verispec.models.runner import LoadedModel
 
 __all__ = ["AUTO", "EngineBuilder", "auto_precision", "load"]
 

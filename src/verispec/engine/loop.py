@@ -50,10 +50,11 @@ from verispec.control import CostModel, make_gamma_policy
 from verispec.control.gamma import check_gamma_policy
 from verispec.control.plan import Plan
 from verispec.drafters.base import Drafter
-from verispec.errors import InvalidParameterError, PromptError, VerispecError
-from verispec.models.loading import LoadedModel, ModelCache
-from verispec.sampling.grammar import Constraint, check_response_format
 from verispec.engine.shapes import Chain, shape_of
+from verispec.errors import InvalidParameterError, VerispecError
+from verispec.models.loading import ModelCache
+from verispec.models.runner import LoadedModel
+from verispec.sampling.grammar import Constraint, check_response_format
 from verispec.sampling.processors import MAX_TOP_LOGPROBS, SamplingParams, Scores, score_rows, token_logprobs
 from verispec.types import Draft, GenerationResult, GenerationStats, Origin, StepRecord, TokenEvent, TokenLogprobs
 
@@ -126,6 +127,8 @@ class Engine:
         drafter_spec: str | None = None,
         models: ModelCache | None = None,
     ):
+        if drafter is not None:
+            drafter.check_target(target)  # a drafter the target cannot verify is refused now, not at its first step
         self.target, self.drafter, self.drafter_spec = target, drafter, drafter_spec
         self.gamma, self.gamma_policy, self.max_gamma = gamma, gamma_policy, max_gamma
         check_gamma_policy(gamma_policy, gamma)  # now, not mid-request
@@ -183,6 +186,8 @@ class Engine:
 
             try:
                 drafter = make_drafter(spec, self.target, load=self.models)
+                if drafter is not None:
+                    drafter.check_target(self.target)
             except VerispecError as error:
                 error.param = "drafter"  # the field a server names in its 400
                 raise
@@ -192,22 +197,8 @@ class Engine:
         return self._drafters[spec]
 
     def prompt_ids(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt.strip():
-                raise PromptError("the prompt is empty: give some text to continue")
-            ids = self.target.encode_prompt(prompt, chat)
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise PromptError("the prompt has no tokens: give some text to continue")
-        if len(ids) >= self.target.context_length:
-            raise PromptError(
-                f"the prompt has {len(ids)} tokens but {self.target.name} has a context of "
-                f"{self.target.context_length}: shorten the prompt to leave room for new tokens"
-            )
-        if max(ids) >= self.target.vocab_size or min(ids) < 0:
-            raise PromptError(f"prompt token ids must lie in [0, {self.target.vocab_size})")
-        return ids
+        """The target's checked token ids for `prompt` (`LoadedModel.prompt_ids`)."""
+        return self.target.prompt_ids(prompt, chat)
 
     def start(self, prompt: str | Sequence[int], config: GenerationConfig | None = None) -> Generation:
         """Open a request: prefill the target's (and the drafter's) cache and return its `Generation`,

@@ -14,42 +14,31 @@ How the protocol maps onto transformers:
 - a chain is fed as HF feeds it (its own causal / sliding masks, consecutive positions);
 - a token tree is fed with per-node `position_ids` and a 4-D additive mask [1, 1, n, past + n]
   per attention kind (a dict {layer type: mask} when the model mixes full and sliding-window
-  layers, as Gemma 3 does). Whether the architecture honours such a mask is checked once, on first
-  use, by scoring a two-leaf tree against the chains it stands for (`supports_trees`); one that
-  does not runs chains only, and a tree fed to it raises an error saying so.
+  layers, as Gemma 3 does). Whether the architecture honours such a mask is checked once, when the
+  runner is built, by scoring a two-leaf tree against the chains it stands for (`supports_trees`);
+  one that does not runs chains only: a tree drafter is refused when an engine takes it, and a tree
+  fed to `forward` raises an error saying so.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
-from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 
 import torch
 
 from verispec.errors import InvalidParameterError, ModelNotFoundError, PromptError
-from verispec.models.runner import ragged_rows
+from verispec.models.runner import RunnerConfig, ragged_rows, tensor_bytes
 
-__all__ = ["HFCache", "HFConfig", "HFRunner"]
+__all__ = ["HFCache", "HFRunner"]
 
 # Layer kinds whose cache is keys/values per position (what crop and gather work on); a layer with a
 # recurrent or convolution state (Mamba, linear attention) cannot be rolled back this way.
 ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 # Layer kinds a tree mask can be built for (chunked attention's chunk boundaries are not modelled).
 TREE_TYPES = ("full_attention", "sliding_attention")
-
-
-@dataclass(frozen=True)
-class HFConfig:
-    """What callers read of a runner's configuration (the names of `ModelConfig`)."""
-
-    model_type: str
-    vocab_size: int
-    num_layers: int
-    max_position_embeddings: int
-    dtype: torch.dtype
 
 
 class HFCache:
@@ -93,6 +82,13 @@ class HFCache:
             layer.values = layer.values.index_select(-2, index)
         self.length = start + len(slots)
 
+    @torch.inference_mode()
+    def clone(self) -> HFCache:
+        """An independent copy (every layer's keys/values copied)."""
+        twin = HFCache(self.runner)
+        twin.kv, twin.length = copy.deepcopy(self.kv), self.length
+        return twin
+
     def release(self) -> None:
         """Drop the keys/values (the object may be reused as an empty cache)."""
         self.truncate(0)
@@ -105,10 +101,10 @@ class HFRunner:
     model_type: the folder's `config.json` model type (for messages and `config`).
     """
 
-    quant = None
-    compiled = False
-    row_invariant = False
     variant = ",hf"
+    compiled = False  # transformers' own modules run
+    linear_bytes = None  # not told apart from the other weights
+    cache_bytes_per_position = None  # a DynamicCache grows by what is fed
 
     def __init__(self, model, model_type: str | None = None):
         from transformers.cache_utils import get_layer_types_and_kwargs
@@ -119,7 +115,7 @@ class HFRunner:
         self.device = next(model.parameters()).device
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
         odd = sorted(set(layer_types) - set(ATTENTION_TYPES))
-        model_type = model_type or getattr(model.config, "model_type", "?")
+        model_type = model_type or getattr(model.config, "model_type", "?")  # getattr: a transformers config, not ours
         if odd:
             raise ModelNotFoundError(
                 f"model type {model_type!r} has {', '.join(odd)} layers, whose state cannot be rolled back by the "
@@ -129,13 +125,18 @@ class HFRunner:
         self._cache_keyword = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
         # per layer kind, the sliding window a tree mask must apply (None: full attention)
         self._windows = {kind: kwargs.get("sliding_window") for kind, kwargs in zip(layer_types, layer_kwargs)}
-        self.config = HFConfig(
+        heads = int(text.num_attention_heads)
+        # getattr: a transformers config, whose optional fields differ by architecture (absent: HF's own defaults)
+        self.config = RunnerConfig(
             model_type=model_type,
             vocab_size=int(text.vocab_size),
-            num_layers=int(text.num_hidden_layers),
             max_position_embeddings=int(getattr(text, "max_position_embeddings", None) or 4096),
-            dtype=self.dtype,
+            num_layers=int(text.num_hidden_layers),
+            num_heads=heads,
+            num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
         )
+        self.supports_trees = self._scores_trees()  # measured now: a tree drafter is refused at load, not mid-request
 
     @classmethod
     def from_folder(cls, folder: str | Path, dtype: torch.dtype = torch.float32) -> HFRunner:
@@ -155,6 +156,16 @@ class HFRunner:
             if bars:
                 hf_logging.enable_progress_bar()
         return cls(model, model_type)
+
+    # -- declared capabilities (the runner protocol, `models/runner.py`) ---------------------------
+    @property
+    def precision(self) -> str:
+        return "hf" if self.dtype == torch.float32 else "hf-bfloat16"
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the module's parameters and buffers (a tied head counted once)."""
+        return tensor_bytes([*self.model.parameters(), *self.model.buffers()])
 
     @property
     def exact_positions(self) -> int | None:
@@ -244,8 +255,7 @@ class HFRunner:
             masks[kind] = additive[None, None].to(self.device)  # [1, 1, n, past+n]
         return next(iter(masks.values())) if len(masks) == 1 else masks
 
-    @cached_property
-    def supports_trees(self) -> bool:
+    def _scores_trees(self) -> bool:
         """Whether this architecture scores a token tree correctly: a root with two leaves, fed as one
         tree after a one-token prefix, must give each leaf the logits its own chain gives (a model that
         drops the custom mask lets the second leaf see the first; one that drops the positions shifts it)."""

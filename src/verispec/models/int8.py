@@ -54,7 +54,7 @@ def int8_available() -> bool:
     """Whether this torch build has the fbgemm kernel (else `Int8Linear` runs its float64 fallback)."""
     return (
         "fbgemm" in torch.backends.quantized.supported_engines
-        and hasattr(torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32")
+        and hasattr(torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32")  # a torch op this build may lack
     )
 
 

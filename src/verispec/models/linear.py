@@ -42,6 +42,7 @@ VERIFY_ROWS = 4  # the rows a verifying target packs for (BENCHMARKS.md#avx2-ver
 
 
 def packing_available() -> bool:
+    # hasattr: a torch op this build may lack
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
@@ -52,6 +53,8 @@ class PackedLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True, rows: int = 1):
         self.out_features, self.in_features = weight.shape
         self.bias = bias.contiguous() if bias is not None else None
+        # bytes as stored, packed or not (the weights every call reads)
+        self.nbytes = (weight.numel() + (bias.numel() if bias is not None else 0)) * weight.element_size()
         big = weight.numel() >= MIN_PACKED_WEIGHTS
         self.row_invariant = rows > 1  # packed whatever its size, and never called with a single row
         self.packed = pack and (big or self.row_invariant) and weight.device.type == "cpu" and packing_available()

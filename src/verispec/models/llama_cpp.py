@@ -43,17 +43,16 @@ import hashlib
 import json
 import threading
 from collections import deque
-from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from verispec.errors import InvalidParameterError, PromptError, VerispecError
+from verispec.models.runner import RunnerConfig
 from verispec.paths import cache_dir, cpu_flags
 
-__all__ = ["WINDOW", "LlamaCppCache", "LlamaCppConfig", "LlamaCppRunner", "context_size", "exact_width", "require_llama_cpp"]
+__all__ = ["WINDOW", "LlamaCppCache", "LlamaCppRunner", "context_size", "exact_width", "require_llama_cpp"]
 
 CELL_GRANULE = 256  # llama.cpp pads the attended cells to a multiple of this (llama_kv_cache::get_n_kv)
 # from this many attended cells ggml's flash attention splits a one-row decode over its threads
@@ -92,16 +91,6 @@ def _init_backend(llama_cpp) -> None:
             set_verbose(False)  # llama.cpp's own log: errors only
             llama_cpp.llama_backend_init()
             _backend_ready = True
-
-
-@dataclass(frozen=True)
-class LlamaCppConfig:
-    """What callers read of a runner's configuration (the same names as `ModelConfig`)."""
-
-    model_type: str
-    vocab_size: int
-    num_layers: int
-    max_position_embeddings: int  # the context one request may use (the shared window, at most)
 
 
 IDLE_CONTEXTS = 4  # idle per-request contexts a runner keeps for the next requests (the rest are freed)
@@ -250,6 +239,19 @@ class LlamaCppCache:
         self._drop_tree()
         self.length = start + kept
 
+    def clone(self) -> LlamaCppCache:
+        """An independent copy: a sequence of its own holding the same keys/values (copied within a
+        shared context; in a context of its own otherwise, as a cache moving to a larger one is)."""
+        if self.tree_seqs:
+            raise ValueError("cannot clone a cache while it holds a token tree: keep or truncate it first")
+        twin = self.runner.new_cache(self.length)
+        if twin.context is self.context:
+            self.context.seq_cp(self.seq, twin.seq, 0, self.length)
+        elif self.length:
+            twin.context.load(self.context.export(self.seq), twin.seq)
+        twin.length = self.length
+        return twin
+
     def tree_sequences(self, tree_mask: torch.Tensor) -> list[tuple[int, ...]]:
         """Per fed node of a token tree, the leaf sequences it belongs to; each leaf first gets the prefix."""
         self._drop_tree()
@@ -296,6 +298,8 @@ class LlamaCppRunner:
 
     def __init__(self, gguf: str | Path, threads: int | None = None, window: int = WINDOW, max_sequences: int = 256,
                  batch: int = 512, exact: bool = True):
+        self._shared: _Context | None = None  # first: `__del__` closes these even when loading fails
+        self._idle: list[_Context] = []  # per-request contexts waiting for their next request
         llama_cpp = require_llama_cpp()
         from llama_cpp._internals import LlamaModel
 
@@ -306,22 +310,27 @@ class LlamaCppRunner:
         self.model = self._model.model
         self.window = context_size(llama_cpp.llama_model_n_ctx_train(self.model), window)
         self.vocab = vocab = self._model.vocab
-        self.config = LlamaCppConfig(
-            model_type=self._metadata("general.architecture") or "?",
+        architecture = self._metadata("general.architecture") or "?"
+        heads = llama_cpp.llama_model_n_head(self.model)
+        key_length = self._metadata(f"{architecture}.attention.key_length")  # a head's size where it is not embedding / heads
+        self.config = RunnerConfig(
+            model_type=architecture,
             vocab_size=llama_cpp.llama_vocab_n_tokens(vocab),
+            max_position_embeddings=self.window,  # the context one request may use (the shared window, at most)
             num_layers=llama_cpp.llama_model_n_layer(self.model),
-            max_position_embeddings=self.window,
+            num_heads=heads,
+            num_kv_heads=llama_cpp.llama_model_n_head_kv(self.model),
+            head_dim=int(key_length) if key_length else llama_cpp.llama_model_n_embd(self.model) // heads,
         )
         self.exact = exact
-        self.quant = "gguf" if exact else "gguf-wide"  # the precision name
-        self.variant = ",gguf" if exact else ",gguf-wide"
+        self.precision = "gguf" if exact else "gguf-wide"
+        self.variant = "," + self.precision
+        self._exact_widths: tuple[int, int] | None = None  # (short, long), set by `measure_exact_widths`
         self._shared = None if exact else _Context(self, self.window, max_sequences, shared=True)
-        self._idle: list[_Context] = []  # per-request contexts waiting for their next request
         self._dropped: deque[tuple[_Context, list[int]]] = deque()  # caches dropped without release()
 
     def __del__(self):
-        # getattr: a constructor that failed (no model file) leaves a runner without these
-        for context in [*getattr(self, "_idle", []), getattr(self, "_shared", None)]:
+        for context in [*self._idle, self._shared]:
             if context is not None:
                 context.close()
 
@@ -336,21 +345,43 @@ class LlamaCppRunner:
         ids = {self.llama_cpp.llama_vocab_eos(self.vocab), self.llama_cpp.llama_vocab_eot(self.vocab)}
         return {i for i in ids if i >= 0}
 
-    @cached_property
+    # -- declared capabilities (the runner protocol, `models/runner.py`) ---------------------------
+    supports_trees = True  # each leaf a sequence sharing the prefix (see the module docstring)
+    compiled = False  # ggml is what runs: no Python-level decoder stack to tell apart
+    linear_bytes = None  # ggml's quantized blocks: only the file's size is known
+    cache_bytes_per_position = None  # llama.cpp sizes its KV cells itself
+
+    @property
+    def weight_bytes(self) -> int:
+        """The GGUF file's size: llama.cpp maps its tensors from it."""
+        return self.path.stat().st_size
+
+    def measure_exact_widths(self) -> tuple[int | None, int | None]:
+        """Measure both exact widths now (or read them from the cache): the loader calls it, so that no
+        request waits for it, and reading `exact_positions` never measures."""
+        if self.exact and self._exact_widths is None:
+            self._exact_widths = exact_width(self), exact_width(self, context=SPLIT_ATTENTION_CELLS)
+        return self.exact_positions, self.exact_positions_long
+
+    def _widths(self) -> tuple[int | None, int | None]:
+        if not self.exact:
+            return None, None
+        if self._exact_widths is None:
+            raise VerispecError("the exact verification widths of this GGUF runner are not measured yet: call "
+                                "measure_exact_widths() after building it (load_model does)")
+        return self._exact_widths
+
+    @property
     def exact_positions(self) -> int | None:
         """With `exact`: the most positions one pass scores bit for bit as single-token steps would
         while a cache is short (`exact_width`, measured once per file, threads and CPU kind); None without."""
-        return exact_width(self) if self.exact else None
+        return self._widths()[0]
 
-    @cached_property
+    @property
     def exact_positions_long(self) -> int | None:
         """`exact_positions` once single-token steps attend SPLIT_ATTENTION_CELLS cells or more
         (measured after a context that long)."""
-        return exact_width(self, context=SPLIT_ATTENTION_CELLS) if self.exact else None
-
-    def measure_exact_widths(self) -> tuple[int | None, int | None]:
-        """Both exact widths, measured now (or read from the cache), so that no request waits for them."""
-        return self.exact_positions, self.exact_positions_long
+        return self._widths()[1]
 
     def exact_positions_after(self, length: int) -> int | None:
         """`exact_positions` while every single-token step of the pass would attend fewer than

@@ -1,7 +1,7 @@
 """Turn a model spec (shipped name, Hugging Face folder, or .gguf path) into a ready model.
 
-A `LoadedModel` bundles the runner (`Transformer`), the tokenizer, the stop ids and the context
-length. `tokenizer_problems` says whether a draft shares the target's tokenizer (a draft that does
+`load_model` builds a `LoadedModel` (`models/runner.py`): the runner of one of three backends, the
+tokenizer and the stop ids. `tokenizer_problems` says whether a draft shares the target's tokenizer (a draft that does
 not is run by `drafters/cross_vocab.py`; `check_compatible` refuses it where token ids must agree). A
 `ModelCache` loads each (spec, dtype) once; a server freezes it so a request can pick another
 drafter built from the models already in memory, never make it read new weights.
@@ -44,14 +44,14 @@ from verispec.models.linear import VERIFY_ROWS
 from verispec.models.registry import (
     SHIPPED_MODELS, convert_gguf, gguf_file, gguf_tokenizer_folder, prepare_shipped_model,
 )
-from verispec.models.runner import Runner
+from verispec.models.runner import LoadedModel
 from verispec.models.transformer import SUPPORTED_TYPES, Transformer
 from verispec.paths import cache_dir
 from verispec.progress import status
 
 __all__ = [
-    "LoadedModel", "ModelCache", "ModelLoader", "require_own_runner", "load_model", "load_tokenizer", "resolve_folder", "check_compatible", "tokenizer_problems", "parse_dtype",
-    "parse_precision", "precisions_for", "Precision", "PRECISIONS",
+    "ModelCache", "ModelLoader", "require_own_runner", "load_model", "load_tokenizer", "resolve_folder", "check_compatible",
+    "tokenizer_problems", "parse_dtype", "parse_precision", "precisions_for", "Precision", "PRECISIONS",
 ]
 
 PRECISIONS = ("float32", "bfloat16", "int8", "gguf", "gguf-wide", "hf")  # the names the CLI, server and benchmark offer
@@ -128,50 +128,6 @@ def resolve_folder(spec: str | Path) -> Path:
         f"unknown model {spec_str!r}: give a shipped model name ({known}), "
         "a Hugging Face model folder, or a .gguf file path"
     )
-
-
-@dataclass
-class LoadedModel:
-    name: str
-    folder: Path
-    runner: Runner  # verispec's Transformer or llama.cpp (`models/runner.py`)
-    tokenizer: object  # a transformers PreTrainedTokenizerFast
-    eos_ids: frozenset[int]
-
-    @property
-    def vocab_size(self) -> int:
-        return self.runner.config.vocab_size
-
-    @property
-    def context_length(self) -> int:
-        return self.runner.config.max_position_embeddings
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.runner.dtype
-
-    @property
-    def precision(self) -> str:
-        """'float32', 'bfloat16', 'int8', 'gguf', 'hf' or 'hf-bfloat16': what a draft for this model is
-        loaded in by default."""
-        if getattr(self.runner, "variant", "") == ",hf":
-            return "hf" if self.runner.dtype == torch.float32 else "hf-bfloat16"
-        quant = getattr(self.runner, "quant", None)
-        return quant if quant in ("int8", "gguf", "gguf-wide") else parse_precision(self.runner.dtype).name
-
-    def wraps_in_chat_template(self, chat: bool = True) -> bool:
-        """Whether `encode_prompt(..., chat)` wraps a text prompt in a chat turn (else: raw text, which
-        a base model continues with no end of turn to stop at)."""
-        return chat and bool(getattr(self.tokenizer, "chat_template", None))
-
-    def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
-        """Token ids for `prompt`, wrapped in the chat template when the model has one and chat=True."""
-        if self.wraps_in_chat_template(chat):
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-            )
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return self.tokenizer(prompt)["input_ids"]
 
 
 def require_own_runner(model: LoadedModel, what: str) -> None:
@@ -304,9 +260,10 @@ def tokenizer_problems(target: LoadedModel, draft: LoadedModel) -> list[str]:
     problems = []
     if t_tok.get_vocab() != d_tok.get_vocab():
         problems.append(f"vocabularies differ ({len(t_tok.get_vocab())} vs {len(d_tok.get_vocab())} entries)")
-    for attr in ("eos_token_id", "bos_token_id", "pad_token_id"):
-        if getattr(t_tok, attr) != getattr(d_tok, attr):
-            problems.append(f"{attr} differs ({getattr(t_tok, attr)} vs {getattr(d_tok, attr)})")
+    special = lambda tok: (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id)  # noqa: E731
+    for attr, t_id, d_id in zip(("eos_token_id", "bos_token_id", "pad_token_id"), special(t_tok), special(d_tok)):
+        if t_id != d_id:
+            problems.append(f"{attr} differs ({t_id} vs {d_id})")
     if draft.vocab_size > target.vocab_size:
         problems.append(f"draft logits are wider than the target's ({draft.vocab_size} > {target.vocab_size})")
     return problems

@@ -216,7 +216,7 @@ def convert_gguf(gguf: Path, out: Path, label: str) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # save_pretrained refuses a model that still looks quantized.
         model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
+        if hasattr(model.config, "quantization_config"):  # a transformers config, set only for a quantized source
             del model.config.quantization_config
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)

@@ -103,8 +103,7 @@ def build_retrieval_cache(
     static = slots.shape[1]
     cache = runner.new_cache(static + length - dynamic_start + 64)
     layer_index = torch.arange(full.keys.shape[0])[:, None]  # [layers, 1]
-    for name in ("keys", "values"):
-        src, dst = getattr(full, name), getattr(cache, name)
+    for src, dst in ((full.keys, cache.keys), (full.values, cache.values)):
         dst[:, :, :static] = src[layer_index, :, slots].transpose(1, 2)  # [layers, kv_heads, static, head_dim]
         dst[:, :, static : static + length - dynamic_start] = src[:, :, dynamic_start:length]
     cache.length = static + length - dynamic_start

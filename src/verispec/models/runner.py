@@ -1,17 +1,43 @@
 """The runner seam: what the engine, the drafters and the server ask of a model, whatever runs it.
 
-Two backends implement it: verispec's own `Transformer` (torch; float32, bfloat16, int8) and
-`LlamaCppRunner` (a GGUF file in llama.cpp). Nothing above `models/` knows which one runs.
-`ragged_rows` is the argument check the backends' `forward_ragged` share.
+Three backends implement it: verispec's own `Transformer` (torch; float32, bfloat16, int8,
+`models/transformer.py`), `LlamaCppRunner` (a GGUF file in llama.cpp, `models/llama_cpp.py`) and
+`HFRunner` (any `transformers` causal LM, `models/hf_runner.py`). Nothing above `models/` knows which
+one runs: it reads the typed `RunnerConfig` and the capabilities each runner declares (precision,
+variant, tree support, exact width, weight bytes), never probes for attributes, and copies a cache
+with `Cache.clone`. A capability a feature needs and the runner lacks is refused where the feature
+is built (a token-tree drafter on a runner that scores chains only: `drafters/base.py`), not at its
+first step.
+
+`LoadedModel` bundles a runner with its tokenizer and stop ids (`models/loading.py` builds one);
+`ragged_rows` is the argument check the backends' `forward_ragged` share; `tensor_bytes` counts weights.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
 
-__all__ = ["Cache", "Runner", "ragged_rows"]
+from verispec.errors import PromptError
+
+__all__ = ["Cache", "LoadedModel", "Runner", "RunnerConfig", "ragged_rows", "tensor_bytes"]
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """The model's shape as every runner reports it (the names of a Hugging Face config)."""
+
+    model_type: str  # the architecture ("qwen2", "llama", "gemma3_text", a GGUF's general.architecture, …)
+    vocab_size: int  # the width of a logits row
+    max_position_embeddings: int  # the most positions one sequence may use (the context)
+    num_layers: int
+    num_heads: int  # query heads
+    num_kv_heads: int  # key/value heads (fewer than num_heads under grouped-query attention)
+    head_dim: int  # the size of one head
 
 
 class Cache(Protocol):
@@ -27,15 +53,54 @@ class Cache(Protocol):
         """After a token tree: keep the fed nodes `slots` [k] (relative to `start`, root first) right
         after `start`, as if that path alone had been fed; drop the other nodes."""
 
+    def clone(self) -> Cache:
+        """An independent copy of the valid positions (a beam's second child continues from it)."""
+
     def release(self) -> None:
         """The sequence is over: give back what it holds."""
 
 
 class Runner(Protocol):
-    """A model that scores new positions after a cache, for one sequence or several at once."""
+    """A model that scores new positions after a cache, for one sequence or several at once.
 
-    config: object  # .vocab_size, .max_position_embeddings, .num_layers
-    dtype: torch.dtype
+    Besides its config and dtype a runner declares what it can do, so that callers never probe:
+    `precision`, `variant`, `supports_trees`, `compiled`, the exact width (`exact_positions`,
+    `exact_positions_after`) and its bytes (`weight_bytes`, `linear_bytes`, `cache_bytes_per_position`).
+    """
+
+    config: RunnerConfig
+    dtype: torch.dtype  # of the logits' source activations (logits themselves are float32)
+
+    @property
+    def precision(self) -> str:
+        """'float32', 'bfloat16', 'int8', 'gguf', 'gguf-wide', 'hf' or 'hf-bfloat16': the precision name
+        the CLI, server and benchmark use (and what a draft for it loads in by default)."""
+
+    @property
+    def variant(self) -> str:
+        """Tags that keep measured costs apart (",int8", ",layers=12", ",gguf", ",hf", …; "" for none)."""
+
+    @property
+    def supports_trees(self) -> bool:
+        """Whether `forward` scores a token tree (positions + tree mask); False: chains only."""
+
+    @property
+    def compiled(self) -> bool:
+        """Whether decode steps run a compiled decoder stack (its timings are kept apart)."""
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights the runner holds (for llama.cpp: the GGUF file it maps)."""
+
+    @property
+    def linear_bytes(self) -> int | None:
+        """Bytes of the linear layers and head, the weights every decode step reads; None where the
+        backend does not say."""
+
+    @property
+    def cache_bytes_per_position(self) -> int | None:
+        """Bytes one cached position takes (keys and values of every layer) where the runner allocates
+        them itself; None where the backend keeps its own cache (llama.cpp, Hugging Face)."""
 
     @property
     def exact_positions(self) -> int | None:
@@ -60,6 +125,70 @@ class Runner(Protocol):
         """Several sequences' feeds in one pass; per sequence its logits [n_i, vocab]."""
 
 
+@dataclass
+class LoadedModel:
+    """A model ready to generate: its runner, its tokenizer and the token ids it stops on."""
+
+    name: str
+    folder: Path
+    runner: Runner
+    tokenizer: object  # a transformers PreTrainedTokenizerFast (None in tests that feed token ids only)
+    eos_ids: frozenset[int]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.config.vocab_size
+
+    @property
+    def context_length(self) -> int:
+        return self.runner.config.max_position_embeddings
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.runner.dtype
+
+    @property
+    def precision(self) -> str:
+        """'float32', 'bfloat16', 'int8', 'gguf', 'gguf-wide', 'hf' or 'hf-bfloat16': what a draft for
+        this model is loaded in by default."""
+        return self.runner.precision
+
+    def wraps_in_chat_template(self, chat: bool = True) -> bool:
+        """Whether `encode_prompt(..., chat)` wraps a text prompt in a chat turn (else: raw text, which
+        a base model continues with no end of turn to stop at)."""
+        # getattr: a tokenizer, not a runner: None in tests, and `chat_template` unset on some tokenizer classes
+        return chat and bool(getattr(self.tokenizer, "chat_template", None))
+
+    def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
+        """Token ids for `prompt`, wrapped in the chat template when the model has one and chat=True."""
+        if self.wraps_in_chat_template(chat):
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(prompt)["input_ids"]
+
+    def prompt_ids(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
+        """`prompt` as token ids (text encoded as `encode_prompt` does), checked: PromptError for an empty
+        prompt, one that leaves no room in the context, or ids outside the vocabulary."""
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise PromptError("the prompt is empty: give some text to continue")
+            ids = self.encode_prompt(prompt, chat)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise PromptError("the prompt has no tokens: give some text to continue")
+        if len(ids) >= self.context_length:
+            raise PromptError(
+                f"the prompt has {len(ids)} tokens but {self.name} has a context of "
+                f"{self.context_length}: shorten the prompt to leave room for new tokens"
+            )
+        if max(ids) >= self.vocab_size or min(ids) < 0:
+            raise PromptError(f"prompt token ids must lie in [0, {self.vocab_size})")
+        return ids
+
+
 def ragged_rows(
     caches: list, feeds: list[torch.Tensor], positions: list[torch.Tensor | None] | None,
     tree_masks: list[torch.Tensor | None] | None,
@@ -71,3 +200,8 @@ def ragged_rows(
     if len({id(c) for c in caches}) != len(caches):
         raise ValueError("forward_ragged got the same cache twice: each row needs its own cache")
     return positions or [None] * len(feeds), tree_masks or [None] * len(feeds)
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of `tensors`, a tensor that appears more than once (a tied head) counted once."""
+    return sum({tensor.data_ptr(): tensor.numel() * tensor.element_size() for tensor in tensors}.values())

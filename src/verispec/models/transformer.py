@@ -19,6 +19,7 @@ per forward instead of ~70 Python-level operations per layer, which saves a step
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from verispec.models import kernels
 from verispec.models.int8 import Int8Linear
 from verispec.models.int8_store import Int8Store
 from verispec.models.linear import PackedLinear
-from verispec.models.runner import ragged_rows
+from verispec.models.runner import RunnerConfig, ragged_rows
 
 __all__ = ["ModelConfig", "KVCache", "Transformer"]
 
@@ -46,18 +47,13 @@ ROW_INVARIANT_POSITIONS = 32
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    model_type: str
-    vocab_size: int
+class ModelConfig(RunnerConfig):
+    """A Qwen2 / Llama config.json as the runner uses it: the shape every runner reports, and the rest."""
+
     hidden_size: int
     intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    max_position_embeddings: int
     attention_bias: bool
     tie_word_embeddings: bool
 
@@ -114,11 +110,20 @@ class KVCache:
             return
         doubled = 2 * self.capacity if self.ceiling is None else min(2 * self.capacity, self.ceiling)
         new = max(needed, doubled)
-        for name in ("keys", "values"):
-            old = getattr(self, name)
-            grown = old.new_zeros((*old.shape[:2], new, old.shape[3]))
-            grown[:, :, : self.length] = old[:, :, : self.length]
-            setattr(self, name, grown)
+        self.keys, self.values = (self._grown(old, new) for old in (self.keys, self.values))
+
+    def _grown(self, old: torch.Tensor, capacity: int) -> torch.Tensor:
+        """`old` [layers, kv_heads, capacity', head_dim] with room for `capacity` slots, the valid ones copied."""
+        grown = old.new_zeros((*old.shape[:2], capacity, old.shape[3]))
+        grown[:, :, : self.length] = old[:, :, : self.length]
+        return grown
+
+    @torch.inference_mode()
+    def clone(self) -> KVCache:
+        """An independent copy, of the same capacity and ceiling."""
+        twin = copy.copy(self)  # length, ceiling
+        twin.keys, twin.values = self.keys.clone(), self.values.clone()  # [layers, kv_heads, capacity, head_dim]
+        return twin
 
     def release(self) -> None:
         """Nothing to give back: the storage goes with the object (a llama.cpp cache frees its sequence)."""
@@ -418,10 +423,37 @@ class Transformer:
     def exact_positions_after(self, length: int) -> int | None:
         return self.exact_positions  # the same at every cache length
 
+    # -- declared capabilities (the runner protocol, `models/runner.py`) ---------------------------
+    supports_trees = True  # a token tree is a tree mask over the same static cache
+
+    @property
+    def precision(self) -> str:
+        """'int8' for int8 linear layers, else the dtype's name ('float32', 'bfloat16')."""
+        return "int8" if self.quant == "int8" else str(self.dtype).removeprefix("torch.")
+
     @property
     def compiled(self) -> bool:
         """Whether decode steps and chain verifications run the C++ decoder stack (`_compiled_layers`)."""
         return self._compiled_layers() is not None
+
+    @property
+    def linear_bytes(self) -> int:
+        """Bytes of the linear layers and the head, the weights every decode token reads (packed layers
+        counted by their shape, int8 ones by their int8 values, scales and bias)."""
+        linears = [self.lm_head] + [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return sum(lin.nbytes for lin in linears)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of every weight: the linear layers, the embedding and the norms."""
+        norms = sum(layer.input_norm.numel() + layer.post_norm.numel() for layer in self.layers)
+        numel = self.embed.numel() + self.final_norm.numel() + norms
+        return self.linear_bytes + numel * self.embed.element_size()
+
+    @property
+    def cache_bytes_per_position(self) -> int:
+        cfg = self.config
+        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(self.dtype).bits // 8
 
     def _compiled_layers(self):
         """The decoder stack as one C++ object (`kernels/int8.cpp`, `Int8Layers`) for an int8 runner

@@ -25,12 +25,11 @@ from safetensors import safe_open
 from verispec.errors import InvalidParameterError
 from verispec.models.int8 import Int8Linear, int8_available
 from verispec.models.linear import PackedLinear
-from verispec.models.loading import LoadedModel, require_own_runner
+from verispec.models.loading import require_own_runner
+from verispec.models.runner import LoadedModel
 from verispec.models.transformer import Transformer
 
 __all__ = ["truncated", "reduced_vocab", "quantized", "head_weight", "derive_model"]
-
-LINEAR_NAMES = ("qkv", "o", "gate_up", "down")
 
 
 def _with(runner: Transformer, tag: str, **attributes) -> Transformer:
@@ -38,7 +37,7 @@ def _with(runner: Transformer, tag: str, **attributes) -> Transformer:
     variant = copy.copy(runner)
     for name, value in attributes.items():
         setattr(variant, name, value)
-    variant.variant = getattr(runner, "variant", "") + "," + tag
+    variant.variant = runner.variant + "," + tag
     return variant
 
 
@@ -56,6 +55,10 @@ class _PaddedHead:
 
     def __init__(self, head, kept: int, full: int):
         self.head, self.kept, self.full = head, kept, full
+
+    @property
+    def nbytes(self) -> int:
+        return self.head.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [rows, hidden] -> [rows, full]
         logits = self.head(x)  # [rows, kept]
@@ -84,7 +87,7 @@ def reduced_vocab(runner: Transformer, vocab: int, head: torch.Tensor, pack: boo
     full = runner.config.vocab_size
     if not 1 <= vocab <= full:
         raise InvalidParameterError(f"vocab must be in [1, {full}] for this model, got {vocab}")
-    if getattr(runner, "quant", None) == "int8":
+    if runner.quant == "int8":
         kept = Int8Linear.from_float(head[:vocab])
     else:
         kept = PackedLinear(head[:vocab], None, pack)
@@ -107,8 +110,7 @@ def quantized(runner: Transformer) -> Transformer:
     layers = []
     for layer in runner.layers:
         layer = copy.copy(layer)
-        for name in LINEAR_NAMES:
-            setattr(layer, name, _as_int8(getattr(layer, name)))
+        layer.qkv, layer.o, layer.gate_up, layer.down = (_as_int8(lin) for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
         layers.append(layer)
     head = runner.lm_head
     if isinstance(head, _PaddedHead):
@@ -122,7 +124,7 @@ def derive_model(model: LoadedModel, layers: int | None = None, vocab: int | Non
     """`model` with its first `layers` layers, its head cut to `vocab` ids, and/or int8 linears."""
     require_own_runner(model, "a derived draft (layers=, vocab=, int8=)")
     runner = model.runner
-    if int8 and getattr(runner, "quant", None) != "int8":  # quantizing needs the raw weights: read them again
+    if int8 and runner.quant != "int8":  # quantizing needs the raw weights: read them again
         if runner.dtype != torch.float32:
             raise InvalidParameterError("int8 drafts need a float32 model (dtype float32)")
         runner = Transformer.from_folder(model.folder, torch.float32, quant="int8")
@@ -131,4 +133,4 @@ def derive_model(model: LoadedModel, layers: int | None = None, vocab: int | Non
         runner = truncated(runner, layers)
     if vocab is not None:
         runner = reduced_vocab(runner, vocab, full_head)
-    return dataclasses.replace(model, name=model.name + getattr(runner, "variant", ""), runner=runner)
+    return dataclasses.replace(model, name=model.name + runner.variant, runner=runner)

@@ -31,7 +31,8 @@ from verispec.engine import Engine, GenerationConfig
 from verispec.models.loading import PRECISIONS
 from verispec.errors import InvalidParameterError
 from verispec.tools.measure import position_acceptance
-from verispec.models.loading import LoadedModel, ModelCache
+from verispec.models.loading import ModelCache
+from verispec.models.runner import LoadedModel
 from verispec.progress import status
 
 __all__ = ["DEFAULT_CANDIDATES", "CandidateResult", "design", "format_ranking", "add_arguments", "run"]

@@ -25,7 +25,8 @@ from verispec.control.theory import acceptance_rate
 from verispec.control.costs import measure_verify_curve
 from verispec.engine import Engine, GenerationConfig
 from verispec.errors import InvalidParameterError
-from verispec.models.loading import LoadedModel, check_compatible
+from verispec.models.loading import check_compatible
+from verispec.models.runner import LoadedModel
 
 __all__ = ["PairMeasurement", "WidthFlips", "teacher_forced_logits", "position_acceptance", "measure_pair", "width_flips"]
 

@@ -35,7 +35,8 @@ from verispec.drafters.branching import RankPath, level_paths
 from verispec.drafters.stand import SEARCHED_SHAPE, StandDrafter
 from verispec.engine import Engine, GenerationConfig
 from verispec.tools.measure import teacher_forced_logits
-from verispec.models.loading import LoadedModel, load_model
+from verispec.models.loading import load_model
+from verispec.models.runner import LoadedModel
 from verispec.models.registry import DEFAULT_TARGET
 from verispec.sampling.processors import SamplingParams
 

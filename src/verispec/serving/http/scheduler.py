@@ -106,11 +106,7 @@ def memory_limits(engine: Engine, max_batch: int, kv_pool_tokens: int | None, ma
 def kv_bytes_per_token(engine: Engine) -> int | None:
     """Bytes one target cache position takes (keys + values of every layer), where the runner says
     (verispec's own runner); None otherwise (llama.cpp and Hugging Face keep their own caches)."""
-    config, dtype = engine.target.runner.config, engine.target.runner.dtype
-    heads, head_dim = getattr(config, "num_kv_heads", None), getattr(config, "head_dim", None)
-    if heads is None or head_dim is None:
-        return None
-    return 2 * config.num_layers * heads * head_dim * torch.finfo(dtype).bits // 8
+    return engine.target.runner.cache_bytes_per_position
 
 
 class QueueFullError(VerispecError):

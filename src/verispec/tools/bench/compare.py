@@ -73,7 +73,8 @@ from verispec.engine import Engine, EngineBuilder, GenerationConfig
 from verispec.engine.build import AUTO
 from verispec.errors import InvalidParameterError, VerispecError
 from verispec.models.llama_cpp import WINDOW, context_size, require_llama_cpp
-from verispec.models.loading import PRECISIONS, LoadedModel, load_tokenizer, parse_dtype, parse_precision, resolve_folder
+from verispec.models.loading import PRECISIONS, load_tokenizer, parse_dtype, parse_precision, resolve_folder
+from verispec.models.runner import LoadedModel
 from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, gguf_file
 from verispec.paths import cpu_summary
 from verispec.sampling.processors import SamplingParams

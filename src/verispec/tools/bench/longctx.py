@@ -19,7 +19,7 @@ from pathlib import Path
 
 from verispec.tools.bench.memory import PeakMeter
 from verispec.engine import Engine, EngineBuilder, GenerationConfig
-from verispec.models.loading import LoadedModel
+from verispec.models.runner import LoadedModel
 from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
 from verispec.paths import cpu_summary
 

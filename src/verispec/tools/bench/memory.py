@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from verispec.models.hf_runner import HFRunner
+from verispec.models.runner import Runner, tensor_bytes
 
 __all__ = ["PeakMeter", "process_peak_rss_mib", "hf_weights_mib", "runner_linear_bytes", "runner_weights_mib"]
 
@@ -65,37 +65,18 @@ class PeakMeter:
 
 def hf_weights_mib(model: torch.nn.Module) -> float:
     """Bytes of a torch module's parameters and buffers (shared tensors counted once)."""
-    seen: dict[int, int] = {}
-    for tensor in list(model.parameters()) + list(model.buffers()):
-        seen[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
-    return sum(seen.values()) / MIB
+    return tensor_bytes([*model.parameters(), *model.buffers()]) / MIB
 
 
-def runner_linear_bytes(runner) -> int:
-    """Bytes of a verispec `Transformer`'s linear layers, the weights every decode token reads (packed
-    linear layers counted by their shape; int8 layers by their int8 values, scales and bias)."""
-    itemsize = torch.empty((), dtype=runner.dtype).element_size()
-    linears = [runner.lm_head] + [lin for layer in runner.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    total = 0
-    for lin in linears:
-        lin = getattr(lin, "head", lin)  # a reduced-vocabulary head wraps the real layer
-        if hasattr(lin, "nbytes"):
-            total += lin.nbytes
-        else:
-            bias = lin.bias.numel() if getattr(lin, "bias", None) is not None else 0
-            total += (lin.out_features * lin.in_features + bias) * itemsize
-    return total
+def runner_linear_bytes(runner: Runner) -> int | None:
+    """Bytes of a runner's linear layers, the weights every decode token reads (verispec's own runner:
+    packed layers counted by their shape, int8 layers by their int8 values, scales and bias); None
+    where the backend does not say."""
+    return runner.linear_bytes
 
 
-def runner_weights_mib(runner) -> float:
+def runner_weights_mib(runner: Runner) -> float:
     """Bytes of a runner's weights: a verispec `Transformer`'s linear layers, embedding and norms, the
     Hugging Face runner's module, or the size of the GGUF file llama.cpp runs (its tensors are mapped
     from it)."""
-    if getattr(runner, "path", None) is not None:
-        return runner.path.stat().st_size / MIB
-    if isinstance(runner, HFRunner):
-        return hf_weights_mib(runner.model)
-    itemsize = torch.empty((), dtype=runner.dtype).element_size()
-    numel = runner.embed.numel() + runner.final_norm.numel()
-    numel += sum(layer.input_norm.numel() + layer.post_norm.numel() for layer in runner.layers)
-    return (runner_linear_bytes(runner) + numel * itemsize) / MIB
+    return runner.weight_bytes / MIB

@@ -32,7 +32,8 @@ from verispec.tools.bench.prompts import Prompt
 from verispec.tools.bench.questions import load_sources, select
 from verispec.engine import Engine, GenerationConfig
 from verispec.errors import InvalidParameterError
-from verispec.models.loading import PRECISIONS, LoadedModel, load_model
+from verispec.models.loading import PRECISIONS, load_model
+from verispec.models.runner import LoadedModel
 from verispec.models.registry import DEFAULT_TARGET
 from verispec.paths import cpu_summary
 
