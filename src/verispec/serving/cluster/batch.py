@@ -120,7 +120,8 @@ class EngineActor:
                 "actor": [self.name] * len(rows), "seconds": [share] * len(rows)}
 
     async def _generate(self, items: list[tuple[str, str]]) -> list[dict]:
-        from verispec.serving.request import chat_prompt_ids, describe_invalid, request_config
+        from verispec.serving.http.errors import describe_invalid
+        from verispec.serving.request import chat_prompt_ids, request_config
 
         rows, jobs = [], []
         for record_id, raw in items:

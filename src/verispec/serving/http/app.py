@@ -42,10 +42,9 @@ from starlette.exceptions import HTTPException
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from verispec.engine import Engine
-from verispec.errors import InvalidParameterError, PromptError, VerispecError
-from verispec.serving.request import (
-    chat_prompt_ids, check_request_drafter, describe_invalid, error_response, request_config,
-)
+from verispec.errors import PromptError, VerispecError
+from verispec.serving.request import chat_prompt_ids, check_request_drafter, request_config
+from verispec.serving.http.errors import describe_invalid, error_response
 from verispec.serving.http.formats import ChatFormat, CompletionFormat, sse
 from verispec.serving.http.guard import Guard
 from verispec.serving.http.metrics import Metrics
@@ -85,8 +84,8 @@ def _error_status(error: BaseException) -> tuple[int, str, str | None]:
         return 503, str(error), None
     if isinstance(error, PromptError):
         return 400, str(error), "prompt"
-    if isinstance(error, (InvalidParameterError, VerispecError)):
-        return 400, str(error), getattr(error, "param", None)
+    if isinstance(error, VerispecError):
+        return 400, str(error), error.param
     return 500, f"internal error in this generation ({type(error).__name__}: {error}); other requests are unaffected", None
 
 
@@ -168,6 +167,7 @@ def create_app(
     app = FastAPI(title="verispec", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible server for lossless speculative decoding")
     app.state.metrics = metrics
+    app.state.model_name = None  # known once the models are loaded
     app.state.stopping = threading.Event()  # set by begin_shutdown
     app.state.shutdown_grace = shutdown_grace
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout=body_timeout)
@@ -180,7 +180,7 @@ def create_app(
     def openapi() -> dict:
         """FastAPI's schema, with `model` limited to the one model this server serves (known once loaded)."""
         schema = default_openapi()
-        name = getattr(app.state, "model_name", None)
+        name = app.state.model_name
         if name is not None:
             for body in ("CompletionRequest", "ChatCompletionRequest"):
                 schema["components"]["schemas"][body]["properties"]["model"]["enum"] = [name]

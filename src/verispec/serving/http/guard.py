@@ -19,7 +19,7 @@ import re
 
 from starlette.responses import Response
 
-from verispec.serving.request import error_response
+from verispec.serving.http.errors import error_response
 
 __all__ = ["Guard", "OPEN_PATHS", "MAX_JSON_DEPTH", "json_too_deep"]
 
