@@ -143,6 +143,7 @@ def _beam(args: argparse.Namespace, config) -> int:
 def _models(args: argparse.Namespace) -> int:
     from verispec.models.loading import precisions_for
     from verispec.models.registry import SHIPPED_MODELS, prepare_shipped_model
+    from verispec.models.vocabulary import vocabulary_difference
     from verispec.paths import cache_dir
 
     if args.pull:
@@ -163,25 +164,18 @@ def _models(args: argparse.Namespace) -> int:
             runs = " · ".join(f"{', '.join(names)} ({backend})" for backend, names in by_backend.items())
         print(f"{name:30s} {model_type or '?':12s} {state:40s} {runs}")
         if folder in families:
-            same = [other.name for other in families if other != folder and families[other] == families[folder]]
+            same = [other.name for other in families
+                    if other != folder and vocabulary_difference(families[other], families[folder]) is None]
             pairs = f"every drafter with {', '.join(same)} (same tokenizer); " if same else ""
             print(f"{'':30s} drafts: {pairs}model:NAME / gguf:NAME with any other model (through the text)")
     return 0
 
 
 def _tokenizer_families(folders: list) -> dict:
-    """{converted folder: a key equal for folders whose tokenizers agree on every token id}."""
-    import hashlib
-    import json
+    """{converted folder: its vocabulary}, for the folders with a tokenizer.json (`models.vocabulary`)."""
+    from verispec.models.vocabulary import file_vocabulary
 
-    keys = {}
-    for folder in folders:
-        if (path := folder / "tokenizer.json").exists():
-            data = json.loads(path.read_text())
-            vocab = (data.get("model") or {}).get("vocab")  # {token: id} (BPE) or [[piece, score], …] (Unigram)
-            added = sorted((token["id"], token["content"]) for token in data.get("added_tokens", []))
-            keys[folder] = hashlib.sha256(json.dumps([vocab, added], sort_keys=True).encode()).hexdigest()
-    return keys
+    return {folder: file_vocabulary(folder / "tokenizer.json") for folder in folders if (folder / "tokenizer.json").exists()}
 
 
 def _shipped_model_type(name: str) -> str | None:
