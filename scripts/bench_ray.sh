@@ -21,7 +21,7 @@ serve_levels() {  # label, then extra `verispec serve` options
     $py -m verispec.cli serve --port 8731 "${model[@]}" --max-batch 8 "$@" > "$out/serve-$label.log" 2>&1 &
     local pid=$!
     for _ in $(seq 300); do $py -c "import httpx; httpx.get('http://127.0.0.1:8731/health').raise_for_status()" 2>/dev/null && break; sleep 1; done
-    $py -m verispec.serving.http.loadtest --url http://127.0.0.1:8731 --clients 1,4,16 --requests 16 --max-tokens 64 --chat --prompt "$prompt"
+    $py -m verispec.tools.bench.loadtest --url http://127.0.0.1:8731 --clients 1,4,16 --requests 16 --max-tokens 64 --chat --prompt "$prompt"
     kill -TERM $pid && wait $pid || true
 }
 serve_levels plain

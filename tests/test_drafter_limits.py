@@ -9,10 +9,11 @@ import inspect
 import pytest
 
 from verispec.drafters import (
-    _NOT_OPTIONS, ExpansionDrafter, HybridDrafter, MergeDrafter, NgramDrafter, StandDrafter, check_drafter_spec, make_drafter,
+    ExpansionDrafter, HybridDrafter, MergeDrafter, NgramDrafter, StandDrafter, check_drafter_spec, make_drafter,
 )
 from verispec.drafters.online import OnlineDrafter
 from verispec.drafters.specs import CASCADE_OPTIONS, MAX_TREE_NODES, OPTION_RANGES, VARIANT_OPTIONS, tree_nodes
+from verispec.drafters.specs import NOT_OPTIONS as _NOT_OPTIONS
 from verispec.drafters.triforce import TriForceDrafter
 from verispec.errors import InvalidParameterError
 

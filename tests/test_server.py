@@ -448,7 +448,7 @@ def test_playground_streams_coloured_tokens(server, reference, tmp_path):
 
 
 def test_loadtest_is_bounded_and_reports(server):
-    from verispec.serving.http.loadtest import run_level
+    from verispec.tools.bench.loadtest import run_level
 
     body = {"prompt": PROMPTS[3], "max_tokens": 8, "temperature": 0}
     rows = [asyncio.run(run_level(server.url, MODEL, clients, 6, body)) for clients in (1, 3)]

@@ -15,7 +15,7 @@ import openai
 import pytest
 from server_helpers import MODEL, LocalServer, chromium, slow, tiny_engine
 
-from verispec.drafters.specs import draft_precision
+from verispec.drafters.derived import draft_precision
 from verispec.models.loading import ModelCache
 from verispec.serving.http import create_app
 
@@ -29,7 +29,7 @@ def engine_with_draft(tiny_target, tiny_draft):
     `verispec serve --draft …` leaves it: a request may pick `tree`, `model`, … over that draft.
     Drafts stay float32 (no int8 kernels to compile for tiny models)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("verispec.drafters.specs.int8_available", lambda: False)
+        patch.setattr("verispec.drafters.derived.int8_available", lambda: False)
         engine = tiny_engine(tiny_target)
         models = ModelCache(engine.target)
         draft = models(str(tiny_draft), draft_precision(engine.target), pack_rows=1)

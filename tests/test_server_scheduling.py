@@ -199,7 +199,7 @@ def test_the_soak_and_interference_commands_run(tiny_target, capsys):
     import json
     import os
 
-    from verispec.serving.http.loadtest import main
+    from verispec.tools.bench.loadtest import main
 
     app = create_app(tiny_engine(tiny_target), model_name=MODEL, prefill_chunk=8)
     with LocalServer(app) as server:
@@ -243,7 +243,7 @@ def test_a_server_measures_its_prefill_chunk_once_and_keeps_it(tiny_target):
 def _identity(server, capsys) -> tuple[int, dict]:
     import json
 
-    from verispec.serving.http.loadtest import main
+    from verispec.tools.bench.loadtest import main
 
     code = main(["--mode", "identity", "--url", server.url, "--rounds", "2", "--clients", "3", "--long-tokens", "60",
                  "--max-tokens", "8", "--prompt", PROMPT, "--json"])

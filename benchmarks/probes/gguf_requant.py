@@ -14,7 +14,7 @@ import llama_cpp
 
 from verispec.control.costs import measure_verify_curve
 from verispec.models.llama_cpp import LlamaCppRunner
-from verispec.models.registry import gguf_file
+from verispec.models.registry import DEFAULT_TARGET, gguf_file
 from verispec.paths import cache_dir, cpu_flags
 from verispec.progress import status
 
@@ -35,7 +35,7 @@ def requantized(source, kind: str):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--model", default=DEFAULT_TARGET)
     parser.add_argument("--types", default="q4_0", help=f"comma list of {', '.join(FTYPES)}")
     parser.add_argument("--widest", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)

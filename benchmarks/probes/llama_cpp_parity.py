@@ -21,6 +21,7 @@ import torch
 from verispec import Engine, GenerationConfig
 from verispec.models.llama_cpp import WINDOW, require_llama_cpp
 from verispec.models.loading import load_model
+from verispec.models.registry import DEFAULT_TARGET
 from verispec.paths import cpu_summary
 
 PROMPTS = [
@@ -75,7 +76,7 @@ def profile(engine: Engine, ids: list[int], max_new: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from verispec.models.registry import gguf_path, shipped_model
+from verispec.models.registry import DEFAULT_TARGET, gguf_path, shipped_model
 
 PROMPT = b"Write a Python function that parses a CSV file and returns a list of dictionaries, one per row. " * 4
 DRAFT = b" def parse_csv(path):\n    import csv\n    with open(path) as f:\n        return list(csv.DictReader(f))\n"
@@ -25,7 +25,7 @@ DRAFT = b" def parse_csv(path):\n    import csv\n    with open(path) as f:\n    
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--model", default=DEFAULT_TARGET)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()

@@ -17,11 +17,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
-from verispec.control.gamma import POLICIES
-from verispec.engine.build import AUTO
+from verispec.engine.spec import AUTO, EngineSpec
 from verispec.errors import VerispecError
-from verispec.models.loading import PRECISIONS
-from verispec.models.registry import DEFAULT_TARGET
+from verispec.serving.http.limits import ServerLimits
 from verispec.types import Origin
 
 __all__ = ["main"]
@@ -32,18 +30,8 @@ BEAM_MAX_NEW_TOKENS = 128
 # turn to wait for, and a base model rarely ends by itself: without --max-new-tokens it gets this many.
 RAW_MAX_NEW_TOKENS = 256
 ORIGIN_STYLES = {Origin.ACCEPTED: "green", Origin.RECOVERED: "yellow", Origin.BONUS: "bold blue", Origin.TARGET: ""}
-
-
-def _add_model_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=DEFAULT_TARGET, help="shipped model name, HF folder or .gguf path")
-    parser.add_argument("--draft", default=AUTO, help="drafter: auto (planned from measured costs) | none | model[:NAME] | NAME/PATH | gguf[:NAME] | ngram[:max_n=3] | tree[:k=2,depth=4] | merge | stand[:max_n=4,k=2,depth=5] | hybrid[:min_match=2] | online[:rank=8] | cascade[:kind=vertical] | self[:layers=7] | triforce (all: verispec.drafters)")
-    parser.add_argument("--dtype", default=AUTO, choices=(AUTO, *PRECISIONS),
-                        help="auto (gguf for a model with a GGUF file: the shipped ones, a .gguf path; float32 otherwise) | "
-                        "float32 | bfloat16 | int8 (int8 weights, batch-invariant: see verispec.models.int8) | gguf (llama.cpp) | "
-                        "hf (transformers; float32/bfloat16 use it for models other than qwen2/llama)")
-    parser.add_argument("--gamma", type=int, default=4, help="draft length γ (the starting value for adaptive policies)")
-    parser.add_argument("--gamma-policy", default=None, choices=POLICIES,
-                        help="how γ changes from step to step (default: auto with --draft auto, analytic otherwise)")
+ENGINE_DEFAULTS = EngineSpec(draft=AUTO, dtype=AUTO)  # the commands plan the drafter and pick the backend
+LIMITS = ServerLimits()  # `serve`'s defaults
 
 
 def _add_ray_address(parser) -> None:
@@ -70,7 +58,7 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from verispec import GenerationConfig, SamplingParams, load
+    from verispec import GenerationConfig, SamplingParams
 
     sampling = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -82,7 +70,7 @@ def _generate(args: argparse.Namespace) -> int:
                               stop=tuple(args.stop), chat=not args.raw)
     if args.num_beams > 1:
         return _beam(args, config)
-    engine = load(args.target, args.draft, args.dtype, args.gamma, args.gamma_policy)
+    engine = EngineSpec.from_args(args)()
     if engine.plan is not None:
         Console(stderr=True, highlight=False).print(f"[dim]{engine.plan.summary()}[/dim]")
     if args.max_new_tokens is None and not engine.target.wraps_in_chat_template(not args.raw):
@@ -143,6 +131,7 @@ def _beam(args: argparse.Namespace, config) -> int:
 def _models(args: argparse.Namespace) -> int:
     from verispec.models.loading import precisions_for
     from verispec.models.registry import SHIPPED_MODELS, prepare_shipped_model
+    from verispec.models.vocabulary import vocabulary_difference
     from verispec.paths import cache_dir
 
     if args.pull:
@@ -163,25 +152,18 @@ def _models(args: argparse.Namespace) -> int:
             runs = " · ".join(f"{', '.join(names)} ({backend})" for backend, names in by_backend.items())
         print(f"{name:30s} {model_type or '?':12s} {state:40s} {runs}")
         if folder in families:
-            same = [other.name for other in families if other != folder and families[other] == families[folder]]
+            same = [other.name for other in families
+                    if other != folder and vocabulary_difference(families[other], families[folder]) is None]
             pairs = f"every drafter with {', '.join(same)} (same tokenizer); " if same else ""
             print(f"{'':30s} drafts: {pairs}model:NAME / gguf:NAME with any other model (through the text)")
     return 0
 
 
 def _tokenizer_families(folders: list) -> dict:
-    """{converted folder: a key equal for folders whose tokenizers agree on every token id}."""
-    import hashlib
-    import json
+    """{converted folder: its vocabulary}, for the folders with a tokenizer.json (`models.vocabulary`)."""
+    from verispec.models.vocabulary import file_vocabulary
 
-    keys = {}
-    for folder in folders:
-        if (path := folder / "tokenizer.json").exists():
-            data = json.loads(path.read_text())
-            vocab = (data.get("model") or {}).get("vocab")  # {token: id} (BPE) or [[piece, score], …] (Unigram)
-            added = sorted((token["id"], token["content"]) for token in data.get("added_tokens", []))
-            keys[folder] = hashlib.sha256(json.dumps([vocab, added], sort_keys=True).encode()).hexdigest()
-    return keys
+    return {folder: file_vocabulary(folder / "tokenizer.json") for folder in folders if (folder / "tokenizer.json").exists()}
 
 
 def _shipped_model_type(name: str) -> str | None:
@@ -228,89 +210,58 @@ def _gguf_architecture(path: Path) -> str | None:
     return None
 
 
-def _engine_spec(args: argparse.Namespace):
-    from verispec.serving.cluster.cluster import EngineSpec
-
-    return EngineSpec(args.target, args.draft, args.dtype, args.gamma, args.gamma_policy)
-
-
 def _serve(args: argparse.Namespace) -> int:
+    """Check every setting (`_check_serve`), then load the models once and serve: alone, or on Ray."""
+    spec, limits = _check_serve(args)
     if args.ray:
-        return _serve_on_ray(args)
-    from verispec import load
+        return _serve_on_ray(args, spec, limits)
+    from verispec.errors import InvalidParameterError
     from verispec.serving.http import create_app
+    from verispec.serving.http.scheduler import auto_prefill_chunk, kv_bytes_per_token, memory_limits
     from verispec.serving.http.server import run
 
-    from verispec.errors import InvalidParameterError
-    from verispec.serving.http.scheduler import auto_prefill_chunk, kv_bytes_per_token, memory_limits
-
-    _check_serve_limits(args)
-    engine = load(args.target, args.draft, args.dtype, args.gamma, args.gamma_policy)  # once, before serving
+    engine = spec()  # once, before serving
     if engine.plan is not None:
         Console(stderr=True, highlight=False).print(engine.plan.summary())
-    if args.prefill_chunk is None:  # measured now (once per model and CPU), never on a request's path
-        args.prefill_chunk = auto_prefill_chunk(engine)
-    app = create_app(engine, model_name=args.model_name, max_batch=args.max_batch, max_queue=args.max_queue,
-                     request_timeout=args.timeout, **_serve_limits(args))
+    if limits.prefill_chunk is None:  # measured now (once per model and CPU), never on a request's path
+        limits = dataclasses.replace(limits, prefill_chunk=auto_prefill_chunk(engine))
+    app = create_app(engine, model_name=args.model_name, limits=limits)
     try:  # resolved as the scheduler will; an impossible limit is refused now, not at start-up inside uvicorn
-        pool, max_model_len = memory_limits(engine, args.max_batch, args.kv_pool_tokens, args.max_model_len)
+        pool, max_model_len = memory_limits(engine, limits.max_batch, limits.kv_pool_tokens, limits.max_model_len)
     except ValueError as error:
         raise InvalidParameterError(str(error)) from None
     per_token = kv_bytes_per_token(engine)
     size = f" = {pool * per_token / 2**30:.2f} GiB of target cache" if per_token else ""
     console = Console(stderr=True)
     console.print(f"KV pool {pool} positions{size}; at most {max_model_len} positions per request; "
-                  f"prefill chunk {args.prefill_chunk or 'whole prompt'}")
+                  f"prefill chunk {limits.prefill_chunk or 'whole prompt'}")
     console.print(f"serving {args.model_name or engine.target.name} on http://{args.host}:{args.port} "
                   "(playground at /, OpenAI API under /v1)")
     run(app, args.host, args.port, args.max_connections, args.keep_alive)
     return 0
 
 
-SERVE_LIMITS = {"api_key": None, "cors_origin": [], "max_body_bytes": 1 << 20, "body_timeout": 30.0, "max_tokens_limit": 4096,
-                "stall_seconds": 60.0, "shutdown_grace": 10.0}
-
-
-def _serve_limits(args: argparse.Namespace) -> dict:
-    """create_app's limit arguments from serve's options (a single server and every Ray replica alike)."""
-    return {"api_key": args.api_key, "cors_origins": list(args.cors_origin), "max_body_bytes": args.max_body_bytes,
-            "body_timeout": args.body_timeout, "max_tokens_limit": args.max_tokens_limit, "stall_seconds": args.stall_seconds,
-            "prefill_chunk": args.prefill_chunk, "kv_pool_tokens": args.kv_pool_tokens, "max_model_len": args.max_model_len,
-            "shutdown_grace": args.shutdown_grace}
-
-
-def _check_serve_limits(args: argparse.Namespace) -> None:
+def _check_serve(args: argparse.Namespace) -> tuple[EngineSpec, ServerLimits]:
+    """serve's engine settings and limits, every one checked before anything loads (or Ray starts)."""
     from verispec.drafters.specs import MAX_GAMMA
     from verispec.errors import InvalidParameterError
 
     if not 1 <= args.gamma <= MAX_GAMMA:
         raise InvalidParameterError(f"--gamma must lie in 1…{MAX_GAMMA}, got {args.gamma}")
-    if args.max_body_bytes < 1 or args.max_tokens_limit < 1 or args.stall_seconds <= 0:
-        raise InvalidParameterError("--max-body-bytes and --max-tokens-limit must be ≥ 1 and --stall-seconds > 0")
-    if (args.prefill_chunk or 0) < 0 or (args.kv_pool_tokens is not None and args.kv_pool_tokens < 1):
-        raise InvalidParameterError("--prefill-chunk must be ≥ 0 (0: whole prompts) and --kv-pool-tokens ≥ 1")
-    if args.max_model_len is not None and args.max_model_len < 2:
-        raise InvalidParameterError(f"--max-model-len must be ≥ 2, got {args.max_model_len}")
-    if args.max_batch < 1 or args.max_queue < 1:
-        raise InvalidParameterError("--max-batch and --max-queue must be ≥ 1")
-    if args.body_timeout <= 0 or args.keep_alive <= 0 or args.shutdown_grace < 0:
-        raise InvalidParameterError("--body-timeout and --keep-alive must be > 0 and --shutdown-grace ≥ 0")
-    if args.max_connections is not None and args.max_connections < 1:
-        raise InvalidParameterError(f"--max-connections must be ≥ 1, got {args.max_connections}")
+    if args.keep_alive <= 0 or (args.max_connections is not None and args.max_connections < 1):
+        raise InvalidParameterError(f"--keep-alive must be > 0 and --max-connections ≥ 1, got {args.keep_alive} and "
+                                    f"{args.max_connections}")
+    return EngineSpec.from_args(args), ServerLimits.from_args(args)
 
 
-def _serve_on_ray(args: argparse.Namespace) -> int:
+def _serve_on_ray(args: argparse.Namespace, spec: EngineSpec, limits: ServerLimits) -> int:
     from verispec.serving.cluster.serve import ServeOptions, run_cli
 
-    _check_serve_limits(args)
-    limits = _serve_limits(args)
     options = ServeOptions(
         replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas, replica_cpus=args.replica_cpus,
         target_ongoing_requests=args.target_ongoing_requests, host=args.host, port=args.port, model_name=args.model_name,
-        max_batch=args.max_batch, max_queue=args.max_queue, request_timeout=args.timeout,
-        **{**limits, "cors_origins": tuple(limits["cors_origins"])},
+        **dataclasses.asdict(limits),
     )
-    spec = _engine_spec(args)
     return run_cli(spec, options, args.ray_address, spec.describe())
 
 
@@ -325,10 +276,10 @@ def _batch(args: argparse.Namespace) -> int:
                            limit=args.limit, flush_every=args.flush_every, local=args.local)
     err = Console(stderr=True, highlight=False)
     if args.local:
-        report = run_batch(_engine_spec(args), args.input, args.output, options, err)
+        report = run_batch(EngineSpec.from_args(args), args.input, args.output, options, err)
     else:
         with ray_session(args.ray_address):
-            report = run_batch(_engine_spec(args), args.input, args.output, options, err)
+            report = run_batch(EngineSpec.from_args(args), args.input, args.output, options, err)
     print_report(report, Path(args.output), Console(highlight=False))
     if report.interrupted:
         return 130
@@ -354,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, finish_reason, stats)")
-    _add_model_options(gen)
+    EngineSpec.add_arguments(gen, ENGINE_DEFAULTS)
     _add_sampling_options(gen)
     gen.set_defaults(func=_generate)
     models = sub.add_parser("models", help="list shipped models, or --pull NAME to install and convert")
@@ -369,43 +320,44 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--model-name", default=None, help="model id clients send (default: the --target spec)")
-    serve.add_argument("--max-batch", type=int, default=8, help="requests verified together in one target pass")
-    serve.add_argument("--max-queue", type=int, default=32, help="requests allowed to wait; beyond that: HTTP 429")
-    serve.add_argument("--timeout", type=float, default=300.0, help="seconds per request before HTTP 504")
-    serve.add_argument("--api-key", default=os.environ.get("VERISPEC_API_KEY") or SERVE_LIMITS["api_key"],
+    serve.add_argument("--max-batch", type=int, default=LIMITS.max_batch, help="requests verified together in one target pass")
+    serve.add_argument("--max-queue", type=int, default=LIMITS.max_queue, help="requests allowed to wait; beyond that: HTTP 429")
+    serve.add_argument("--timeout", dest="request_timeout", type=float, default=LIMITS.request_timeout,
+                       help="seconds per request before HTTP 504")
+    serve.add_argument("--api-key", default=os.environ.get("VERISPEC_API_KEY") or LIMITS.api_key,
                        help="require 'Authorization: Bearer KEY' on every path but /health and the playground "
                             "(default: $VERISPEC_API_KEY; none: open)")
-    serve.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+    serve.add_argument("--cors-origin", dest="cors_origins", action="append", default=[], metavar="ORIGIN",
                        help="let browser pages from this origin call the API (repeatable; e.g. https://example.org)")
-    serve.add_argument("--max-body-bytes", type=int, default=SERVE_LIMITS["max_body_bytes"], help="larger request bodies: HTTP 413")
-    serve.add_argument("--body-timeout", type=float, default=SERVE_LIMITS["body_timeout"],
+    serve.add_argument("--max-body-bytes", type=int, default=LIMITS.max_body_bytes, help="larger request bodies: HTTP 413")
+    serve.add_argument("--body-timeout", type=float, default=LIMITS.body_timeout,
                        help="seconds a request body may take to arrive after its headers; longer: HTTP 408")
     serve.add_argument("--max-connections", type=int, default=256,
                        help="most open connections and requests at once; more: HTTP 503 (not with --ray: Serve's proxy)")
     serve.add_argument("--keep-alive", type=float, default=5.0,
                        help="seconds an idle keep-alive connection stays open (not with --ray)")
-    serve.add_argument("--shutdown-grace", type=float, default=SERVE_LIMITS["shutdown_grace"],
+    serve.add_argument("--shutdown-grace", type=float, default=LIMITS.shutdown_grace,
                        help="on SIGTERM or Ctrl-C: seconds running requests may go on (new ones: HTTP 503); then each ends, "
                             "a stream with finish_reason shutdown, a non-streamed request with HTTP 503. A second signal "
                             "exits at once")
-    serve.add_argument("--max-tokens-limit", type=int, default=SERVE_LIMITS["max_tokens_limit"],
+    serve.add_argument("--max-tokens-limit", type=int, default=LIMITS.max_tokens_limit,
                        help="most new tokens one request may ask for; more: HTTP 400")
-    serve.add_argument("--stall-seconds", type=float, default=SERVE_LIMITS["stall_seconds"],
+    serve.add_argument("--stall-seconds", type=float, default=LIMITS.stall_seconds,
                        help="/health answers 503 degraded when the scheduler has work but has not advanced for this long")
-    serve.add_argument("--prefill-chunk", type=int, default=None,
+    serve.add_argument("--prefill-chunk", type=int, default=LIMITS.prefill_chunk,
                        help="prompt tokens prefilled per scheduler turn, after the other requests' decode steps "
                             "(default: what the target prefills in 0.15 s on this CPU, measured once; "
                             "0: each prompt whole, holding up everyone else meanwhile)")
-    serve.add_argument("--max-model-len", type=int, default=None,
+    serve.add_argument("--max-model-len", type=int, default=LIMITS.max_model_len,
                        help="most positions per request, prompt + new tokens (default: the target's context); a longer "
                             "prompt: HTTP 400; generation stops there with finish_reason length")
-    serve.add_argument("--kv-pool-tokens", type=int, default=None,
+    serve.add_argument("--kv-pool-tokens", type=int, default=LIMITS.kv_pool_tokens,
                        help="target KV cache positions all running requests may hold together (default: the larger of "
                             "--max-model-len + 64 and 2048 × --max-batch); a position costs 2 × layers × kv_heads × head_dim "
                             "× bytes per value, 56 KiB for the default 1.5B target in float32, and the server prints the "
                             "total at start. A request waits in the queue until its prompt + 256 fits; one that outgrows "
                             "the pool ends with finish_reason length")
-    _add_model_options(serve)
+    EngineSpec.add_arguments(serve, ENGINE_DEFAULTS)
     ray_group = serve.add_argument_group("Ray Serve (needs verispec[ray])")
     ray_group.add_argument("--ray", action="store_true", help="serve as replicas on Ray Serve (the same API; Serve's proxy listens on --host/--port)")
     _add_ray_address(ray_group)
@@ -432,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--flush-every", type=int, default=64, help="records per output part file")
     batch.add_argument("--local", action="store_true", help="no Ray: one engine in this process (same files, resume and checks)")
     _add_ray_address(batch)
-    _add_model_options(batch)
+    EngineSpec.add_arguments(batch, ENGINE_DEFAULTS)
     batch.set_defaults(func=_batch)
     from verispec.tools.bench import quality
 

@@ -1,10 +1,19 @@
-"""Errors verispec raises for bad input: each message says what is wrong and how to fix it."""
+"""Errors verispec raises for bad input: each message says what is wrong and how to fix it.
+
+An error about one setting of a request names it in `param` (given to the constructor:
+`InvalidParameterError("top_p: …", param="top_p")`), which a server's 400 reports as the OpenAI
+error's `param`.
+"""
 
 from __future__ import annotations
 
 
 class VerispecError(Exception):
-    """Base class of every error verispec raises on purpose."""
+    """Base class of every error verispec raises on purpose; `param`: the request field it is about, if any."""
+
+    def __init__(self, *args: object, param: str | None = None):
+        super().__init__(*args)
+        self.param = param
 
 
 class ModelNotFoundError(VerispecError):

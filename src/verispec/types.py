@@ -146,6 +146,16 @@ class AcceptanceStats:
         """Share of steps whose draft reached and kept position i, over the steps that drafted it."""
         return [kept / offered for offered, kept in zip(self.offered, self.kept)]
 
+    @classmethod
+    def from_dict(cls, stats: dict) -> AcceptanceStats:
+        """The counts back from `GenerationStats.to_dict()`'s fields (also after a JSON round trip), to merge
+        generations as one; a record without the per-position counts or the histogram (a batch row) leaves
+        those empty."""
+        return cls(steps=stats["steps"], proposed=stats["proposed_tokens"], accepted=stats["accepted_tokens"],
+                   judged=stats["judged_tokens"], offered=list(stats.get("offered_per_position", [])),
+                   kept=list(stats.get("kept_per_position", [])),
+                   histogram={int(k): n for k, n in stats.get("accepted_histogram", {}).items()})
+
 
 @dataclass
 class StepRecord:
@@ -232,9 +242,13 @@ class GenerationStats:
             "new_tokens": self.new_tokens,
             "steps": self.steps,
             "proposed_tokens": self.proposed_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "judged_tokens": self.judged_tokens,
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "acceptance_rate": round(self.acceptance_rate, 4),
             "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance],
+            "offered_per_position": list(self.acceptance.offered),  # the counts behind it (`AcceptanceStats.from_dict`)
+            "kept_per_position": list(self.acceptance.kept),
             "accepted_histogram": self.accepted_histogram,
             "draft_seconds": round(self.draft_seconds, 4),
             "target_seconds": round(self.target_seconds, 4),

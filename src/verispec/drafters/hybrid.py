@@ -2,10 +2,11 @@
 
 Per step the n-gram index is asked first (a dict lookup, far cheaper than a draft forward:
 BENCHMARKS.md#avx2-which-drafter-for-which-task). Its chain is used when the matched suffix
-has at least `min_match` tokens and the n-gram source's measured acceptance (accepted / proposed over
-this request, with an optimistic prior of 1 of 2) is at least `min_rate` percent; otherwise the draft
-model proposes. Acceptance is measured by comparing each proposal with what was committed. The draft
-model's cache simply lags during n-gram steps and catches up on its next proposal.
+has at least `min_match` tokens and the n-gram source's measured acceptance (its α over this request,
+accepted / judged tokens as `AcceptanceStats` counts it, with an optimistic prior of 1 of 2) is at least
+`min_rate` percent; otherwise the draft model proposes. Acceptance is measured by comparing each
+proposal with what was committed. The draft model's cache simply lags during n-gram steps and catches
+up on its next proposal.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from verispec.drafters.ngram import NgramDrafter
 from verispec.drafters.prefix import common_prefix_length
 from verispec.errors import InvalidParameterError
 from verispec.models.runner import LoadedModel
+from verispec.types import AcceptanceStats
 
 __all__ = ["HybridDrafter"]
 
@@ -44,12 +46,11 @@ class _HybridSession(ComposedSession):
         self.model = drafter.model_drafter.start(prompt_ids)
         self.ngram = drafter.ngram_drafter.start(prompt_ids)
         super().__init__([self.model, self.ngram])
-        self.counts = {"ngram": [1, 2], "model": [1, 2]}  # source -> [accepted, proposed], prior 1/2
+        self.counts = {source: AcceptanceStats(proposed=2, accepted=1, judged=2) for source in ("ngram", "model")}  # prior 1/2
         self.last: tuple[str, list[int], int] | None = None  # (source, proposal, committed length then)
 
     def rate(self, source: str) -> float:
-        accepted, proposed = self.counts[source]
-        return accepted / proposed
+        return self.counts[source].alpha
 
     def propose(self, ids, gamma, params, generator):
         tokens, matched = self.ngram.lookup(ids, gamma)
@@ -65,7 +66,6 @@ class _HybridSession(ComposedSession):
     def commit(self, ids):
         if self.last is not None:
             source, proposal, start = self.last
-            self.counts[source][0] += common_prefix_length(proposal, ids[start : start + len(proposal)])
-            self.counts[source][1] += len(proposal)
+            self.counts[source].add(len(proposal), common_prefix_length(proposal, ids[start : start + len(proposal)]))
             self.last = None
         super().commit(ids)

@@ -1,41 +1,37 @@
-"""Spec strings for derived draft models and cascades (the factory hands these kinds over here).
+"""Drafter spec strings, parsed once into a `DrafterSpec` (the syntax of each kind: `verispec.drafters`).
 
-    model:[NAME][,layers=L][,vocab=N][,int8=0|1] the draft model (default: the shipped 0.5B), keeping its
-                                                first L layers, scoring only token ids < N, int8 linears
-                                                (1) or the target's precision (0); by default a float32
-                                                target drafts with an int8 draft (`draft_precision`)
-    self[:layers=L][,vocab=N][,int8=1]           the target's own first L layers (default: a quarter of
-                                                them) + final norm + head: self-speculation, weights shared
-    cascade[:kind=vertical][,draft=NAME][,max_n=3][,inner_gamma=G]
-                                                vertical: the draft model, its proposals drafted by an
-                                                n-gram table (at most G at a time; default: all it can)
-    cascade:kind=horizontal[,strong=2][,draft=NAME][,max_n=3]
-                                                horizontal: the draft model for the first `strong`
-                                                positions of each block, the n-gram table for the rest
+    KIND[:NAME][,option=value,…]     e.g. ngram:max_n=4 · tree:k=3,depth=4 · model:NAME,layers=8 · some/folder
 
-Options are comma-separated name=value; an unknown or malformed option, or an integer outside its
-range (`OPTION_RANGES`, shared by every drafter kind), is an InvalidParameterError that names it.
-Specs without commas (`self:layers=8`, `cascade:kind=horizontal`) also fit the benchmark's
-comma-separated --methods list.
+`DrafterSpec.parse` checks every option while it parses, and loads nothing: the option is known to its
+kind, an integer within its range (`OPTION_RANGES`, one range per option name whatever the kind), in
+order with its partner (`ORDERED`), and a tree holds at most `MAX_TREE_NODES` nodes. So a typo or an
+unbounded option fails before any model loads: `make_drafter` builds from the parsed spec, and a server
+parses a request's spec in its handler, before the request is queued. Names of models are checked when
+the drafter is built (the loader knows what it holds).
+
+A drafter kind's options are its factory's keyword arguments (`FACTORIES`, less `NOT_OPTIONS`), with
+their defaults; a derived draft model's (`model:…`, `self`) are `VARIANT_OPTIONS`, a cascade's
+`CASCADE_OPTIONS`. Specs without commas (`self:layers=8`, `cascade:kind=horizontal`) also fit the
+benchmark's comma-separated --methods list.
 """
 
 from __future__ import annotations
 
-from verispec.drafters.base import Drafter
-from verispec.drafters.cascade import HorizontalCascadeDrafter, VerticalCascadeDrafter
-from verispec.drafters.cross_vocab import CrossVocabDrafter
-from verispec.drafters.draft_model import DraftModelDrafter
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from verispec.drafters.hybrid import HybridDrafter
 from verispec.drafters.ngram import NgramDrafter
+from verispec.drafters.online import OnlineDrafter
+from verispec.drafters.stand import StandDrafter
+from verispec.drafters.tree import ExpansionDrafter, MergeDrafter
+from verispec.drafters.triforce import TriForceDrafter
 from verispec.errors import InvalidParameterError
-from verispec.models.int8 import int8_available
-from verispec.models.loading import ModelLoader, check_compatible, load_model, tokenizer_problems
-from verispec.models.registry import default_draft_for
-from verispec.models.runner import LoadedModel
-from verispec.models.variants import derive_model
 
 __all__ = [
-    "SPEC_KINDS", "MAX_GAMMA", "MAX_TREE_NODES", "OPTION_RANGES", "derived_options", "draft_model", "draft_precision", "integer_option",
-    "is_derived_spec", "make_derived_drafter", "model_drafter", "tree_nodes",
+    "CASCADE_OPTIONS", "DRAFTER_KINDS", "DrafterSpec", "FACTORIES", "KIND_OPTIONS", "MAX_GAMMA", "MAX_TREE_NODES",
+    "NOT_OPTIONS", "OPTION_RANGES", "ORDERED", "VARIANT_OPTIONS", "tree_nodes",
 ]
 
 MAX_GAMMA = 32  # the longest draft (γ) any option or request may ask for
@@ -51,48 +47,31 @@ OPTION_RANGES: dict[str, tuple[int, int]] = {
     "gamma1": (1, MAX_GAMMA), "gamma2": (0, MAX_GAMMA),
     "layers": (1, 256), "vocab": (1, 1 << 20), "int8": (0, 1), "strong": (1, MAX_GAMMA), "inner_gamma": (1, MAX_GAMMA),
 }
+ORDERED = (("min_n", "max_n"), ("wide", "depth"), ("chunk", "budget"))  # the first may not exceed the second
 
-SPEC_KINDS = ("self", "cascade")
-VARIANT_OPTIONS = ("layers", "vocab", "int8")
+# the kinds whose options are their factory's keyword arguments; these arguments are not options
+FACTORIES: dict[str, Callable] = {
+    "ngram": NgramDrafter, "tree": ExpansionDrafter, "merge": MergeDrafter.model_and_ngram, "stand": StandDrafter,
+    "hybrid": HybridDrafter, "online": OnlineDrafter, "triforce": TriForceDrafter,
+}
+NOT_OPTIONS = frozenset({"self", "model", "target", "draft", "target_vocab_size", "vocab_size", "table", "paths", "lr",
+                         "tolerance", "store"})
+VARIANT_OPTIONS = ("layers", "vocab", "int8")  # a derived draft model: model:[NAME,]… and self:…
+# a cascade's options by its kind; `kind` and `draft` (a model name) are its only options that are not integers
 CASCADE_OPTIONS = {"vertical": ("kind", "draft", "max_n", "inner_gamma"), "horizontal": ("kind", "draft", "max_n", "strong")}
+DRAFTER_KINDS = ("none", "model", "gguf", *FACTORIES, "self", "cascade")
 
 
-def is_derived_spec(kind: str, rest: str) -> bool:
-    """Whether `kind:rest` is a spec this module builds (model specs only when they carry options)."""
-    return kind in SPEC_KINDS or (kind == "model" and "=" in rest)
+def _factory_options(factory: Callable) -> dict[str, int | None]:
+    return {name: p.default for name, p in inspect.signature(factory).parameters.items() if name not in NOT_OPTIONS}
 
 
-def _parse(spec: str, text: str, allowed: tuple[str, ...], positional: bool = False) -> tuple[str | None, dict[str, str]]:
-    """(leading name or None, {option: value}) from `NAME,opt=value,…`; refuses options not in `allowed`."""
-    name, options = None, {}
-    for index, item in enumerate(filter(None, (part.strip() for part in text.split(",")))):
-        key, sep, value = item.partition("=")
-        if not sep:
-            if positional and index == 0:
-                name = item
-                continue
-            raise InvalidParameterError(f"drafter option {item!r} in {spec!r} must look like name=value")
-        key = key.strip()
-        if key not in allowed:
-            raise InvalidParameterError(f"unknown drafter option {key!r} in {spec!r}: use {', '.join(allowed)}")
-        options[key] = value.strip()
-        if key in OPTION_RANGES:  # checked now, before any model loads
-            integer_option(spec, key, value)
-    return name, options
-
-
-def integer_option(spec: str, key: str, value: str) -> int:
-    """`value` as an integer within OPTION_RANGES[key], or an InvalidParameterError naming the option."""
-    value = value.strip()
-    if not (value.isascii() and value.isdigit()):
-        raise InvalidParameterError(f"drafter option {key}={value!r} in {spec!r} must be a non-negative integer")
-    if key not in OPTION_RANGES:
-        raise InvalidParameterError(f"drafter option {key!r} in {spec!r} has no accepted range (OPTION_RANGES)")
-    low, high = OPTION_RANGES[key]
-    number = int(value) if len(value) <= 12 else high + 1  # a longer number is out of range anyway
-    if not low <= number <= high:
-        raise InvalidParameterError(f"drafter option {key}={value[:20]} in {spec!r} is out of range: use {low}…{high}")
-    return number
+# {kind: {option: its default, None when it has none}} for every kind that takes `name=integer` options
+KIND_OPTIONS: dict[str, dict[str, int | None]] = {
+    **{kind: _factory_options(factory) for kind, factory in FACTORIES.items()},
+    "self": dict.fromkeys(VARIANT_OPTIONS), "model": dict.fromkeys(VARIANT_OPTIONS),
+}
+KIND_OPTIONS["online"]["self_layers"] = None  # distil the target's own first layers instead of the draft model
 
 
 def tree_nodes(k: int, depth: int, wide: int) -> int:
@@ -100,93 +79,93 @@ def tree_nodes(k: int, depth: int, wide: int) -> int:
     return sum(k ** min(level + 1, wide) for level in range(depth))
 
 
-def _integer(spec: str, options: dict[str, str], key: str, default: int | None = None) -> int | None:
-    return integer_option(spec, key, options[key]) if key in options else default
+@dataclass(frozen=True)
+class DrafterSpec:
+    """A drafter spec, parsed and checked (`parse`).
+
+    kind: one of DRAFTER_KINDS (a bare model name or path is a `model` spec naming it). name: the draft
+    model it names (`model:NAME`, `gguf:NAME`, a bare name, a cascade's `draft=NAME`); None: the
+    default draft. options: its integer options as given (defaults are the factory's). cascade: a
+    cascade's kind, vertical or horizontal. text: the spec as written, for messages.
+    """
+
+    kind: str = "none"
+    name: str | None = None
+    options: Mapping[str, int] = field(default_factory=dict)
+    cascade: str | None = None
+    text: str = "none"
+
+    @classmethod
+    def parse(cls, spec: str | None) -> DrafterSpec:
+        """`spec` (None: "none") parsed, every option checked as the module docstring says; loads nothing.
+        Raises InvalidParameterError naming the option and the spec."""
+        text = (spec or "none").strip()
+        kind, _, rest = text.partition(":")
+        if kind == "none":
+            return cls(text=text)
+        if kind == "gguf":
+            return cls("gguf", rest or None, text=text)
+        if kind not in KIND_OPTIONS and kind != "cascade":
+            return cls("model", text, text=text)  # a draft model's name or path
+        cascade = _cascade_kind(text, rest) if kind == "cascade" else None
+        name, options = _options(kind, rest, text, CASCADE_OPTIONS[cascade] if cascade else tuple(KIND_OPTIONS[kind]))
+        parsed = cls(kind, name, options, cascade, text)
+        parsed._check_order_and_size()
+        return parsed
+
+    @property
+    def derived(self) -> bool:
+        """Built by `verispec.drafters.derived`: a `self` or `cascade` spec, or a model spec with options."""
+        return self.kind in ("self", "cascade") or (self.kind == "model" and bool(self.options))
+
+    def _check_order_and_size(self) -> None:
+        values = {**KIND_OPTIONS.get(self.kind, {}), **self.options}  # the factory's defaults filled in
+        for low, high in ORDERED:
+            if values.get(low) is not None and values.get(high) is not None and values[low] > values[high]:
+                raise InvalidParameterError(f"drafter spec {self.text!r}: {low} must not exceed {high}, "
+                                            f"got {low}={values[low]} and {high}={values[high]}")
+        if {"k", "depth", "wide"} <= set(values) and not values.get("nodes"):
+            k, depth, wide = values["k"], values["depth"], values["wide"]
+            if (nodes := tree_nodes(k, depth, wide)) > MAX_TREE_NODES:
+                raise InvalidParameterError(f"drafter spec {self.text!r}: a tree of k={k}, depth={depth}, wide={wide} holds "
+                                            f"{nodes} nodes, more than {MAX_TREE_NODES}: lower k, depth or wide")
 
 
-def _derived(spec: str, model: LoadedModel, options: dict[str, str], default_layers: int | None = None) -> LoadedModel:
-    layers, vocab = _integer(spec, options, "layers", default_layers), _integer(spec, options, "vocab")
-    int8 = _integer(spec, options, "int8", 0)
-    if int8 not in (0, 1):
-        raise InvalidParameterError(f"drafter option int8 in {spec!r} must be 0 or 1, got {int8}")
-    if layers is None and vocab is None and not int8:
-        return model
-    return derive_model(model, layers, vocab, bool(int8))
-
-
-def draft_precision(target: LoadedModel) -> str:
-    """The precision a draft model is loaded in unless a spec says otherwise: int8 for a float32 target
-    (an int8 draft costs about half a float32 one per token and is accepted as often:
-    BENCHMARKS.md#avx2-which-draft-model), else the target's own."""
-    return "int8" if target.precision == "float32" and int8_available() else target.precision
-
-
-def draft_model(
-    name: str | None, target: LoadedModel, dtype: str | None, load: ModelLoader, same_tokenizer: bool = True
-) -> LoadedModel:
-    """The named draft model (default: the loader's, else the target's shipped default) in `dtype` (default:
-    `draft_precision`), checked against the target's tokenizer unless `same_tokenizer` is False."""
-    name = name or getattr(load, "default_draft", None) or default_draft_for(target.name)
-    draft = load(name, dtype or draft_precision(target), pack_rows=1)
-    if same_tokenizer:
-        check_compatible(target, draft)
-    return draft
-
-
-def model_drafter(name: str | None, target: LoadedModel, dtype: str | None, load: ModelLoader) -> Drafter:
-    """A plain draft model: in the target's token ids when it shares its tokenizer, else through the
-    committed text and the shared vocabulary (`cross_vocab`)."""
-    draft = draft_model(name, target, dtype, load, same_tokenizer=False)
-    if tokenizer_problems(target, draft):
-        return CrossVocabDrafter(draft, target)
-    return DraftModelDrafter(draft, target.vocab_size)
-
-
-def _cascade_kind(spec: str, rest: str) -> str:
-    kind = "vertical"
-    for item in rest.split(","):
-        key, _, value = item.partition("=")
-        if key.strip() == "kind":
-            kind = value.strip()
+def _cascade_kind(text: str, rest: str) -> str:
+    kinds = [value.strip() for key, _, value in (item.partition("=") for item in rest.split(",")) if key.strip() == "kind"]
+    kind = kinds[-1] if kinds else "vertical"
     if kind not in CASCADE_OPTIONS:
-        raise InvalidParameterError(f"drafter option kind={kind!r} in {spec!r}: use kind=vertical or kind=horizontal")
+        raise InvalidParameterError(f"drafter option kind={kind!r} in {text!r}: use kind=vertical or kind=horizontal")
     return kind
 
 
-def derived_options(kind: str, rest: str) -> tuple[str | None, dict[str, str]]:
-    """(the model a `model:` spec names, else the cascade's kind or None; the options) of `kind:rest`, every
-    option known to its kind and within its range. Loads nothing (see the module docstring)."""
-    spec = f"{kind}:{rest}" if rest else kind
-    if kind == "cascade":
-        cascade = _cascade_kind(spec, rest)
-        return cascade, _parse(spec, rest, CASCADE_OPTIONS[cascade])[1]
-    if kind in ("self", "model"):
-        return _parse(spec, rest, VARIANT_OPTIONS, positional=kind == "model")
-    raise InvalidParameterError(f"unknown drafter kind {kind!r} in {spec!r}")
+def _options(kind: str, rest: str, text: str, allowed: tuple[str, ...]) -> tuple[str | None, dict[str, int]]:
+    """(the model named, {option: value}) of `rest`: a leading model name (model specs only) or `draft=NAME`
+    (cascades), then `name=integer` options of `allowed`, each within its range."""
+    name, options = None, {}
+    for index, item in enumerate(filter(None, (part.strip() for part in rest.split(",")))):
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not sep and kind == "model" and index == 0:
+            name = item
+            continue
+        if not sep:
+            raise InvalidParameterError(f"drafter option {item!r} in {text!r} must look like name=value")
+        if key not in allowed:
+            owner = f"{kind} drafter" if kind in FACTORIES else "drafter"
+            raise InvalidParameterError(f"unknown {owner} option {key!r} in {text!r}: use {', '.join(allowed)}")
+        if key == "draft":
+            name = value
+        elif key != "kind":
+            options[key] = _integer(text, item, key, value)
+    return name, options
 
 
-def _cascade(spec: str, kind: str, options: dict[str, str], target: LoadedModel, dtype: str | None,
-             load: ModelLoader) -> Drafter:
-    ngram = NgramDrafter(max_n=_integer(spec, options, "max_n", 3))
-    draft = draft_model(options.get("draft"), target, dtype, load)
-    if kind == "horizontal":
-        strong = DraftModelDrafter(draft, target.vocab_size)
-        return HorizontalCascadeDrafter(strong, ngram, _integer(spec, options, "strong", 2), target.vocab_size)
-    return VerticalCascadeDrafter(draft, ngram, target.vocab_size, _integer(spec, options, "inner_gamma"))
-
-
-def make_derived_drafter(
-    kind: str, rest: str, target: LoadedModel, dtype: str | None = None, load: ModelLoader = load_model
-) -> Drafter:
-    """The drafter for a `self`, `cascade` or `model:…,option=…` spec (see the module docstring)."""
-    spec = f"{kind}:{rest}" if rest else kind
-    name, options = derived_options(kind, rest)
-    if kind == "cascade":
-        return _cascade(spec, name, options, target, dtype, load)
-    if kind == "self":
-        draft = _derived(spec, target, options, default_layers=max(1, target.runner.config.num_layers // 4))
-        return DraftModelDrafter(draft, target.vocab_size)
-    if options.get("int8") in ("0", "1"):  # model: 1: load it as int8 (cached once), not quantize a float copy
-        dtype = "int8" if options["int8"] == "1" else target.precision
-    draft = _derived(spec, draft_model(name, target, dtype, load), options)
-    return DraftModelDrafter(draft, target.vocab_size)
+def _integer(text: str, item: str, key: str, value: str) -> int:
+    """`value` as an integer within OPTION_RANGES[key], or an InvalidParameterError naming the option."""
+    if not (value.isascii() and value.isdigit()):
+        raise InvalidParameterError(f"drafter option {item!r} in {text!r} must look like name=integer")
+    low, high = OPTION_RANGES[key]
+    number = int(value) if len(value) <= 12 else high + 1  # a longer number is out of range anyway
+    if not low <= number <= high:
+        raise InvalidParameterError(f"drafter option {key}={value[:20]} in {text!r} is out of range: use {low}…{high}")
+    return number

@@ -11,14 +11,13 @@ from verispec.control.plan import Plan, choose_plan
 from verispec.drafters import make_drafter
 from verispec.drafters.base import Drafter
 from verispec.engine.loop import Engine
+from verispec.engine.spec import AUTO, EngineSpec
 from verispec.models.linear import VERIFY_ROWS
 from verispec.models.loading import ModelCache, parse_precision
-from verispec.models.registry import DEFAULT_TARGET, SHIPPED_MODELS
+from verispec.models.registry import SHIPPED_MODELS
 from verispec.models.runner import LoadedModel
 
-__all__ = ["AUTO", "EngineBuilder", "auto_precision", "load"]
-
-AUTO = "auto"  # `dtype`: `auto_precision`; `draft`: `EngineBuilder.plan`
+__all__ = ["EngineBuilder", "auto_precision", "load"]
 
 
 def auto_precision(target: str) -> str:
@@ -94,11 +93,11 @@ class EngineBuilder:
 
 
 def load(
-    target: str = DEFAULT_TARGET,
-    draft: str | None = "model",
-    dtype: str = "float32",
-    gamma: int = 4,
-    gamma_policy: str | None = None,
+    target: str = EngineSpec.target,
+    draft: str | None = EngineSpec.draft,
+    dtype: str = EngineSpec.dtype,
+    gamma: int = EngineSpec.gamma,
+    gamma_policy: str | None = EngineSpec.gamma_policy,
 ) -> Engine:
     """Load a target and a drafter into an Engine, ready to generate.
 
@@ -115,7 +114,8 @@ def load(
     (`GenerationConfig.drafter`), never for new weights.
 
     Raises ModelNotFoundError (unknown model), IncompatibleModelsError (a draft with another
-    tokenizer) and InvalidParameterError (a bad spec, precision, γ or policy).
+    tokenizer) and InvalidParameterError (a bad spec, precision, γ or policy). The same settings as one
+    value (the CLI's options, a Ray worker's loader): `verispec.engine.spec.EngineSpec`.
     """
     builder = EngineBuilder(target, auto_precision(target) if dtype == AUTO else dtype)
     if draft == AUTO:

@@ -46,6 +46,7 @@ from verispec.models.registry import (
 )
 from verispec.models.runner import LoadedModel
 from verispec.models.transformer import SUPPORTED_TYPES, Transformer
+from verispec.models.vocabulary import vocabulary_difference
 from verispec.paths import cache_dir
 from verispec.progress import status
 
@@ -257,9 +258,7 @@ def tokenizer_problems(target: LoadedModel, draft: LoadedModel) -> list[str]:
     """How the draft's tokenizer differs from the target's (vocabulary, special ids, logits width); [] if
     it drafts in the target's own token ids."""
     t_tok, d_tok = target.tokenizer, draft.tokenizer
-    problems = []
-    if t_tok.get_vocab() != d_tok.get_vocab():
-        problems.append(f"vocabularies differ ({len(t_tok.get_vocab())} vs {len(d_tok.get_vocab())} entries)")
+    problems = [difference] if (difference := vocabulary_difference(t_tok.get_vocab(), d_tok.get_vocab())) else []
     special = lambda tok: (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id)  # noqa: E731
     for attr, t_id, d_id in zip(("eos_token_id", "bos_token_id", "pad_token_id"), special(t_tok), special(d_tok)):
         if t_id != d_id:

@@ -162,11 +162,14 @@ class LoadedModel:
     def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
         """Token ids for `prompt`, wrapped in the chat template when the model has one and chat=True."""
         if self.wraps_in_chat_template(chat):
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-            )
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            return self.encode_chat([{"role": "user", "content": prompt}])
         return self.tokenizer(prompt)["input_ids"]
+
+    def encode_chat(self, conversation: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation ({role, content} turns) through the chat template, ready for the
+        assistant's turn: the one place a template is applied (check `wraps_in_chat_template()` first)."""
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def prompt_ids(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
         """`prompt` as token ids (text encoded as `encode_prompt` does), checked: PromptError for an empty

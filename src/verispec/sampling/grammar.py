@@ -36,9 +36,7 @@ _compilers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer
 
 
 def _invalid(message: str) -> InvalidParameterError:
-    error = InvalidParameterError(f"response_format: {message}")
-    error.param = "response_format"  # the field a server names in its 400
-    return error
+    return InvalidParameterError(f"response_format: {message}", param="response_format")
 
 
 def _texts(value, path: str = "") -> Iterable[tuple[str, str]]:

@@ -17,7 +17,7 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-from verispec.models.loading import PRECISIONS
+from verispec.engine.spec import EngineSpec
 
 __all__ = ["add_arguments", "run", "format_table"]
 
@@ -45,8 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt sources as for `verispec bench`: own, humaneval, JSONL files (default own)")
     parser.add_argument("--per-category", type=int, default=1, help="prompts per category to measure on (default 1)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--dtype", default="float32", choices=PRECISIONS,
-                        help="float32 | bfloat16 | int8 (int8 weights, batch-invariant: see verispec.models.int8)")
+    EngineSpec.add_arguments(parser, names=("dtype",))
     parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature for α (0 = greedy α)")
 
 

@@ -3,7 +3,7 @@
 Decoding Speculative Decoding (Yan et al., 2024) found that a draft's latency matters more than its
 accuracy: a draft twice as fast that is accepted a little less often wins. So for each candidate
 draft (a drafter spec naming one draft model: the shipped 0.5B, the target's first L layers, the
-0.5B with its head cut to the first N token ids, int8, fewer layers — see `verispec.drafters.specs`)
+0.5B with its head cut to the first N token ids, int8, fewer layers — see `verispec.drafters.derived`)
 this measures, on the target's own greedy continuations of the prompts:
 
 - α: greedy agreement (temperature 0) or probability overlap at the temperature
@@ -27,12 +27,11 @@ from dataclasses import asdict, dataclass
 from verispec.control.theory import curve_verify_cost, expected_speedup, expected_tokens, optimal_gamma
 from verispec.control.costs import measure_verify_curve
 from verispec.drafters import DraftModelDrafter, make_drafter
-from verispec.engine import Engine, GenerationConfig
-from verispec.models.loading import PRECISIONS
+from verispec.engine import Engine, EngineSpec, GenerationConfig
 from verispec.errors import InvalidParameterError
-from verispec.tools.measure import position_acceptance
 from verispec.models.loading import ModelCache
 from verispec.models.runner import LoadedModel
+from verispec.tools.measure import position_acceptance
 from verispec.progress import status
 
 __all__ = ["DEFAULT_CANDIDATES", "CandidateResult", "design", "format_ranking", "add_arguments", "run"]
@@ -100,7 +99,7 @@ def format_ranking(results: Sequence[CandidateResult]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="shipped model name, HF folder or .gguf path")
+    EngineSpec.add_arguments(parser, names=("target", "dtype"))
     parser.add_argument("--candidate", action="append", default=None, metavar="SPEC",
                         help=f"a draft spec to measure (repeatable; default: {' '.join(DEFAULT_CANDIDATES)})")
     parser.add_argument("--questions", "--prompts", dest="questions", default="own",
@@ -110,8 +109,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--max-gamma", type=int, default=8)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy agreement as α; > 0: overlap at T")
-    parser.add_argument("--dtype", default="float32", choices=PRECISIONS,
-                        help="float32 | bfloat16 | int8 (int8 weights, batch-invariant: see verispec.models.int8)")
     parser.add_argument("--json", action="store_true", help="print the ranking as JSON")
 
 

@@ -113,7 +113,8 @@ def format_profile(rows: list[MethodProfile], curve: list[float], draft_seconds:
 def run_profile(args: argparse.Namespace) -> int:
     """`analyze --profile`: load the target once, profile each method in `--methods`, print the table."""
     from verispec.control.costs import CostModel
-    from verispec.engine.build import AUTO, EngineBuilder, auto_precision
+    from verispec.engine.build import EngineBuilder, auto_precision
+    from verispec.engine.spec import AUTO
     from verispec.errors import InvalidParameterError
     from verispec.models.registry import DEFAULT_TARGET
     from verispec.paths import cpu_summary

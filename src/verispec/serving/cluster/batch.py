@@ -41,8 +41,9 @@ from verispec.types import AcceptanceStats
 
 __all__ = ["BatchRecord", "BatchOptions", "BatchReport", "EngineActor", "Tally", "run_batch", "print_report"]
 
-RESULT_STATS = ("prompt_tokens", "new_tokens", "steps", "proposed_tokens", "mean_accepted_length", "acceptance_rate",
-                "per_position_acceptance", "draft_seconds", "target_seconds", "wall_seconds", "tokens_per_second")
+RESULT_STATS = ("prompt_tokens", "new_tokens", "steps", "proposed_tokens", "accepted_tokens", "judged_tokens",
+                "mean_accepted_length", "acceptance_rate", "per_position_acceptance", "draft_seconds", "target_seconds",
+                "wall_seconds", "tokens_per_second")
 
 
 class BatchRecord(CompletionRequest):
@@ -120,7 +121,8 @@ class EngineActor:
                 "actor": [self.name] * len(rows), "seconds": [share] * len(rows)}
 
     async def _generate(self, items: list[tuple[str, str]]) -> list[dict]:
-        from verispec.serving.request import chat_prompt_ids, describe_invalid, request_config
+        from verispec.serving.http.errors import describe_invalid
+        from verispec.serving.request import chat_prompt_ids, request_config
 
         rows, jobs = [], []
         for record_id, raw in items:
@@ -151,8 +153,7 @@ class EngineActor:
         result = job.generation.result()
         stats = result.stats.to_dict()
         return {"_kind": "results", "id": record_id, "text": result.text, "token_ids": result.token_ids,
-                "finish_reason": result.finish_reason, **{key: stats[key] for key in RESULT_STATS},
-                "accepted_tokens": result.stats.accepted_tokens, "judged_tokens": result.stats.judged_tokens, "actor": self.name}
+                "finish_reason": result.finish_reason, **{key: stats[key] for key in RESULT_STATS}, "actor": self.name}
 
 
 @dataclass
@@ -173,8 +174,7 @@ class Tally:
             return
         self.results += 1
         self.new_tokens += row["new_tokens"]
-        self.acceptance.merge(AcceptanceStats(steps=row["steps"], proposed=row["proposed_tokens"],
-                                              accepted=row["accepted_tokens"], judged=row["judged_tokens"]))
+        self.acceptance.merge(AcceptanceStats.from_dict(row))
 
     @property
     def tau(self) -> float:

@@ -1,8 +1,8 @@
-"""Joining or starting a Ray cluster, and the picklable recipe that loads the same engine on every worker.
+"""Joining or starting a Ray cluster.
 
 `require_ray()` imports Ray or says how to install it. `ray_session()` connects to `address`
 (`auto`, `ray://…`, `host:port`) or starts a local instance, and on exit shuts down only what it
-started. `EngineSpec` is what travels to replicas and actors: the `load()` arguments, so that each
+started. What travels to replicas and actors is a `verispec.engine.spec.EngineSpec`, so that each
 worker loads the target and drafter once, itself.
 """
 
@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 from verispec.errors import VerispecError
 
-__all__ = ["EngineSpec", "RayNotInstalledError", "require_ray", "ray_session", "worker_threads"]
+__all__ = ["RayNotInstalledError", "require_ray", "ray_session", "worker_threads"]
 
 
 class RayNotInstalledError(VerispecError):
@@ -31,25 +30,6 @@ def require_ray():
             "`pip install 'verispec[ray]'` (or `pip install \"ray[serve,data]\" pyarrow`)"
         ) from None
     return ray
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """`verispec.load(target, draft, dtype, gamma, gamma_policy)`, as a picklable callable."""
-
-    target: str = "qwen2.5-coder-1.5b-instruct"
-    draft: str | None = "model"
-    dtype: str = "float32"
-    gamma: int = 4
-    gamma_policy: str | None = "analytic"  # None: `load`'s default (auto with a planned drafter)
-
-    def __call__(self):
-        from verispec import load
-
-        return load(self.target, self.draft, self.dtype, self.gamma, self.gamma_policy)
-
-    def describe(self) -> str:
-        return f"target {self.target}, draft {self.draft or 'none'}, {self.dtype}, γ {self.gamma} ({self.gamma_policy or 'default policy'})"
 
 
 def worker_threads(num_cpus: float) -> int:

@@ -15,7 +15,7 @@ import logging
 
 from starlette.middleware import Middleware
 
-from verispec.serving.request import error_response
+from verispec.serving.http.errors import error_response
 from verispec.serving.http.formats import sse
 
 __all__ = ["ReplicaLossMiddleware", "proxy_middlewares", "SERVE_PROXY_ENV", "REPLICA_LOST_CODE"]

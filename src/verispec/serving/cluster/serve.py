@@ -25,10 +25,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
-from verispec.serving.cluster.cluster import EngineSpec, require_ray, worker_threads
-from verispec.serving.cluster.proxy import SERVE_PROXY_ENV
-from verispec.serving.http.scheduler import DEFAULT_PREFILL_CHUNK
+from verispec.engine.spec import EngineSpec
 from verispec.errors import InvalidParameterError
+from verispec.serving.cluster.cluster import require_ray, worker_threads
+from verispec.serving.cluster.proxy import SERVE_PROXY_ENV
+from verispec.serving.http.limits import ServerLimits
 
 __all__ = ["ServeOptions", "VerispecReplica", "application", "build_app", "deploy", "serve_running", "run_cli", "APP_NAME", "SERVE_PROXY_ENV"]
 
@@ -36,8 +37,9 @@ APP_NAME = "verispec"
 
 
 @dataclass(frozen=True)
-class ServeOptions:
-    """How many replicas, what each may take on, and where Serve listens."""
+class ServeOptions(ServerLimits):
+    """How many replicas, what each may take on (the limits of a single server, the same on every
+    replica: the API key travels in the deployment's arguments), and where Serve listens."""
 
     replicas: int = 1
     min_replicas: int | None = None  # both set: autoscaling between them
@@ -47,23 +49,10 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     model_name: str | None = None
-    max_batch: int = 8
-    max_queue: int = 32
-    request_timeout: float = 300.0
     app_name: str = APP_NAME
-    # the limits of `create_app`, the same on every replica (the key travels in the deployment's arguments)
-    api_key: str | None = None
-    cors_origins: tuple[str, ...] = ()
-    max_body_bytes: int = 1 << 20
-    body_timeout: float = 30.0
-    max_tokens_limit: int = 4096
-    stall_seconds: float = 60.0
-    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK
-    kv_pool_tokens: int | None = None
-    max_model_len: int | None = None
-    shutdown_grace: float = 10.0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if (self.min_replicas is None) != (self.max_replicas is None):
             raise InvalidParameterError("autoscaling needs both --min-replicas and --max-replicas")
         if self.min_replicas is not None and not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas == 0:
@@ -87,12 +76,8 @@ class ServeOptions:
                 "graceful_shutdown_timeout_s": self.shutdown_grace, "ray_actor_options": {"num_cpus": self.replica_cpus}}
 
     def app_options(self) -> dict:
-        return {"model_name": self.model_name, "max_batch": self.max_batch, "max_queue": self.max_queue,
-                "request_timeout": self.request_timeout, "api_key": self.api_key, "cors_origins": list(self.cors_origins),
-                "max_body_bytes": self.max_body_bytes, "body_timeout": self.body_timeout,
-                "max_tokens_limit": self.max_tokens_limit, "stall_seconds": self.stall_seconds,
-                "prefill_chunk": self.prefill_chunk, "kv_pool_tokens": self.kv_pool_tokens,
-                "max_model_len": self.max_model_len, "shutdown_grace": self.shutdown_grace}
+        """`create_app`'s keyword arguments on every replica."""
+        return {"model_name": self.model_name, **self.settings()}
 
 
 class _ReplicaHeaders:

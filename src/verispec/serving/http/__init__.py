@@ -1,7 +1,7 @@
 """OpenAI-compatible server: HTTP API (app), continuous batching (scheduler), metrics, playground.
 
-`create_app` is imported on first use, so that `verispec.serving.request` can import the schemas
-without loading the app (which imports it back)."""
+`create_app` is imported on first use, so that the batch job can import the schemas and the error
+envelope without loading the app."""
 
 __all__ = ["create_app"]
 

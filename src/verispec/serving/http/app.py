@@ -14,12 +14,12 @@ requests are 503s at once; running ones go on for at most `shutdown_grace` secon
 stops and ends them with their text so far — a stream with a last chunk whose finish_reason is
 "shutdown", a non-streamed request with a 503 — and fails the queued ones with a 503.
 
-Limits: `api_key` (every path but /health and /; `verispec.serving.http.guard`), `max_body_bytes`, `body_timeout`,
-`max_tokens_limit` (a request asking for more new tokens is refused, not capped), `max_queue` (429
-with Retry-After), `max_model_len` (prompt + new tokens per request), `kv_pool_tokens` (the target
-cache positions running requests share) and `prefill_chunk` (see `Scheduler`); a request's drafter
-may use only the loaded models and no spec that reads files
-(`verispec.serving.request.check_request_drafter`). `cors_origins` allows those browser origins.
+Limits (`verispec.serving.http.limits.ServerLimits`): `api_key` (every path but /health and /;
+`verispec.serving.http.guard`), `max_body_bytes`, `body_timeout`, `max_tokens_limit` (a request asking
+for more new tokens is refused, not capped), `max_queue` (429 with Retry-After), `max_model_len` (prompt +
+new tokens per request), `kv_pool_tokens` (the target cache positions running requests share) and
+`prefill_chunk` (see `Scheduler`); a request's drafter may use only the loaded models and no spec that
+reads files (`verispec.serving.request.check_request_drafter`). `cors_origins` allows those browser origins.
 
 Prompts are tokenized in the handler, on one tokenizer thread of their own (never on the
 scheduler's worker), and a prompt longer than `max_model_len` is a 400 before it is queued.
@@ -28,6 +28,7 @@ scheduler's worker), and a prompt longer than `max_model_len` is a 400 before it
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,15 +43,15 @@ from starlette.exceptions import HTTPException
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from verispec.engine import Engine
-from verispec.errors import InvalidParameterError, PromptError, VerispecError
-from verispec.serving.request import (
-    chat_prompt_ids, check_request_drafter, describe_invalid, error_response, request_config,
-)
+from verispec.errors import PromptError, VerispecError
+from verispec.serving.request import chat_prompt_ids, check_request_drafter, request_config
+from verispec.serving.http.errors import describe_invalid, error_response
 from verispec.serving.http.formats import ChatFormat, CompletionFormat, sse
 from verispec.serving.http.guard import Guard
+from verispec.serving.http.limits import ServerLimits
 from verispec.serving.http.metrics import Metrics
 from verispec.serving.http.scheduler import (
-    DEFAULT_PREFILL_CHUNK, SHUTDOWN_FINISH_REASON, Job, JobUpdate, QueueFullError, RequestTimeoutError, Scheduler,
+    SHUTDOWN_FINISH_REASON, Job, JobUpdate, QueueFullError, RequestTimeoutError, Scheduler,
     ServerStoppingError,
 )
 from verispec.serving.http.schemas import (
@@ -85,8 +86,8 @@ def _error_status(error: BaseException) -> tuple[int, str, str | None]:
         return 503, str(error), None
     if isinstance(error, PromptError):
         return 400, str(error), "prompt"
-    if isinstance(error, (InvalidParameterError, VerispecError)):
-        return 400, str(error), getattr(error, "param", None)
+    if isinstance(error, VerispecError):
+        return 400, str(error), error.param
     return 500, f"internal error in this generation ({type(error).__name__}: {error}); other requests are unaffected", None
 
 
@@ -126,25 +127,15 @@ def create_app(
     engine_or_loader: Engine | Callable[[], Engine],
     *,
     model_name: str | None = None,
-    max_batch: int = 8,
-    max_queue: int = 32,
-    request_timeout: float = 300.0,
     default_max_tokens: int = 256,
-    max_tokens_limit: int = 4096,
-    api_key: str | None = None,
-    cors_origins: list[str] | None = None,
-    max_body_bytes: int = 1 << 20,
-    body_timeout: float = 30.0,
-    stall_seconds: float = 60.0,
-    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
-    kv_pool_tokens: int | None = None,
-    max_model_len: int | None = None,
-    shutdown_grace: float = 10.0,
+    limits: ServerLimits | None = None,
+    **settings,
 ) -> FastAPI:
-    """An app serving one engine. Pass a loader to load the models when the server starts."""
-    if max_tokens_limit < 1 or stall_seconds <= 0 or shutdown_grace < 0:
-        raise ValueError(f"max_tokens_limit must be ≥ 1, stall_seconds > 0 and shutdown_grace ≥ 0, got {max_tokens_limit}, "
-                         f"{stall_seconds} and {shutdown_grace}")
+    """An app serving one engine. Pass a loader to load the models when the server starts.
+
+    limits: the server's limits (default: `ServerLimits()`'s), each field also settable by keyword
+    (`create_app(engine, max_batch=4)`); an impossible one is an InvalidParameterError now."""
+    limits = ServerLimits(**settings) if limits is None else dataclasses.replace(limits, **settings)
     metrics = Metrics()
     tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="verispec-tokenizer")  # one: a tokenizer is not shared
 
@@ -154,10 +145,10 @@ def create_app(
         engine.prepare()  # every measurement the engine's own drafter needs: now, not inside the first request
         app.state.model_name = model_name or engine.target.name
         app.state.created = int(time.time())
-        app.state.scheduler = Scheduler(engine, metrics, max_batch, max_queue, request_timeout, prefill_chunk,
-                                        kv_pool_tokens, max_model_len)
+        app.state.scheduler = Scheduler(engine, metrics, limits.max_batch, limits.max_queue, limits.request_timeout,
+                                        limits.prefill_chunk, limits.kv_pool_tokens, limits.max_model_len)
         app.state.scheduler.start()
-        stopper = asyncio.create_task(_stop_when_asked(app.state.scheduler, app.state.stopping, shutdown_grace))
+        stopper = asyncio.create_task(_stop_when_asked(app.state.scheduler, app.state.stopping, limits.shutdown_grace))
         try:
             yield
         finally:
@@ -168,11 +159,12 @@ def create_app(
     app = FastAPI(title="verispec", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible server for lossless speculative decoding")
     app.state.metrics = metrics
+    app.state.model_name = None  # known once the models are loaded
     app.state.stopping = threading.Event()  # set by begin_shutdown
-    app.state.shutdown_grace = shutdown_grace
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout=body_timeout)
-    if cors_origins:  # outermost: preflights and error answers get the CORS headers too
-        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+    app.state.shutdown_grace = limits.shutdown_grace
+    app.add_middleware(Guard, api_key=limits.api_key, max_body_bytes=limits.max_body_bytes, body_timeout=limits.body_timeout)
+    if limits.cors_origins:  # outermost: preflights and error answers get the CORS headers too
+        app.add_middleware(CORSMiddleware, allow_origins=list(limits.cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
 
     default_openapi = app.openapi
@@ -180,7 +172,7 @@ def create_app(
     def openapi() -> dict:
         """FastAPI's schema, with `model` limited to the one model this server serves (known once loaded)."""
         schema = default_openapi()
-        name = getattr(app.state, "model_name", None)
+        name = app.state.model_name
         if name is not None:
             for body in ("CompletionRequest", "ChatCompletionRequest"):
                 schema["components"]["schemas"][body]["properties"]["model"]["enum"] = [name]
@@ -207,7 +199,7 @@ def create_app(
             job = None
             try:
                 check_request_drafter(body.drafter, scheduler.engine.drafter_spec)
-                config = request_config(body, default_max_tokens, max_tokens_limit)
+                config = request_config(body, default_max_tokens, limits.max_tokens_limit)
                 # a drafter of the request's own is built (and its costs measured) here, not on the scheduler's thread
                 await asyncio.to_thread(scheduler.engine.prepare, config.drafter, config.gamma_policy)
                 ids = await asyncio.get_running_loop().run_in_executor(tokenizer_thread, encode, scheduler.engine)
@@ -284,7 +276,7 @@ def create_app(
         engine = scheduler.engine
         stalled = scheduler.stalled_seconds
         status = ("stopping" if request.app.state.stopping.is_set() else "stopped" if not scheduler.running
-                  else "degraded" if stalled > stall_seconds else "ok")
+                  else "degraded" if stalled > limits.stall_seconds else "ok")
         body = {"status": status, "model": request.app.state.model_name,
                 "drafter": engine.drafter.name if engine.drafter else "none", "drafter_spec": engine.drafter_spec,
                 "gamma": engine.gamma,
@@ -293,7 +285,7 @@ def create_app(
                 "max_model_len": scheduler.max_model_len, "prefill_chunk": scheduler.prefill_chunk,
                 "kv_pool_tokens": scheduler.kv_pool_tokens, "kv_pool_reserved_tokens": scheduler.reserved_tokens}
         if status == "degraded":
-            body["reason"] = (f"the scheduler has not advanced for {stalled:.1f} s (limit {stall_seconds:g} s) "
+            body["reason"] = (f"the scheduler has not advanced for {stalled:.1f} s (limit {limits.stall_seconds:g} s) "
                               "with requests waiting or running")
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 

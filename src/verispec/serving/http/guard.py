@@ -19,7 +19,7 @@ import re
 
 from starlette.responses import Response
 
-from verispec.serving.request import error_response
+from verispec.serving.http.errors import error_response
 
 __all__ = ["Guard", "OPEN_PATHS", "MAX_JSON_DEPTH", "json_too_deep"]
 
@@ -45,9 +45,9 @@ class Disconnected(Exception):
 
 
 class Guard:
-    def __init__(self, app, api_key: str | None = None, max_body_bytes: int = 1 << 20, body_timeout: float = 30.0):
-        if max_body_bytes < 1 or body_timeout <= 0:
-            raise ValueError(f"max_body_bytes must be ≥ 1 and body_timeout > 0, got {max_body_bytes} and {body_timeout}")
+    """The limits are a `ServerLimits`' (defaults and checks there)."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, body_timeout: float):
         self.app, self.max_body_bytes, self.body_timeout = app, max_body_bytes, body_timeout
         self.api_key = api_key.encode() if api_key else None
 

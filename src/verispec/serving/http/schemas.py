@@ -10,6 +10,7 @@ does not implement (`UNSUPPORTED`: n > 1, tools, echo, suffix, best_of, penaltie
 declared with the one neutral value they accept, so the OpenAPI schema says exactly what is accepted; any other value is a 400 naming the field, and an
 unknown field is refused, never silently ignored. Text must be valid Unicode (no lone surrogates).
 Types are strict: a number is not a string, an integer not `true` or 2.0 (`max_tokens: true` is not 1).
+What the engine is asked (`logprob_count`, `grammar`, `token_budget`) is read by `verispec.serving.request`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from pydantic_core import PydanticCustomError
 
 from verispec.drafters.specs import MAX_GAMMA
+from verispec.errors import InvalidParameterError
 from verispec.sampling.processors import MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY, MIN_TEMPERATURE
 
 __all__ = [
@@ -113,6 +115,10 @@ class _GenerationFields(_Body):
         """(the field that sets the most new tokens, its value or None for the server's default)."""
         return "max_tokens", self.max_tokens
 
+    def grammar(self) -> dict | None:
+        """The grammar constraint for the engine (`GenerationConfig.response_format`); None: free text."""
+        return None
+
 
 class CompletionRequest(_GenerationFields):
     prompt: Text | list[int] = Field(description="text, or token ids")
@@ -122,6 +128,10 @@ class CompletionRequest(_GenerationFields):
     echo: Literal[False] = Field(False, description="not implemented: false only")
     suffix: Literal[""] | None = Field(None, description="not implemented: empty only")
     best_of: One | None = Field(None, description="not implemented: 1 only")
+
+    def logprob_count(self) -> int | None:
+        """None: no log-probabilities; k: each token's and its k most likely alternatives."""
+        return self.logprobs
 
 
 class TextPart(_Body):
@@ -170,6 +180,20 @@ class ChatCompletionRequest(_GenerationFields):
         if self.max_completion_tokens is not None:
             return "max_completion_tokens", self.max_completion_tokens
         return super().token_budget()
+
+    def logprob_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidParameterError("top_logprobs: needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def grammar(self) -> dict | None:
+        fmt = self.response_format
+        if fmt is None:
+            return None
+        if (fmt.type == "json_schema") != (fmt.json_schema is not None):
+            raise InvalidParameterError("response_format: json_schema goes with type json_schema, and type json_schema needs it",
+                                        param="response_format")
+        return None if fmt.type == "text" else fmt.model_dump(by_alias=True, exclude_none=True)
 
 
 class Usage(BaseModel):

@@ -70,7 +70,7 @@ from verispec.tools.bench.questions import load_sources, select
 from verispec.tools.bench.report import BASELINE, markdown_report, measured, summarize, unmeasured, write_json
 from verispec.control import POLICIES
 from verispec.engine import Engine, EngineBuilder, GenerationConfig
-from verispec.engine.build import AUTO
+from verispec.engine.spec import AUTO
 from verispec.errors import InvalidParameterError, VerispecError
 from verispec.models.llama_cpp import WINDOW, context_size, require_llama_cpp
 from verispec.models.loading import PRECISIONS, load_tokenizer, parse_dtype, parse_precision, resolve_folder

@@ -11,8 +11,9 @@ method, overall and per category:
                            (`baseline_of`);
   identical_to_baseline    share of outputs token-for-token equal to the baseline's (None when sampled:
                            two correct samplers need not agree);
-  mean_accepted_length τ, acceptance_rate α, per_position_acceptance, cost_ratio c, mean_gamma γ̄:
-                           means over the verispec generations;
+  mean_accepted_length τ, acceptance_rate α, per_position_acceptance, mean_gamma γ̄: of the verispec
+                           generations' acceptance counts merged (`AcceptanceStats`), as if one long
+                           generation; cost_ratio c: mean over the generations;
   predicted_speedup        the theory's E[tokens](α, γ̄)/(γ̄·c + 1) from the run's own α, γ̄ and c: the
                            speedup over the target decoding alone, verification and prefill taken as free;
   weights_mib, peak_extra_mib, memory_mib: see `verispec.tools.bench.memory`.
@@ -26,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from verispec.control.theory import expected_speedup
+from verispec.types import AcceptanceStats
 
 __all__ = ["BASELINE", "baseline_of", "measured", "unmeasured", "summarize", "group_metrics", "markdown_report",
            "write_json"]
@@ -63,20 +65,29 @@ def _mean_per_position(rows: list[list[float]]) -> list[float]:
     return [statistics.fmean(r[i] for r in rows if len(r) > i) for i in range(longest)]
 
 
-def _draft_metrics(stats: list[dict]) -> dict:
-    """τ, α, acceptance per position, c, γ̄ and the predicted speedup over verispec generations' stats."""
-    alpha = _mean([s["acceptance_rate"] for s in stats])
-    c = _mean([s["cost_ratio"] for s in stats])
-    gammas = [s["proposed_tokens"] / s["steps"] for s in stats if s.get("steps") and "proposed_tokens" in s]
-    gamma = _mean(gammas)
+def _acceptance_metrics(stats: list[dict]) -> dict:
+    """τ, α, acceptance per position and γ̄ of the generations' counts merged, as one long generation
+    (`AcceptanceStats.from_dict`); records without the counts (written before they were recorded) by the
+    mean of their rates."""
+    if all("judged_tokens" in s for s in stats):
+        merged = AcceptanceStats()
+        for s in stats:
+            merged.merge(AcceptanceStats.from_dict(s))
+        return {"mean_accepted_length": merged.tau, "acceptance_rate": merged.alpha, "per_position_acceptance": merged.per_position,
+                "mean_gamma": merged.proposed / merged.steps if merged.steps else None}
     return {
         "mean_accepted_length": _mean([s["mean_accepted_length"] for s in stats]),
-        "acceptance_rate": alpha,
+        "acceptance_rate": _mean([s["acceptance_rate"] for s in stats]),
         "per_position_acceptance": _mean_per_position([s["per_position_acceptance"] for s in stats]),
-        "cost_ratio": c,
-        "mean_gamma": gamma,
-        "predicted_speedup": expected_speedup(min(alpha, 1.0), gamma, c) if gamma is not None else None,
+        "mean_gamma": _mean([s["proposed_tokens"] / s["steps"] for s in stats if s.get("steps") and "proposed_tokens" in s]),
     }
+
+
+def _draft_metrics(stats: list[dict]) -> dict:
+    """τ, α, acceptance per position, c, γ̄ and the predicted speedup over verispec generations' stats."""
+    metrics = _acceptance_metrics(stats) | {"cost_ratio": _mean([s["cost_ratio"] for s in stats])}
+    alpha, gamma, c = metrics["acceptance_rate"], metrics["mean_gamma"], metrics["cost_ratio"]
+    return metrics | {"predicted_speedup": expected_speedup(min(alpha, 1.0), gamma, c) if gamma is not None else None}
 
 
 def group_metrics(records: list[dict], baseline: dict[str, dict], sampled: bool = False) -> dict:

@@ -1,10 +1,10 @@
 """Load tests of a running verispec server: throughput per concurrency level, a soak, and how much a
 long prompt holds up short requests.
 
-    python -m verispec.serving.http.loadtest --url http://127.0.0.1:8000 --clients 1,4,16 --requests 32 [--chat]
-    python -m verispec.serving.http.loadtest --mode soak --clients 16 --minutes 10 [--server-pid PID]
-    python -m verispec.serving.http.loadtest --mode interference --long-tokens 4000 --short-clients 4
-    python -m verispec.serving.http.loadtest --mode identity --rounds 20 --clients 8 [--seed 7 --temperature 1]
+    python -m verispec.tools.bench.loadtest --url http://127.0.0.1:8000 --clients 1,4,16 --requests 32 [--chat]
+    python -m verispec.tools.bench.loadtest --mode soak --clients 16 --minutes 10 [--server-pid PID]
+    python -m verispec.tools.bench.loadtest --mode interference --long-tokens 4000 --short-clients 4
+    python -m verispec.tools.bench.loadtest --mode identity --rounds 20 --clients 8 [--seed 7 --temperature 1]
 
 levels (default): for each client count, exactly `--requests` completions are sent (by that many
 concurrent clients) and the run stops by itself. Reports requests/s, generated tokens/s, p50/p99
@@ -296,7 +296,7 @@ async def run_identity(url: str, model: str, rounds: int, clients: int, body: di
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m verispec.serving.http.loadtest", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m verispec.tools.bench.loadtest", description=__doc__.split("\n")[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--mode", choices=["levels", "soak", "interference", "identity"], default="levels")
     parser.add_argument("--clients", default="1,4,16", help="levels: comma-separated concurrency levels; soak: one number")
