@@ -28,18 +28,24 @@ the n = 1 pass. Each candidate's result is appended to --out as one JSON line as
 (a missing package is a "skipped" line, a failure an "error" line; neither stops the others), and a
 table of every result in --out is printed at the end, so runs with different interpreters add up.
 
-Run it on a quiet machine, llama.cpp from the project's venv, the others from a venv that has
-them (the project's venv has none of them, and they are not its dependencies):
+Run it on a quiet machine, llama.cpp from the project's venv, the others from a venv that has them
+(they are not the project's dependencies; torch there is the CPU build, as scripts/setup.sh installs it):
 
     .venv/bin/python benchmarks/probes/kernel_candidates.py --candidates llama.cpp --out kc.jsonl
     python3 -m venv /tmp/cand && /tmp/cand/bin/pip install torch==2.13.0 torchao onnx onnxruntime \\
         openvino ik-llama-cpp-python
-    /tmp/cand/bin/python benchmarks/probes/kernel_candidates.py --out kc.jsonl \\
-        --candidates ik_llama.cpp,ik_llama.cpp-rtr,onnxruntime,openvino,openvino-f32act,torchao,torchao-int4wo
+    /tmp/cand/bin/python benchmarks/probes/kernel_candidates.py --out kc.jsonl --candidates \\
+        ik_llama.cpp,ik_llama.cpp-rtr,onnxruntime,onnxruntime-acc1,openvino,openvino-f32act,torchao,torchao-int4wo
 
-`--layers 2` times a two-layer stack (a smoke run); `--gguf` another GGUF file (e.g. one requantized
-by gguf_requant.py, to try ggml's repack path for other 4-bit types); IK_LLAMA_CPP_LIB_PATH=…/libllama.so
-points ik-llama-cpp-python at a native build of ik_llama.cpp instead of its AVX2 wheel.
+ik-llama-cpp-python's wheel is built for AVX2 only (a record's info.system_info says what a GGUF
+candidate's library uses); to time ik_llama.cpp's AVX-512 kernels, build it for the CPU first:
+
+    CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_IQK_FA_ALL_QUANTS=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 \\
+        /tmp/cand/bin/pip install --force-reinstall --no-deps --no-binary ik-llama-cpp-python ik-llama-cpp-python==0.1.5
+
+`--layers 2` times a two-layer stack (a smoke run; no verdict); `--gguf FILE` runs the GGUF candidates
+on another file (e.g. one requantized by gguf_requant.py, for ggml's repack path of other 4-bit types),
+recorded as `llama.cpp:FILE` so that the reference T(1) stays the shipped Q4_K_M.
 """
 
 from __future__ import annotations
@@ -596,15 +602,17 @@ def summary(path: Path) -> str:
     latest = latest_records(path)
     base = latest.get("llama.cpp")
     reference = base["seconds"][0] if base and base["status"] == "ok" else None
-    lines = [f"{'candidate':<18} {'what':<11} {'T(1) ms':>8} {'vs llama':>8} {'T(8)/T(1)':>9} {'T(16)/T(1)':>10} "
+    width = max([len(name) for name in latest] + [len("candidate")])
+    lines = [f"{'candidate':<{width}} {'what':<11} {'T(1) ms':>8} {'vs llama':>8} {'T(8)/T(1)':>9} {'T(16)/T(1)':>10} "
              f"{'breaks at n':>11}  verdict"]
     for name, record in latest.items():
         if record["status"] != "ok":
-            lines.append(f"{name:<18} {record['status']}: {(record.get('reason') or record.get('error', ''))[:110]}")
+            lines.append(f"{name:<{width}} {record['status']}: {(record.get('reason') or record.get('error', ''))[:110]}")
             continue
         seconds, ratio = record["seconds"], record["ratio"]
         what = "model" if record["whole_model"] else f"stack/{record['layers']}L"
-        lines.append(f"{name:<18} {what:<11} {seconds[0] * 1e3:>8.2f} {fmt(seconds[0] / reference if reference else None):>8} "
+        comparable = reference and (record["whole_model"] or record["layers"] == LAYERS)
+        lines.append(f"{name:<{width}} {what:<11} {seconds[0] * 1e3:>8.2f} {fmt(seconds[0] / reference if comparable else None):>8} "
                      f"{fmt(ratio[7] if len(ratio) >= 8 else None):>9} {fmt(ratio[15] if len(ratio) >= 16 else None):>10} "
                      f"{first_break(record):>11}  {verdict(record, reference)}")
     return "\n".join(lines)
