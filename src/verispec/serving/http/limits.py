@@ -25,7 +25,6 @@ import argparse
 from dataclasses import asdict, dataclass, fields
 
 from verispec.errors import InvalidParameterError
-from verispec.serving.http.scheduler import DEFAULT_PREFILL_CHUNK
 
 __all__ = ["ServerLimits"]
 
@@ -45,7 +44,7 @@ class ServerLimits:
     max_body_bytes: int = 1 << 20
     body_timeout: float = 30.0
     stall_seconds: float = 60.0
-    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK
+    prefill_chunk: int | None = None  # sized to the scheduler's PREFILL_BUDGET_SECONDS (`auto_prefill_chunk`)
     kv_pool_tokens: int | None = None
     max_model_len: int | None = None
     shutdown_grace: float = 10.0

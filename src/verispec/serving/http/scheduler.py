@@ -60,15 +60,15 @@ import torch
 from verispec.control.costs import prefill_seconds_per_token
 from verispec.engine import Engine, Generation, GenerationConfig, StepPlan
 from verispec.errors import PromptError, VerispecError
+from verispec.serving.http.limits import ServerLimits
 from verispec.serving.http.metrics import Metrics
 from verispec.types import GenerationStats, TokenEvent
 
 __all__ = ["Scheduler", "Job", "JobUpdate", "QueueFullError", "RequestTimeoutError", "ServerStoppingError", "Turn", "live_stats",
-           "SHUTDOWN_FINISH_REASON", "DEFAULT_PREFILL_CHUNK", "auto_prefill_chunk", "default_kv_pool_tokens", "kv_bytes_per_token",
+           "SHUTDOWN_FINISH_REASON", "auto_prefill_chunk", "default_kv_pool_tokens", "kv_bytes_per_token",
            "memory_limits"]
 
 Encoder = Callable[[Engine], list[int]]  # runs on the worker: request → prompt token ids
-DEFAULT_PREFILL_CHUNK = None  # sized to PREFILL_BUDGET_SECONDS (`auto_prefill_chunk`)
 PREFILL_BUDGET_SECONDS = 0.15  # what one prefill chunk may add to the decoding requests' step
 STARVATION_TURNS = 4  # a prompt passed over for shorter ones this many prefill turns in a row goes next
 POOL_TOKENS_PER_SLOT = 2048  # the default pool: this many positions per batch slot (at least one full-length request)
@@ -214,11 +214,12 @@ class Scheduler:
 
     TURNS_KEPT = 4096
 
-    def __init__(self, engine: Engine, metrics: Metrics | None = None, max_batch: int = 8, max_queue: int = 32,
-                 request_timeout: float = 300.0, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
-                 kv_pool_tokens: int | None = None, max_model_len: int | None = None):
-        if max_batch < 1 or max_queue < 1 or request_timeout <= 0 or (prefill_chunk or 0) < 0:
-            raise ValueError("max_batch and max_queue must be ≥ 1, request_timeout > 0 and prefill_chunk ≥ 0")
+    def __init__(self, engine: Engine, metrics: Metrics | None = None, max_batch: int = ServerLimits.max_batch,
+                 max_queue: int = ServerLimits.max_queue, request_timeout: float = ServerLimits.request_timeout,
+                 prefill_chunk: int | None = ServerLimits.prefill_chunk, kv_pool_tokens: int | None = None,
+                 max_model_len: int | None = None):
+        ServerLimits(max_batch=max_batch, max_queue=max_queue, request_timeout=request_timeout, prefill_chunk=prefill_chunk,
+                     kv_pool_tokens=kv_pool_tokens, max_model_len=max_model_len)  # their checks, with the server's
         kv_pool_tokens, max_model_len = memory_limits(engine, max_batch, kv_pool_tokens, max_model_len)
         prefill_chunk = auto_prefill_chunk(engine) if prefill_chunk is None else prefill_chunk
         self.engine, self.metrics = engine, metrics or Metrics()
