@@ -174,7 +174,8 @@ def hf_speed(target, assistant, method: str, prompts: list[list[int]], new_token
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda (default), cpu or auto")
-    parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bfloat16 on a GPU, float32 on a CPU)")
+    parser.add_argument("--dtype", default=None,
+                        help="float32 | bfloat16 | float16 (default: bfloat16 on a GPU, float32 on a CPU)")
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="a name in configs.json")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="a name in configs.json")
     parser.add_argument("--tiny", action="store_true", help="shrunk shapes (a CPU smoke test in seconds)")
