@@ -39,6 +39,11 @@ class Draft:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
+    def to(self, device: torch.device) -> Draft:
+        """The draft with its tokens and probabilities on `device`, where the target verifies it (`parents`,
+        which the step reads on the host, stay there). On the same device: the same tensors."""
+        return Draft(self.tokens.to(device), None if self.probs is None else self.probs.to(device), self.parents)
+
     @property
     def is_tree(self) -> bool:
         """A token tree (parents given, even when they form a chain) rather than a chain."""

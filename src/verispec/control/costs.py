@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from verispec.models.device import device_tag, synchronize
 from verispec.models.runner import LoadedModel, Runner
 from verispec.paths import cache_dir, cpu_flags
 from verispec.progress import status
@@ -30,6 +31,7 @@ def _best_seconds(runner: Runner, cache, positions: int, logits: str, repeats: i
     for _ in range(repeats):
         start = time.perf_counter()
         runner.forward(cache, torch.zeros(positions, dtype=torch.long), logits=logits)
+        synchronize(runner.device)  # a GPU's forward returns before it is done
         best = min(best, time.perf_counter() - start)
         cache.truncate(kept)
     return best
@@ -75,8 +77,8 @@ def _cached(key: str, needed: int, measure: Callable[[], list[float]]) -> list[f
 
 
 def _runner_key(runner: Runner, folder: str) -> str:
-    """What a runner's timings depend on: model, variant, dtype, threads and CPU kind."""
-    variant = runner.variant  # a derived draft (fewer layers, int8, …) is timed on its own
+    """What a runner's timings depend on: model, variant, device, dtype, threads and CPU kind."""
+    variant = runner.variant + device_tag(runner.device)  # a derived draft (fewer layers, int8, …) is timed on its own
     if runner.compiled:  # the C++ decoder stack changes the curve: timed apart
         variant += ",compiled"
     return f"{folder}{variant}|{runner.dtype}|threads={torch.get_num_threads()}|cpu={_cpu_key()}"

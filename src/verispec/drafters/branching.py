@@ -124,6 +124,7 @@ class TreeBuilder:
         parents = torch.tensor(self.parents, dtype=torch.long)  # [n]
         if all(row is None for row in self.rows):
             return Draft(tokens, None, parents)
-        one_hot = torch.nn.functional.one_hot(tokens, vocab_size).float()  # [n, vocab]
+        device = next(row.device for row in self.rows if row is not None)  # the draft model's
+        one_hot = torch.nn.functional.one_hot(tokens.to(device), vocab_size).float()  # [n, vocab]
         probs = torch.stack([row if row is not None else one_hot[i] for i, row in enumerate(self.rows)])
         return Draft(tokens, probs, parents)

@@ -213,7 +213,7 @@ class _CrossVocabSession(ModelSession):
 
     def _greedy(self, ids: list[int], context: list[int], logits: torch.Tensor, gamma: int, params: SamplingParams) -> Draft:
         """γ draft tokens by the draft's own argmax, turned into the target's tokens through their text."""
-        seen = penalty_seen(params, logits.shape[-1], context)  # [1, vocab] or None
+        seen = penalty_seen(params, logits.shape[-1], context, device=logits.device)  # [1, vocab] or None
         drafted: list[int] = []
         for _ in range(gamma):
             token = int(greedy_tokens(logits, params, seen))
@@ -232,7 +232,7 @@ class _CrossVocabSession(ModelSession):
         """γ tokens drawn from the draft's distribution restricted to the shared vocabulary; their probs
         [γ, target vocab] sit at the target's ids."""
         shared = self.drafter.shared
-        seen = penalty_seen(params, logits.shape[-1], context)  # [1, vocab] or None
+        seen = penalty_seen(params, logits.shape[-1], context, device=logits.device)  # [1, vocab] or None
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         for i in range(gamma):
@@ -240,7 +240,7 @@ class _CrossVocabSession(ModelSession):
             if probs is None:  # the draft puts no weight on any shared token: nothing more to propose
                 break
             pick = int(multinomial(probs[None], generator))
-            row = torch.zeros(self.drafter.target.vocab_size, dtype=probs.dtype)  # [target vocab]
+            row = torch.zeros(self.drafter.target.vocab_size, dtype=probs.dtype, device=probs.device)  # [target vocab]
             row[shared.target_ids] = probs
             tokens.append(int(shared.target_ids[pick]))
             rows.append(row)

@@ -33,7 +33,7 @@ def sample_chain(
     """Draw `gamma` tokens one by one: `logits` [1, vocab] predict the first, `step(token)` feeds a
     token and returns the logits [1, vocab] after it. Draft probs are padded to the target's vocab."""
     vocab = logits.shape[-1]
-    seen = penalty_seen(params, vocab, ids)  # [1, vocab] or None
+    seen = penalty_seen(params, vocab, ids, device=logits.device)  # [1, vocab] or None
     tokens: list[int] = []
     probs: list[torch.Tensor] = []
     for i in range(gamma):

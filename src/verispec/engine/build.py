@@ -12,6 +12,7 @@ from verispec.drafters import make_drafter
 from verispec.drafters.base import Drafter
 from verispec.engine.loop import Engine
 from verispec.engine.spec import AUTO, EngineSpec
+from verispec.models.device import resolve_device
 from verispec.models.linear import VERIFY_ROWS
 from verispec.models.loading import ModelCache, parse_precision
 from verispec.models.registry import SHIPPED_MODELS
@@ -20,10 +21,12 @@ from verispec.models.runner import LoadedModel
 __all__ = ["EngineBuilder", "auto_precision", "load"]
 
 
-def auto_precision(target: str) -> str:
-    """`dtype="auto"`: llama.cpp on the model's own GGUF file where it has one (a shipped model, a
-    .gguf path): the file the user chose, at llama.cpp's speed and memory, nothing converted; verispec's
-    float32 runner for a Hugging Face folder."""
+def auto_precision(target: str, device: str = "cpu") -> str:
+    """`dtype="auto"`: on the CPU, llama.cpp on the model's own GGUF file where it has one (a shipped model,
+    a .gguf path): the file the user chose, at llama.cpp's speed and memory, nothing converted; verispec's
+    float32 runner for a Hugging Face folder. On a GPU (`device` cuda, or auto with one), bfloat16."""
+    if resolve_device(device).type != "cpu":
+        return "bfloat16"
     return "gguf" if target in SHIPPED_MODELS or str(target).endswith(".gguf") else "float32"
 
 
@@ -33,11 +36,12 @@ class EngineBuilder:
     target: a shipped model name or a folder. dtype: the precision a target is loaded in unless a call
     names another. default_draft: the draft model a drafter spec means when it names none (`model`,
     `tree`, `hybrid`, …); None: the shipped default. Each drafter spec is built once per precision.
+    device: where every model is loaded ("cpu", "cuda", "auto": `verispec.models.device`).
     """
 
-    def __init__(self, target: str, dtype: str = "float32", default_draft: str | None = None):
+    def __init__(self, target: str, dtype: str = "float32", default_draft: str | None = None, device: str = "cpu"):
         self.target_spec, self.dtype = target, dtype
-        self.models = ModelCache()
+        self.models = ModelCache(device=device)
         if default_draft is not None:
             self.models.default_draft = default_draft
         self._drafters: dict[tuple[str | None, str], Drafter | None] = {}
@@ -98,6 +102,7 @@ def load(
     dtype: str = EngineSpec.dtype,
     gamma: int = EngineSpec.gamma,
     gamma_policy: str | None = EngineSpec.gamma_policy,
+    device: str = EngineSpec.device,
 ) -> Engine:
     """Load a target and a drafter into an Engine, ready to generate.
 
@@ -108,16 +113,18 @@ def load(
     activations; a draft model follows the target's precision, see `verispec.models.loading`), a
     llama.cpp / Hugging Face precision, or "auto" (`auto_precision`). gamma: the (starting) draft
     length; gamma_policy: constant, heuristic, analytic or auto (how γ changes from step to step;
-    default: auto with a planned drafter, analytic otherwise).
+    default: auto with a planned drafter, analytic otherwise). device: "cpu" (the default), "cuda" or
+    "auto" (CUDA when torch sees a GPU): where the torch runners keep weights and caches and where a
+    step's verification and sampling run (`verispec.models.device`; gguf and int8 are CPU-only).
 
     The engine's models are frozen: a request may ask for another drafter over them
     (`GenerationConfig.drafter`), never for new weights.
 
     Raises ModelNotFoundError (unknown model), IncompatibleModelsError (a draft with another
-    tokenizer) and InvalidParameterError (a bad spec, precision, γ or policy). The same settings as one
+    tokenizer) and InvalidParameterError (a bad spec, precision, γ, policy or device). The same settings as one
     value (the CLI's options, a Ray worker's loader): `verispec.engine.spec.EngineSpec`.
     """
-    builder = EngineBuilder(target, auto_precision(target) if dtype == AUTO else dtype)
+    builder = EngineBuilder(target, auto_precision(target, device) if dtype == AUTO else dtype, device=device)
     if draft == AUTO:
         engine = builder.planned_engine(gamma, gamma_policy)
     else:

@@ -15,6 +15,12 @@ token plus every node in one forward, with positions prefix + depth and a tree a
 node sees the committed prefix, its ancestors and itself); after verification `KVCache.keep` packs
 the accepted path's keys/values right after the prefix, so nothing is recomputed. γ caps the depth.
 
+Devices: a step's tensors live where the target's logits are (`LoadedModel.device`: the CPU, or a GPU with
+`load(device="cuda")`): the feed, the draft (moved there once per step), the processed scores, the
+verification and the request's `torch.Generator` (per device, so a seed reproduces per device). What
+comes back to the host is what Python needs: the accepted count, the emitted token ids (and a tree's
+structure, which drafters build on the host). On the CPU nothing is copied.
+
 On a row-invariant target (int8, llama.cpp) a verification pass is exact only up to the runner's
 `exact_positions_after(cache length)` (longer feeds use other kernels or batched attention, whose
 rounding changes with the number of queries; on llama.cpp the bound shrinks once a cache is long), so
@@ -302,7 +308,8 @@ class Generation:
         self.engine, self.config = engine, config
         self.target = engine.target
         self.params = config.sampling
-        self.generator = torch.Generator()
+        self.device = self.target.device  # where the step's tensors live: the target's logits are there
+        self.generator = torch.Generator(self.device)  # torch's generators are per device (the CPU's: as before)
         # without a seed, a fresh one from the OS: torch's global generator is left as the caller set it
         self.generator.manual_seed(config.seed if config.seed is not None else secrets.randbits(63))
         self.ids = list(prompt_ids)
@@ -408,7 +415,8 @@ class Generation:
         gamma = gamma if most is None else min(gamma, most)
         if self.session is None or gamma <= 0:
             return Chain(Draft(torch.zeros(0, dtype=torch.long)))
-        return shape_of(self.session.propose(self.ids, gamma, self.params, self.generator)).cut(gamma, most)
+        draft = self.session.propose(self.ids, gamma, self.params, self.generator).to(self.device)
+        return shape_of(draft).cut(gamma, most)
 
     def plan(self) -> StepPlan:
         """Draft this step's tokens and say what the target must score (after the prefill: `prefilled`)."""
@@ -418,7 +426,7 @@ class Generation:
         gamma = min(self.policy.next_gamma(), remaining - 1) if self.session is not None else 0
         start = time.perf_counter()
         shape = self._draft(gamma)
-        feed = torch.cat([torch.tensor(self.ids[-1:]), shape.draft.tokens])  # [n+1]
+        feed = torch.cat([torch.tensor(self.ids[-1:], device=self.device), shape.draft.tokens])  # [n+1] on the device
         return StepPlan(shape, feed, time.perf_counter() - start, *shape.layout(len(self.ids) - 1))
 
     def step(self) -> list[TokenEvent]:
@@ -446,7 +454,7 @@ class Generation:
         verdict = shape.verify(scores, self.generator)
         laps.mark("verify")
         path = list(verdict.path) if verdict.path is not None else list(range(verdict.accepted))
-        rows = torch.tensor([0] + [node + 1 for node in path])  # [accepted+1] block rows on the committed path
+        rows = torch.tensor([0] + [node + 1 for node in path])  # [accepted+1] block rows on the committed path (host)
         new_tokens = draft.tokens[path].tolist() + [verdict.next_token]
         self._commit_tokens(shape, rows, new_tokens, scores)
         laps.mark("commit")

@@ -1,4 +1,4 @@
-"""`EngineSpec`: the five settings an engine is loaded from (target, drafter, precision, γ, γ policy), in one place.
+"""`EngineSpec`: the six settings an engine is loaded from (target, drafter, precision, γ, γ policy, device), in one place.
 
 `load()` takes them as its arguments (their defaults are these), the CLI's commands as options
 (`add_arguments`, `from_args`), `verispec serve --ray` and `verispec batch` as an EngineSpec, which is
@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING
 
 from verispec.control.gamma import POLICIES
+from verispec.models.device import DEVICES
 from verispec.models.loading import PRECISIONS
 from verispec.models.registry import DEFAULT_TARGET
 
@@ -27,11 +28,14 @@ HELP = {
     "draft": "drafter: auto (planned from measured costs) | none | model[:NAME] | NAME/PATH | gguf[:NAME] | ngram[:max_n=3] | "
              "tree[:k=2,depth=4] | merge | stand[:max_n=4,k=2,depth=5] | hybrid[:min_match=2] | online[:rank=8] | "
              "cascade[:kind=vertical] | self[:layers=7] | triforce (all: verispec.drafters)",
-    "dtype": "float32 | bfloat16 | int8 (int8 weights, batch-invariant: see verispec.models.int8) | gguf (llama.cpp) | "
-             "hf (transformers; float32/bfloat16 use it for models other than qwen2/llama)",
-    "dtype_auto": "auto (gguf for a model with a GGUF file: the shipped ones, a .gguf path; float32 otherwise) | ",
+    "dtype": "float32 | bfloat16 | float16 (for a GPU) | int8 (int8 weights, batch-invariant: see verispec.models.int8) | "
+             "gguf (llama.cpp) | hf (transformers; float32/bfloat16 use it for models other than qwen2/llama)",
+    "dtype_auto": "auto (on a GPU bfloat16; on the CPU gguf for a model with a GGUF file: the shipped ones, a .gguf path; "
+                  "float32 otherwise) | ",
     "gamma": "draft length γ (the starting value for adaptive policies)",
     "gamma_policy": "how γ changes from step to step (default: auto with --draft auto, analytic otherwise)",
+    "device": "where the torch runners compute: cpu (default) | cuda[:N] | auto (cuda when torch sees a GPU); "
+              "gguf and int8 are CPU-only",
 }
 
 
@@ -42,6 +46,7 @@ class EngineSpec:
     target: a shipped model name or a folder (or a .gguf). draft: a drafter spec, None or "none" for
     plain decoding, "auto" for a planned one. dtype: a precision or "auto". gamma: the (starting) draft
     length. gamma_policy: None for `load`'s default (auto with a planned drafter, analytic otherwise).
+    device: "cpu", "cuda" (or "cuda:N") or "auto" (`verispec.models.device`).
     """
 
     target: str = DEFAULT_TARGET
@@ -49,6 +54,7 @@ class EngineSpec:
     dtype: str = "float32"
     gamma: int = 4
     gamma_policy: str | None = None
+    device: str = "cpu"
 
     def __call__(self) -> Engine:
         """The engine: `verispec.load` with these settings (a Ray worker's loader)."""
@@ -58,7 +64,8 @@ class EngineSpec:
 
     def describe(self) -> str:
         policy = self.gamma_policy or "default policy"
-        return f"target {self.target}, draft {self.draft or 'none'}, {self.dtype}, γ {self.gamma} ({policy})"
+        where = "" if self.device == "cpu" else f", on {self.device}"
+        return f"target {self.target}, draft {self.draft or 'none'}, {self.dtype}, γ {self.gamma} ({policy}){where}"
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineSpec:
@@ -68,8 +75,8 @@ class EngineSpec:
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser, defaults: EngineSpec | None = None,
-                      names: tuple[str, ...] = ("target", "draft", "dtype", "gamma", "gamma_policy")) -> None:
-        """Add --target, --draft, --dtype, --gamma and --gamma-policy (those in `names`), with the defaults of
+                      names: tuple[str, ...] = ("target", "draft", "dtype", "gamma", "gamma_policy", "device")) -> None:
+        """Add --target, --draft, --dtype, --gamma, --gamma-policy and --device (those in `names`), with the defaults of
         `defaults` (default: `EngineSpec()`'s); --dtype offers auto only where it is the default."""
         defaults = defaults or EngineSpec()
         auto = defaults.dtype == AUTO
@@ -80,6 +87,7 @@ class EngineSpec:
             "dtype": {"default": defaults.dtype, "choices": dtypes, "help": dtype_help},
             "gamma": {"type": int, "default": defaults.gamma, "help": HELP["gamma"]},
             "gamma_policy": {"default": defaults.gamma_policy, "choices": POLICIES, "help": HELP["gamma_policy"]},
+            "device": {"default": defaults.device, "metavar": "|".join(DEVICES), "help": HELP["device"]},
         }
         for name in names:
             parser.add_argument("--" + name.replace("_", "-"), **options[name])

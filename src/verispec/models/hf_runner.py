@@ -74,7 +74,7 @@ class HFCache:
         slots = torch.as_tensor(slots, dtype=torch.long)
         if len(slots) and (int(slots.min()) < 0 or start + int(slots.max()) >= self.length):
             raise ValueError(f"cannot keep slots {slots.tolist()} after {start} in a cache of length {self.length}")
-        index = torch.cat([torch.arange(start), start + slots])  # [start + k] slots to keep, in order
+        index = torch.cat([torch.arange(start), start + slots]).to(self.runner.device)  # [start + k] slots to keep, in order
         for layer in self.kv.layers:
             if layer.keys is None or layer.keys.numel() == 0:
                 continue
@@ -97,7 +97,8 @@ class HFCache:
 class HFRunner:
     """A `transformers.AutoModelForCausalLM` behind verispec's runner protocol (see the module docstring).
 
-    model: the loaded HF model (eval mode); its dtype is the runner's (float32 by default);
+    model: the loaded HF model (eval mode); its dtype and device are the runner's (float32 on the CPU by
+    default): inputs are moved there, logits come back there;
     model_type: the folder's `config.json` model type (for messages and `config`).
     """
 
@@ -139,8 +140,8 @@ class HFRunner:
         self.supports_trees = self._scores_trees()  # measured now: a tree drafter is refused at load, not mid-request
 
     @classmethod
-    def from_folder(cls, folder: str | Path, dtype: torch.dtype = torch.float32) -> HFRunner:
-        """The Hugging Face model in `folder` (config.json + safetensors) in `dtype`."""
+    def from_folder(cls, folder: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> HFRunner:
+        """The Hugging Face model in `folder` (config.json + safetensors) in `dtype`, on `device` (None: the CPU)."""
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -150,6 +151,8 @@ class HFRunner:
         hf_logging.disable_progress_bar()  # verispec's own status line says what is loading
         try:
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+            if device is not None:
+                model = model.to(device)
         except (ValueError, KeyError, OSError) as error:
             raise ModelNotFoundError(f"transformers cannot load {folder} (model type {model_type!r}): {error}") from error
         finally:
@@ -160,7 +163,7 @@ class HFRunner:
     # -- declared capabilities (the runner protocol, `models/runner.py`) ---------------------------
     @property
     def precision(self) -> str:
-        return "hf" if self.dtype == torch.float32 else "hf-bfloat16"
+        return {torch.float32: "hf", torch.float16: "hf-float16"}.get(self.dtype, "hf-bfloat16")
 
     @property
     def weight_bytes(self) -> int:
@@ -201,7 +204,7 @@ class HFRunner:
         n, past = int(tokens.shape[0]), cache.length
         cache.ensure(past + n)
         if positions is None:
-            positions = torch.arange(past, past + n)
+            positions = torch.arange(past, past + n, device=self.device)
         mask = None
         if tree_mask is not None:
             if not self.supports_trees:

@@ -295,6 +295,7 @@ class LlamaCppRunner:
     """
 
     dtype = torch.float32
+    device = torch.device("cpu")  # ggml's CPU kernels: logits come back as CPU tensors
 
     def __init__(self, gguf: str | Path, threads: int | None = None, window: int = WINDOW, max_sequences: int = 256,
                  batch: int = 512, exact: bool = True):

@@ -9,6 +9,7 @@ drafter built from the models already in memory, never make it read new weights.
 Precisions (the `dtype` argument everywhere: API, CLI, server, benchmark):
   float32 (fp32)    the default: weights and activations in float32, weights prepacked for oneDNN;
   bfloat16 (bf16)   weights and activations in bfloat16 (fast only on CPUs with AMX / AVX-512 bf16);
+  float16 (fp16)    weights and activations in float16: for a GPU (`--device cuda`); it runs on a CPU, slowly;
   gguf              the model's GGUF file as it is, run by llama.cpp (`models/llama_cpp.py`): ggml's
                     CPU kernels, any architecture llama.cpp supports, no conversion; a shipped name
                     or a .gguf path (a Hugging Face folder has no GGUF to run); verification widths
@@ -21,7 +22,11 @@ Precisions (the `dtype` argument everywhere: API, CLI, server, benchmark):
                     speculative decoding stays token-identical to greedy plain decoding of the SAME
                     int8 model (not of the float32 one: `verispec quality` measures how close they are);
   hf                the Hugging Face `transformers` model itself (`models/hf_runner.py`), float32 (or
-                    "hf-bfloat16"): any architecture transformers runs, slower than the own runner.
+                    "hf-bfloat16", "hf-float16"): any architecture transformers runs, slower than the own runner.
+
+Devices (`device`, `models/device.py`): the torch runners (own and Hugging Face) load their weights
+and keep their KV caches on the device a `ModelCache` (or `load_model`) is given, the CPU by default;
+llama.cpp and int8 are CPU-only and refused elsewhere.
 
 verispec's own runner implements the model types in `transformer.SUPPORTED_TYPES` (qwen2, llama);
 any other model asked for in float32 or bfloat16 is run by the Hugging Face runner automatically.
@@ -39,6 +44,7 @@ from pathlib import Path
 import torch
 
 from verispec.errors import IncompatibleModelsError, InvalidParameterError, ModelNotFoundError
+from verispec.models.device import CPU, check_device, resolve_device
 from verispec.models.int8 import int8_available
 from verispec.models.linear import VERIFY_ROWS
 from verispec.models.registry import (
@@ -55,7 +61,8 @@ __all__ = [
     "tokenizer_problems", "parse_dtype", "parse_precision", "precisions_for", "Precision", "PRECISIONS",
 ]
 
-PRECISIONS = ("float32", "bfloat16", "int8", "gguf", "gguf-wide", "hf")  # the names the CLI, server and benchmark offer
+# the names the CLI, server and benchmark offer
+PRECISIONS = ("float32", "bfloat16", "float16", "int8", "gguf", "gguf-wide", "hf")
 
 
 @dataclass(frozen=True)
@@ -70,11 +77,13 @@ class Precision:
 _PRECISIONS = {
     "float32": Precision("float32", torch.float32), "fp32": Precision("float32", torch.float32),
     "bfloat16": Precision("bfloat16", torch.bfloat16), "bf16": Precision("bfloat16", torch.bfloat16),
+    "float16": Precision("float16", torch.float16), "fp16": Precision("float16", torch.float16),
     "int8": Precision("int8", torch.float32, "int8"),
     "gguf": Precision("gguf", torch.float32, "gguf"), "llama.cpp": Precision("gguf", torch.float32, "gguf"),
     "gguf-wide": Precision("gguf-wide", torch.float32, "gguf-wide"),
     "hf": Precision("hf", torch.float32, "hf"), "hf-float32": Precision("hf", torch.float32, "hf"),
     "hf-bfloat16": Precision("hf-bfloat16", torch.bfloat16, "hf"), "hf-bf16": Precision("hf-bfloat16", torch.bfloat16, "hf"),
+    "hf-float16": Precision("hf-float16", torch.float16, "hf"), "hf-fp16": Precision("hf-float16", torch.float16, "hf"),
 }
 
 
@@ -84,7 +93,7 @@ def precisions_for(model_type: str, gguf: bool = False) -> dict[str, str]:
     runner for hf (and for float32/bfloat16 of any other type), llama.cpp for gguf when the model
     comes as a GGUF file."""
     own = model_type in SUPPORTED_TYPES
-    backends = {"float32": "verispec" if own else "transformers", "bfloat16": "verispec" if own else "transformers"}
+    backends = {name: "verispec" if own else "transformers" for name in ("float32", "bfloat16", "float16")}
     if own:
         backends["int8"] = "verispec"
     backends["hf"] = "transformers"
@@ -167,8 +176,10 @@ def load_tokenizer(folder: Path):
     return AutoTokenizer.from_pretrained(folder)
 
 
-def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", pack_rows: int = VERIFY_ROWS) -> LoadedModel:
-    """`spec` (shipped name, HF folder or .gguf) in precision `dtype` (float32, bfloat16, int8, gguf or hf).
+def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", pack_rows: int = VERIFY_ROWS,
+               device: str | torch.device = CPU) -> LoadedModel:
+    """`spec` (shipped name, HF folder or .gguf) in precision `dtype` (float32, bfloat16, float16, int8, gguf
+    or hf), its weights and caches on `device` ("cpu", "cuda", "auto": `models/device.py`).
 
     A model type the own runner does not implement runs on the Hugging Face runner in float32 and
     bfloat16 (and always with dtype "hf"); int8 needs the own runner.
@@ -179,8 +190,12 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", pack_rows
 
     int8 weights are quantized from the cached float32 conversion while loading (a few seconds for
     the 1.5B; measured in BENCHMARKS.md), so no second conversion is stored.
+
+    Raises InvalidParameterError for a device torch cannot use or a CPU-only precision off the CPU.
     """
     precision = parse_precision(dtype)
+    device = resolve_device(device)
+    check_device(precision.name, device)  # before any file is read
     if precision.quant in ("gguf", "gguf-wide"):
         return _load_gguf(spec, exact=precision.quant == "gguf")
     if precision.quant == "int8" and not int8_available():
@@ -197,11 +212,11 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", pack_rows
         from verispec.models.hf_runner import HFRunner
 
         with status(f"loading {spec} ({model_type} in {precision.name}, Hugging Face runner)"):
-            runner = HFRunner.from_folder(folder, precision.dtype)
+            runner = HFRunner.from_folder(folder, precision.dtype, device)
             tokenizer = load_tokenizer(folder)
         return LoadedModel(str(spec), folder, runner, tokenizer, _eos_ids(folder, tokenizer))
     with status(f"loading {spec} ({precision.name})"):
-        runner = Transformer.from_folder(folder, precision.dtype, quant=precision.quant, pack_rows=pack_rows)
+        runner = Transformer.from_folder(folder, precision.dtype, quant=precision.quant, pack_rows=pack_rows, device=device)
         tokenizer = load_tokenizer(folder)
     return LoadedModel(str(spec), folder, runner, tokenizer, _eos_ids(folder, tokenizer))
 
@@ -220,7 +235,7 @@ def _load_gguf(spec: str | Path, exact: bool) -> LoadedModel:
     return LoadedModel(str(spec), gguf, runner, tokenizer, _eos_ids(folder, tokenizer) | runner.eos_ids)
 
 
-ModelLoader = Callable[..., "LoadedModel"]  # (spec, dtype, pack_rows=…) -> LoadedModel, like load_model
+ModelLoader = Callable[..., "LoadedModel"]  # (spec, dtype, pack_rows=…) -> LoadedModel, like load_model (a cache's device)
 
 
 class ModelCache:
@@ -229,12 +244,14 @@ class ModelCache:
     `default_draft` is the draft model a drafter spec means when it names none (`tree`, `hybrid`, …):
     the draft a server loaded at start or a benchmark was given; None: the target's own default
     (`registry.default_draft_for`). A model is laid out for the
-    `pack_rows` of its first load (a target's or a draft's, see `load_model`).
+    `pack_rows` of its first load (a target's or a draft's, see `load_model`). Every model it loads lives
+    on its `device` (default: the first model's, else the CPU; see `models/device.py`).
     """
 
-    def __init__(self, *models: LoadedModel, frozen: bool = False):
+    def __init__(self, *models: LoadedModel, frozen: bool = False, device: str | torch.device | None = None):
         self._models = {(model.name, model.precision): model for model in models}
         self.frozen = frozen
+        self.device = resolve_device(device) if device is not None or not models else models[0].device
         self.default_draft: str | None = None
 
     @property
@@ -250,7 +267,7 @@ class ModelCache:
                     f"model {str(spec)!r} in {key[1]} is not loaded here (loaded: {loaded}): pick a drafter that uses "
                     "a loaded model or none (ngram, stand), or restart with --draft naming it"
                 )
-            self._models[key] = load_model(spec, dtype, pack_rows)
+            self._models[key] = load_model(spec, dtype, pack_rows, self.device)
         return self._models[key]
 
 

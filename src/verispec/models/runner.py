@@ -70,10 +70,11 @@ class Runner(Protocol):
 
     config: RunnerConfig
     dtype: torch.dtype  # of the logits' source activations (logits themselves are float32)
+    device: torch.device  # where its weights, caches and logits live (llama.cpp: the CPU)
 
     @property
     def precision(self) -> str:
-        """'float32', 'bfloat16', 'int8', 'gguf', 'gguf-wide', 'hf' or 'hf-bfloat16': the precision name
+        """'float32', 'bfloat16', 'float16', 'int8', 'gguf', 'gguf-wide', 'hf', 'hf-bfloat16' or 'hf-float16': the precision name
         the CLI, server and benchmark use (and what a draft for it loads in by default)."""
 
     @property
@@ -148,8 +149,13 @@ class LoadedModel:
         return self.runner.dtype
 
     @property
+    def device(self) -> torch.device:
+        """Where the runner computes: its logits are on this device (`models/device.py`)."""
+        return self.runner.device
+
+    @property
     def precision(self) -> str:
-        """'float32', 'bfloat16', 'int8', 'gguf', 'gguf-wide', 'hf' or 'hf-bfloat16': what a draft for
+        """'float32', 'bfloat16', 'float16', 'int8', 'gguf', 'gguf-wide', 'hf', 'hf-bfloat16' or 'hf-float16': what a draft for
         this model is loaded in by default."""
         return self.runner.precision
 

@@ -32,6 +32,7 @@ from safetensors import safe_open
 
 from verispec.errors import ModelNotFoundError
 from verispec.models import kernels
+from verispec.models.device import CPU
 from verispec.models.int8 import Int8Linear
 from verispec.models.int8_store import Int8Store
 from verispec.models.linear import PackedLinear
@@ -149,7 +150,8 @@ class _Row:
     cache: KVCache
     start: int
     n: int
-    positions: torch.Tensor  # [n] absolute positions
+    positions: torch.Tensor  # [n] absolute positions, on the runner's device
+    top: int  # the largest of `positions` (known on the host: reading it from a GPU would wait for it)
     mask: torch.Tensor | None  # [n, start + n] bool; None when a single token sees everything
     chain: bool = True  # consecutive positions with a causal mask (not a token tree)
 
@@ -175,15 +177,15 @@ def _linear_factory(pack: bool, quant: str | None, pack_rows: int = 1, store: In
 
 
 class _Weights:
-    """Weights by name, each read on first use and cast to `dtype`. The source is a dict or `_Safetensors`
+    """Weights by name, each read on first use and cast to `dtype` on `device`. The source is a dict or `_Safetensors`
     (files read tensor by tensor), so building the runner never holds every float32 weight at once: what
     a layer needs is read, packed or quantized, and dropped before the next layer is read."""
 
-    def __init__(self, source, dtype: torch.dtype):
-        self.source, self.dtype = source, dtype
+    def __init__(self, source, dtype: torch.dtype, device: torch.device):
+        self.source, self.dtype, self.device = source, dtype, device
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self.source[name].to(self.dtype)
+        return self.source[name].to(self.device, self.dtype)
 
     def get(self, name: str) -> torch.Tensor | None:
         return self[name] if name in self.source else None
@@ -225,7 +227,9 @@ class Transformer:
     quant: None, or "int8" for int8 linear layers (dtype must then be float32);
     pack_rows: the rows per forward the float linear layers are packed for (`linear.py`);
     int8_store: where int8 layers come from (`from_folder` passes the folder's cache; without one
-    they are quantized from the float weights).
+    they are quantized from the float weights);
+    device: where the weights, the RoPE table and every KV cache live (the CPU by default; int8 is
+    CPU-only). `forward` takes tokens, positions and masks from anywhere and returns logits there.
 
     A quantized runner is row-invariant: the logits of a position do not depend on how many other
     positions the same forward pass holds, bit for bit. Its linear layers are (see `int8.py`), and so
@@ -249,9 +253,12 @@ class Transformer:
     def __init__(
         self, config: ModelConfig, weights: dict[str, torch.Tensor] | _Safetensors, dtype: torch.dtype,
         pack: bool = True, quant: str | None = None, pack_rows: int = 1, int8_store: Int8Store | None = None,
+        device: torch.device = CPU,
     ):
         if quant is not None and dtype != torch.float32:
             raise ValueError(f"{quant} weights run with float32 activations, not {dtype}")
+        if quant is not None and device.type != "cpu":
+            raise ValueError(f"{quant} weights run on the CPU only, not on {device}")
         self.config = config
         self.dtype = dtype
         self.quant = quant
@@ -259,21 +266,21 @@ class Transformer:
         self.row_invariant = quant is not None
         self._compiled: tuple = (None, None)  # (the layers it was built from, `Int8Layers` or None)
         linear = _linear_factory(pack, quant, pack_rows, int8_store)
-        weights = _Weights(weights, dtype)
+        weights = _Weights(weights, dtype, device)
         self.embed = weights["model.embed_tokens.weight"]  # [vocab, hidden]
         self.device = self.embed.device
         self.layers = [_Layer(weights, f"model.layers.{i}.", config, linear) for i in range(config.num_layers)]
         self.final_norm = weights["model.norm.weight"]
         head = lambda: self.embed if config.tie_word_embeddings else weights["lm_head.weight"]  # noqa: E731
         self.lm_head = linear("lm_head", head, None)
-        self._rope_cache = torch.empty(2, 0, config.head_dim)  # [cos/sin, positions, head_dim]
+        self._rope_cache = torch.empty(2, 0, config.head_dim, dtype=dtype, device=self.device)  # [cos/sin, positions, head_dim]
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim))
         self._inv_freq = inv_freq  # [head_dim / 2]
 
     @classmethod
     def from_folder(
         cls, folder: str | Path, dtype: torch.dtype = torch.float32, pack: bool = True, quant: str | None = None,
-        pack_rows: int = 1,
+        pack_rows: int = 1, device: torch.device = CPU,
     ) -> Transformer:
         folder = Path(folder)
         config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
@@ -283,7 +290,7 @@ class Transformer:
         with contextlib.ExitStack() as stack:
             handles = [stack.enter_context(safe_open(file, framework="pt")) for file in files]
             store = Int8Store(folder) if quant == "int8" else None
-            runner = cls(config, _Safetensors(handles), dtype, pack, quant, pack_rows, store)
+            runner = cls(config, _Safetensors(handles), dtype, pack, quant, pack_rows, store, device)
         if store is not None:
             store.save()
         return runner
@@ -299,13 +306,13 @@ class Transformer:
             self.forward(cache, torch.tensor(prompt_ids[:-1]), logits="none")
         return cache
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        needed = int(positions.max()) + 1
+    def _rope(self, positions: torch.Tensor, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin at `positions` [n] (all below `needed`), from a table grown on the host in float64."""
         if self._rope_cache.shape[1] < needed:
             size = max(needed, 2 * self._rope_cache.shape[1], 1024)
             angles = torch.outer(torch.arange(size, dtype=torch.float64), self._inv_freq)  # [size, head_dim/2]
             angles = torch.cat([angles, angles], dim=-1)
-            self._rope_cache = torch.stack([angles.cos(), angles.sin()]).to(self.dtype)  # [2, size, head_dim]
+            self._rope_cache = torch.stack([angles.cos(), angles.sin()]).to(self.device, self.dtype)  # [2, size, head_dim]
         cos, sin = self._rope_cache[:, positions]
         return cos, sin  # [n, head_dim] each
 
@@ -336,7 +343,7 @@ class Transformer:
         logits: "all" -> [n, vocab], "last" -> [1, vocab], "none" -> None. Logits are float32.
         """
         row = self._row(cache, tokens.shape[0], positions, tree_mask)
-        x = self._run(tokens, [row])  # [n, hidden]
+        x = self._run(tokens.to(self.device), [row])  # [n, hidden]
         if logits == "none":
             return None
         if logits == "last":
@@ -364,24 +371,29 @@ class Transformer:
             self._row(cache, feed.shape[0], pos, mask)
             for cache, feed, pos, mask in zip(caches, feeds, positions, tree_masks)
         ]
-        x = self._run(torch.cat(feeds), rows)  # [Σn_i, hidden]
+        x = self._run(torch.cat(feeds).to(self.device), rows)  # [Σn_i, hidden]
         return list(self._logits(x).split([row.n for row in rows]))
 
     def _row(self, cache: KVCache, n: int, positions: torch.Tensor | None, tree_mask: torch.Tensor | None) -> _Row:
         start = cache.length
         cache.ensure(start + n)
         if positions is None:
-            positions = torch.arange(start, start + n, device=self.device)
+            positions, top = torch.arange(start, start + n, device=self.device), start + n - 1
+        else:  # given by the caller (a tree's layout, TriForce's retrieved positions): usually on the host
+            top, positions = int(positions.max()), positions.to(self.device)
         if tree_mask is None and n == 1:
             mask = None
         else:
-            local = tree_mask if tree_mask is not None else torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+            if tree_mask is not None:
+                local = tree_mask.to(self.device)  # [n, n]
+            else:
+                local = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
             mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=self.device), local], dim=1)  # [n, start+n]
-        return _Row(cache, start, n, positions, mask, chain=tree_mask is None)
+        return _Row(cache, start, n, positions, top, mask, chain=tree_mask is None)
 
     def _run(self, tokens: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
         """The decoder stack over tokens [N] (the rows' new tokens, concatenated) -> hidden [N, hidden]."""
-        cos, sin = self._rope(torch.cat([row.positions for row in rows]))
+        cos, sin = self._rope(torch.cat([row.positions for row in rows]), max(row.top for row in rows) + 1)
         cos, sin = cos[None], sin[None]  # [1, N, head_dim]
         x = F.embedding(tokens, self.embed)  # [N, hidden]
         one_chain = len(rows) == 1 and rows[0].chain and rows[0].n <= ROW_INVARIANT_POSITIONS

@@ -5,6 +5,8 @@ Every function works on a whole block `[positions, vocab]` at once: no Python lo
 `to_probs`, which is what keeps speculative sampling lossless under truncation.
 
 Order (as in Hugging Face): repetition penalty → temperature → top-k → top-p → min-p → ε → η.
+
+Everything runs where the logits are (a GPU's logits are processed on the GPU); masks made here are made there.
 """
 
 from __future__ import annotations
@@ -70,34 +72,37 @@ def seen_mask(
     prefix: list[int] | torch.Tensor,
     block: torch.Tensor | None = None,
     ancestors: torch.Tensor | None = None,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """Which tokens each position's own prefix contains, for the repetition penalty.
 
     Row 0 sees `prefix`; row i (i ≥ 1) sees `prefix` plus block[:i] for a chain, or plus the tokens of
     block node i−1 and its ancestors for a token tree (`ancestors` [n, n] bool, see
-    `tokentree.ancestor_mask`). Returns [len(block)+1, vocab] bool (one row when block is None).
+    `tokentree.ancestor_mask`). Returns [len(block)+1, vocab] bool (one row when block is None) on
+    `device` (None: the CPU), where the logits it masks are.
     """
-    base = torch.zeros(vocab_size, dtype=torch.bool)
-    base[torch.as_tensor(prefix, dtype=torch.long)] = True
+    base = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+    base[torch.as_tensor(prefix, dtype=torch.long, device=device)] = True
     if block is None or len(block) == 0:
         return base[None]
+    block = block.to(base.device)
     if ancestors is not None:
         onehot = torch.nn.functional.one_hot(block, vocab_size).float()  # [n, vocab]
-        on_path = (ancestors.float() @ onehot) > 0  # [n, vocab]
-        return base[None] | torch.cat([torch.zeros(1, vocab_size, dtype=torch.bool), on_path])
-    added = torch.zeros(len(block) + 1, vocab_size, dtype=torch.int32)
-    added[torch.arange(1, len(block) + 1), block] = 1
+        on_path = (ancestors.to(base.device).float() @ onehot) > 0  # [n, vocab]
+        return base[None] | torch.cat([torch.zeros(1, vocab_size, dtype=torch.bool, device=base.device), on_path])
+    added = torch.zeros(len(block) + 1, vocab_size, dtype=torch.int32, device=base.device)
+    added[torch.arange(1, len(block) + 1, device=base.device), block] = 1
     return base[None] | (added.cumsum(0) > 0)
 
 
 def penalty_seen(
     params: SamplingParams, vocab_size: int, prefix: list[int] | torch.Tensor,
-    block: torch.Tensor | None = None, ancestors: torch.Tensor | None = None,
+    block: torch.Tensor | None = None, ancestors: torch.Tensor | None = None, device: torch.device | None = None,
 ) -> torch.Tensor | None:
     """`seen_mask` when `params` has a repetition penalty, else None (nothing to penalise)."""
     if params.repetition_penalty == 1.0:
         return None
-    return seen_mask(vocab_size, prefix, block, ancestors)
+    return seen_mask(vocab_size, prefix, block, ancestors, device)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -153,7 +158,7 @@ def to_probs(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | 
     if params.eta > 0:
         probs = _renormalize(probs)
         entropy = -(probs * probs.clamp_min(1e-30).log()).sum(dim=-1, keepdim=True)  # [n, 1]
-        eta = torch.minimum(torch.tensor(params.eta), math.sqrt(params.eta) * torch.exp(-entropy))
+        eta = torch.minimum(torch.tensor(params.eta, device=probs.device), math.sqrt(params.eta) * torch.exp(-entropy))
         probs = probs.masked_fill(_keep_at_least_top1(probs < eta, probs), 0.0)
     return _renormalize(probs)
 
@@ -192,8 +197,8 @@ def score_rows(
     own prefix (a tree's rows: over their ancestors, `ancestors` [n, n]), then argmax or probabilities.
     The one place a target's (or a checking draft model's) logits become a verifier's inputs."""
     if allowed is not None:
-        logits = logits.masked_fill(~allowed, float("-inf"))
-    seen = penalty_seen(params, logits.shape[-1], prefix, block, ancestors)  # [n+1, vocab] or None
+        logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+    seen = penalty_seen(params, logits.shape[-1], prefix, block, ancestors, logits.device)  # [n+1, vocab] or None
     if params.greedy:
         return Scores(logits, greedy=greedy_tokens(logits, params, seen))
     return Scores(logits, probs=to_probs(logits, params, seen))
@@ -206,7 +211,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
     """Log-probabilities of `tokens` under the raw distribution of each logits row [len(tokens), vocab],
     with the `top` most likely alternatives of each row (no temperature, top-k/p or penalty applied)."""
     logp = torch.log_softmax(logits.float(), dim=-1)  # [n, vocab]
-    chosen = logp.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()  # [n]
+    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()  # [n]
     if top <= 0:
         return [TokenLogprobs(value) for value in chosen]
     values, ids = logp.topk(top, dim=-1)  # [n, top] each

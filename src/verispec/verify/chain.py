@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.sampling.samplers import multinomial
+from verispec.sampling.samplers import multinomial, uniform
 from verispec.types import Origin, Verdict
 
 __all__ = ["verify_greedy", "verify_sampled", "residual_distribution"]
@@ -27,7 +27,7 @@ def _first_false(mask: torch.Tensor) -> int:
 def verify_greedy(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> Verdict:
     """draft_tokens [γ]; target_tokens [γ+1] = the target's choice after each prefix."""
     gamma = draft_tokens.shape[0]
-    accepted = _first_false(draft_tokens == target_tokens[:gamma])
+    accepted = _first_false(draft_tokens.to(target_tokens.device) == target_tokens[:gamma])
     origin = Origin.BONUS if accepted == gamma else Origin.RECOVERED
     return Verdict(accepted, int(target_tokens[accepted]), origin)
 
@@ -53,11 +53,13 @@ def verify_sampled(
 ) -> Verdict:
     """draft_tokens [γ]; draft_probs [γ, vocab] or None (point mass); target_probs [γ+1, vocab]."""
     gamma = draft_tokens.shape[0]
-    positions = torch.arange(gamma)
+    device = target_probs.device  # the whole rule runs there; only the accepted count and the next token come back
+    positions = torch.arange(gamma, device=device)
+    draft_tokens = draft_tokens.to(device)
     target_at_draft = target_probs[positions, draft_tokens]  # [γ]
-    draft_at_draft = draft_probs[positions, draft_tokens] if draft_probs is not None else torch.ones(gamma)
-    uniform = torch.rand(gamma, generator=generator)
-    accepted = _first_false(uniform * draft_at_draft < target_at_draft)
+    draft_at_draft = draft_probs[positions, draft_tokens] if draft_probs is not None else torch.ones(gamma, device=device)
+    draws = uniform(gamma, generator, device)  # [γ]
+    accepted = _first_false(draws * draft_at_draft < target_at_draft)
     if accepted == gamma:
         bonus = multinomial(target_probs[gamma : gamma + 1], generator)
         return Verdict(gamma, int(bonus), Origin.BONUS)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.sampling.samplers import multinomial
+from verispec.sampling.samplers import multinomial, uniform
 from verispec.tokentree import children_of, depths, path_to
 from verispec.types import Origin, Verdict
 from verispec.verify.chain import residual_distribution
@@ -40,7 +40,7 @@ def _verdict(parents: torch.Tensor, last: int, next_token: int, has_children: bo
 
 def verify_tree_greedy(draft_tokens: torch.Tensor, parents: torch.Tensor, target_tokens: torch.Tensor) -> Verdict:
     """draft_tokens [n]; parents [n]; target_tokens [n+1] = the target's argmax at the root and after each node."""
-    matches = (draft_tokens == target_tokens[parents + 1]).tolist()  # [n]: agrees with the target after its parent
+    matches = (draft_tokens.to(target_tokens.device) == target_tokens[parents + 1]).tolist()  # [n]: agrees after its parent
     accepted = [False] * len(matches)
     for node, parent in enumerate(parents.tolist()):
         accepted[node] = matches[node] and (parent < 0 or accepted[parent])
@@ -70,8 +70,8 @@ def verify_tree_sampled(
             token = tokens[child]
             draft_row = draft_probs[child] if draft_probs is not None else None  # [vocab]
             draft_at_token = float(draft_row[token]) if draft_row is not None else 1.0
-            uniform = float(torch.rand(1, generator=generator))
-            if uniform * draft_at_token < float(residual[token]):
+            draw = float(uniform(1, generator, target_probs.device))
+            if draw * draft_at_token < float(residual[token]):
                 node = child
                 break
             residual = residual_distribution(residual, draft_row, token)

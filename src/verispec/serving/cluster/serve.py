@@ -153,7 +153,7 @@ def application(loader: Callable, options: ServeOptions):
 def build_app(args: dict):
     """Application builder for `serve run verispec.serving.cluster.serve:build_app key=value …` and KubeRay's
     RayService (`import_path: verispec.serving.cluster.serve:build_app`, `args:`). Keys: the fields of
-    `EngineSpec` (target, draft, dtype, gamma, gamma_policy) and of `ServeOptions` except host, port and
+    `EngineSpec` (target, draft, dtype, gamma, gamma_policy, device) and of `ServeOptions` except host, port and
     app_name, which belong to Serve's own config there. Values may be strings, as `serve run` passes them."""
     spec_fields = {f.name: f for f in fields(EngineSpec)}
     option_fields = {f.name: f for f in fields(ServeOptions) if f.name not in ("host", "port", "app_name")}
