@@ -93,7 +93,7 @@ def test_loading_picks_the_runner_by_model_type(folders, tiny_target):
     assert isinstance(explicit.runner, HFRunner) and explicit.precision == "hf"
     with pytest.raises(ModelNotFoundError, match="own runner"):
         load_model(folders["phi3"][0], "int8")
-    assert set(precisions_for("gemma3_text", gguf=True)) == {"float32", "bfloat16", "float16", "hf", "gguf"}
+    assert set(precisions_for("gemma3_text", gguf=True)) == {"float32", "bfloat16", "hf", "gguf"}
     assert precisions_for("qwen2")["int8"] == "verispec" and precisions_for("phi3")["float32"] == "transformers"
 
 

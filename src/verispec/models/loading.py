@@ -62,7 +62,7 @@ __all__ = [
 ]
 
 # the names the CLI, server and benchmark offer
-PRECISIONS = ("float32", "bfloat16", "float16", "int8", "gguf", "gguf-wide", "hf")
+PRECISIONS = ("float32", "bfloat16", "int8", "gguf", "gguf-wide", "hf", "float16")
 
 
 @dataclass(frozen=True)
@@ -91,9 +91,9 @@ def precisions_for(model_type: str, gguf: bool = False) -> dict[str, str]:
     """Which precisions can run a model of `model_type` (a config.json model type), each with the
     backend that runs it: the own runner's float32/bfloat16/int8 for its types, the Hugging Face
     runner for hf (and for float32/bfloat16 of any other type), llama.cpp for gguf when the model
-    comes as a GGUF file."""
+    comes as a GGUF file. (float16, a GPU precision, runs whatever float32 runs: not listed.)"""
     own = model_type in SUPPORTED_TYPES
-    backends = {name: "verispec" if own else "transformers" for name in ("float32", "bfloat16", "float16")}
+    backends = {name: "verispec" if own else "transformers" for name in ("float32", "bfloat16")}
     if own:
         backends["int8"] = "verispec"
     backends["hf"] = "transformers"
