@@ -35,6 +35,7 @@ class MethodProfile:
     proposed: int = 0
     accepted: int = 0
     judged: int = 0
+    widths: list[int] = field(default_factory=list)  # draft tokens proposed at each step
 
     def add(self, stats: GenerationStats, seconds: float, before: dict[str, float]) -> None:
         """A request's steps: its statistics, their wall time and the phases recorded before the steps
@@ -47,6 +48,7 @@ class MethodProfile:
         self.proposed += stats.proposed_tokens
         self.accepted += stats.accepted_tokens
         self.judged += stats.judged_tokens
+        self.widths += [record.proposed for record in stats.records[1:]]  # records[0]: the prefill's first token
 
     @property
     def other(self) -> float:
@@ -96,10 +98,10 @@ def format_profile(rows: list[MethodProfile], curve: list[float], draft_seconds:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for row in rows:
         per_step = [1e3 * row.phases.get(phase, 0.0) / max(row.steps, 1) for phase in GenerationStats.PHASES]
-        gamma = row.proposed / max(row.steps, 1)  # mean draft length
         c = draft_seconds.get(row.method, 0.0) / curve[0]
-        step_cost = gamma * c + verify(round(gamma))  # the forwards of a step, in T(1)
-        tokens = expected_tokens(row.alpha, gamma)
+        widths = row.widths or [0]  # each step's draft length: the model's terms averaged over the steps taken
+        step_cost = sum(g * c + verify(g) for g in widths) / len(widths)  # the forwards of a step, in T(1)
+        tokens = sum(expected_tokens(row.alpha, g) for g in widths) / len(widths)
         forwards = tokens / step_cost
         honest = tokens * (1 + plain_overhead) / (step_cost + row.overhead / curve[0])
         cells = [row.method, str(row.steps), *(f"{ms:.2f}" for ms in per_step),
