@@ -13,7 +13,7 @@ trained with plain torch autograd on fixed features: KL(target ‖ draft) over t
 plus KL(draft before ‖ draft) over the anchors, so the update fixes the misses without moving the
 draft where it already agreed. A miss keeps only the target's `support` most likely tokens. Both
 KLs are exact over the full vocabulary without a full-vocabulary softmax per row and Adam step
-(which made one update block its request far longer: BENCHMARKS.md#avx2-repeated-topics-online-drafter
+(which made one update block its request far longer: docs/history.md#avx2-repeated-topics-online-drafter
 and docs/history.md): B is trained only on the columns that
 can change, the misses' target tokens and every token B already moved; all other tokens keep their
 base logits, so their log-sum-exp per row is one constant, computed in one pass before training.
