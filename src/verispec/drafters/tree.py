@@ -59,7 +59,7 @@ class _ExpansionSession(ModelSession):
         """Distributions [rows, vocab] after the root (row 0) and after each node (rows 1..)."""
         tokens, parents = torch.tensor(builder.tokens, dtype=torch.long), torch.tensor(builder.parents, dtype=torch.long)
         vocab = self.runner.config.vocab_size
-        seen = penalty_seen(params, vocab, ids, tokens, ancestor_mask(parents), logits.device)  # [n+1, vocab] or None
+        seen = penalty_seen(params, vocab, ids, tokens, parents, logits.device)  # [n+1, vocab] or None
         seen = None if seen is None else seen[: logits.shape[0]]
         return node_distributions(logits, params, seen, self.drafter.target_vocab_size)
 

@@ -450,7 +450,7 @@ class Generation:
         laps = _Laps(self.stats, plan.draft_seconds, target_seconds)
         shape, draft = plan.shape, plan.draft
         allowed = None if self.constraint is None else self.constraint.masks(draft.tokens.tolist(), shape.parent_list)
-        scores = score_rows(logits, self.params, self.ids, draft.tokens, shape.ancestors, allowed)  # [n+1, …]
+        scores = score_rows(logits, self.params, self.ids, draft.tokens, draft.parents, allowed)  # [n+1, …]
         verdict = shape.verify(scores, self.generator)
         laps.mark("verify")
         path = list(verdict.path) if verdict.path is not None else list(range(verdict.accepted))

@@ -13,7 +13,7 @@ import torch
 
 from verispec.models.runner import Cache
 from verispec.sampling.processors import Scores
-from verispec.tokentree import ancestor_mask, check_parents, depths, is_chain, keep_nodes, tree_attention_mask
+from verispec.tokentree import check_parents, depths, is_chain, keep_nodes, tree_attention_mask
 from verispec.types import Draft, Verdict
 from verispec.verify import verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_sampled
 
@@ -40,11 +40,6 @@ class Chain:
         """(positions [n+1], attention mask [n+1, n+1]) of the block after position `last`: None, None
         (consecutive positions, causal mask)."""
         return None, None
-
-    @property
-    def ancestors(self) -> torch.Tensor | None:
-        """[n, n] which nodes each row's own prefix holds, for the repetition penalty; None: the drafts before it."""
-        return None
 
     @property
     def parent_list(self) -> list[int] | None:
@@ -85,10 +80,6 @@ class Tree(Chain):
     def layout(self, last: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         positions = last + torch.cat([torch.zeros(1, dtype=torch.long), depths(self.draft.parents)])  # [n+1]
         return positions, tree_attention_mask(self.draft.parents)  # [n+1], [n+1, n+1]
-
-    @property
-    def ancestors(self) -> torch.Tensor | None:
-        return ancestor_mask(self.draft.parents)  # [n, n]
 
     @property
     def parent_list(self) -> list[int] | None:

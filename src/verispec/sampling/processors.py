@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from verispec.errors import InvalidParameterError
+from verispec.tokentree import ancestor_mask
 from verispec.types import TokenLogprobs
 
 MIN_TEMPERATURE = 1e-3  # logits / smaller temperatures overflow float32: the distribution turns NaN
@@ -97,12 +98,13 @@ def seen_mask(
 
 def penalty_seen(
     params: SamplingParams, vocab_size: int, prefix: list[int] | torch.Tensor,
-    block: torch.Tensor | None = None, ancestors: torch.Tensor | None = None, device: torch.device | None = None,
+    block: torch.Tensor | None = None, parents: torch.Tensor | None = None, device: torch.device | None = None,
 ) -> torch.Tensor | None:
-    """`seen_mask` when `params` has a repetition penalty, else None (nothing to penalise)."""
+    """`seen_mask` when `params` has a repetition penalty, else None (nothing to penalise, nothing built).
+    A token tree's `parents` [n] give each row its ancestors (built only here, when they are needed)."""
     if params.repetition_penalty == 1.0:
         return None
-    return seen_mask(vocab_size, prefix, block, ancestors, device)
+    return seen_mask(vocab_size, prefix, block, None if parents is None else ancestor_mask(parents), device)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -190,15 +192,15 @@ class Scores:
 
 def score_rows(
     logits: torch.Tensor, params: SamplingParams, prefix: list[int], block: torch.Tensor | None = None,
-    ancestors: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
+    parents: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
 ) -> Scores:
     """Turn a scoring pass's logits [n+1, vocab] over `block` [n] (drafted after `prefix`) into `Scores`:
     the grammar mask `allowed` [n+1, vocab] (None: no grammar), the repetition penalty over each row's
-    own prefix (a tree's rows: over their ancestors, `ancestors` [n, n]), then argmax or probabilities.
+    own prefix (a tree's rows, `parents` [n]: over their ancestors), then argmax or probabilities.
     The one place a target's (or a checking draft model's) logits become a verifier's inputs."""
     if allowed is not None:
         logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
-    seen = penalty_seen(params, logits.shape[-1], prefix, block, ancestors, logits.device)  # [n+1, vocab] or None
+    seen = penalty_seen(params, logits.shape[-1], prefix, block, parents, logits.device)  # [n+1, vocab] or None
     if params.greedy:
         return Scores(logits, greedy=greedy_tokens(logits, params, seen))
     return Scores(logits, probs=to_probs(logits, params, seen))
