@@ -19,6 +19,7 @@ CPU = torch.device("cpu")
 DEVICES = ("cpu", "cuda", "auto")  # the names the CLI offers ("cuda:N" is accepted too)
 CPU_ONLY_PRECISIONS = {
     "int8": "its int8 kernels (fbgemm) run on the CPU only",
+    "kquant": "its k-quant kernels are CPU code",
     "gguf": "llama.cpp runs here on the CPU (its CPU build)",
     "gguf-wide": "llama.cpp runs here on the CPU (its CPU build)",
 }

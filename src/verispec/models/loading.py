@@ -14,7 +14,12 @@ Precisions (the `dtype` argument everywhere: API, CLI, server, benchmark):
                     CPU kernels, any architecture llama.cpp supports, no conversion; a shipped name
                     or a .gguf path (a Hugging Face folder has no GGUF to run); verification widths
                     limited to those computed bit for bit as decode steps (greedy stays exact);
-  gguf-wide         the same, verifying any width (faster where ggml's multi-row kernels pay; greedy
+  kquant            the model's GGUF file (Q4_K / Q6_K blocks, e.g. a Q4_K_M file) run by verispec's own
+                    runner and k-quant kernels (`models/kquant.py`): the file's weights as they are,
+                    int8 activations, row-invariant at every width (greedy speculative output equals
+                    greedy plain decoding of this path), verification of n positions for little more
+                    than one on CPUs with AVX-512 VNNI; a shipped name or a .gguf path;
+  gguf-wide         the same as gguf, verifying any width (faster where ggml's multi-row kernels pay; greedy
                     output equals plain decoding except at rare near-ties: `analyze --flips`);
   int8              int8 weights (per output channel), quantized when loading from the float32
                     folder, activations quantized per row inside each linear layer and float32
@@ -51,7 +56,7 @@ from verispec.models.registry import (
     SHIPPED_MODELS, convert_gguf, gguf_file, gguf_tokenizer_folder, prepare_shipped_model,
 )
 from verispec.models.runner import LoadedModel
-from verispec.models.transformer import SUPPORTED_TYPES, Transformer
+from verispec.models.transformer import SUPPORTED_TYPES, ModelConfig, Transformer
 from verispec.models.vocabulary import vocabulary_difference
 from verispec.paths import cache_dir
 from verispec.progress import status
@@ -62,7 +67,7 @@ __all__ = [
 ]
 
 # the names the CLI, server and benchmark offer
-PRECISIONS = ("float32", "bfloat16", "int8", "gguf", "gguf-wide", "hf", "float16")
+PRECISIONS = ("float32", "bfloat16", "int8", "kquant", "gguf", "gguf-wide", "hf", "float16")
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,7 @@ _PRECISIONS = {
     "bfloat16": Precision("bfloat16", torch.bfloat16), "bf16": Precision("bfloat16", torch.bfloat16),
     "float16": Precision("float16", torch.float16), "fp16": Precision("float16", torch.float16),
     "int8": Precision("int8", torch.float32, "int8"),
+    "kquant": Precision("kquant", torch.float32, "kquant"),
     "gguf": Precision("gguf", torch.float32, "gguf"), "llama.cpp": Precision("gguf", torch.float32, "gguf"),
     "gguf-wide": Precision("gguf-wide", torch.float32, "gguf-wide"),
     "hf": Precision("hf", torch.float32, "hf"), "hf-float32": Precision("hf", torch.float32, "hf"),
@@ -99,6 +105,8 @@ def precisions_for(model_type: str, gguf: bool = False) -> dict[str, str]:
     backends["hf"] = "transformers"
     if gguf:
         backends["gguf"] = "llama.cpp"
+        if own:
+            backends["kquant"] = "verispec"
     return backends
 
 
@@ -198,6 +206,8 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", pack_rows
     check_device(precision.name, device)  # before any file is read
     if precision.quant in ("gguf", "gguf-wide"):
         return _load_gguf(spec, exact=precision.quant == "gguf")
+    if precision.quant == "kquant":
+        return _load_kquant(spec, pack_rows)
     if precision.quant == "int8" and not int8_available():
         warnings.warn("this torch build has no fbgemm int8 kernel: int8 runs a slow (exact) float64 fallback",
                       RuntimeWarning, stacklevel=2)
@@ -233,6 +243,19 @@ def _load_gguf(spec: str | Path, exact: bool) -> LoadedModel:
     with status("measuring which verification widths are exact (once per file, threads and CPU)"):
         runner.measure_exact_widths()  # here, never inside a request
     return LoadedModel(str(spec), gguf, runner, tokenizer, _eos_ids(folder, tokenizer) | runner.eos_ids)
+
+
+def _load_kquant(spec: str | Path, pack_rows: int) -> LoadedModel:
+    """`spec`'s GGUF file in verispec's runner on its own k-quant blocks, the tokenizer and config read from the file."""
+    gguf = gguf_file(str(spec))
+    folder = gguf_tokenizer_folder(gguf)
+    if not (folder / "config.json").exists():
+        raise ModelNotFoundError(f"{gguf.name}: transformers cannot describe this architecture; use --dtype gguf")
+    config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    with status(f"loading {spec} (kquant: the file's Q4_K/Q6_K blocks)"):
+        runner = Transformer.from_gguf(gguf, config, pack_rows)
+        tokenizer = load_tokenizer(folder)
+    return LoadedModel(str(spec), gguf, runner, tokenizer, _eos_ids(folder, tokenizer))
 
 
 ModelLoader = Callable[..., "LoadedModel"]  # (spec, dtype, pack_rows=…) -> LoadedModel, like load_model (a cache's device)

@@ -14,12 +14,17 @@ costs (`control/costs.py`) apart from the float model's. An int8 runner decodes 
 through `Int8Layers` (`kernels/int8.cpp`): the same operations as `_layers`, in one C++ call
 per forward instead of ~70 Python-level operations per layer, which saves a step the Python overhead
 (BENCHMARKS.md#avx2-int8-kernels-and-where-a-step-goes, `benchmarks/probes/int8_overhead.py`).
+
+With `quant="kquant"` (`Transformer.from_gguf`) the weights are a GGUF file's own Q4_K / Q6_K blocks
+(`gguf_weights.py`), run by `KQuantLinear` (`kquant.py`): also row-invariant, with the float32 rest
+of the layer the same as int8's, and the token embedding dequantized row by row on lookup.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -35,13 +40,14 @@ from verispec.models import kernels
 from verispec.models.device import CPU
 from verispec.models.int8 import Int8Linear
 from verispec.models.int8_store import Int8Store
+from verispec.models.kquant import KQuantEmbedding, KQuantLinear, KQuantWeight, concat_rows
 from verispec.models.linear import PackedLinear
 from verispec.models.runner import RunnerConfig, ragged_rows
 
 __all__ = ["ModelConfig", "KVCache", "Transformer"]
 
 SUPPORTED_TYPES = ("qwen2", "llama")
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "kquant")
 # A quantized runner attends chains of up to this many new positions one query at a time, so that
 # verifying γ+1 positions computes each exactly as decoding it alone would (see `Transformer`).
 ROW_INVARIANT_POSITIONS = 32
@@ -173,6 +179,10 @@ def _linear_factory(pack: bool, quant: str | None, pack_rows: int = 1, store: In
         return lambda name, weight, bias: PackedLinear(weight(), bias, pack, pack_rows)
     if quant == "int8":
         return store.linear if store is not None else lambda name, weight, bias: Int8Linear.from_float(weight(), bias)
+    if quant == "kquant":  # the file's blocks; a float weight in a k-quant file stays float, packed (row-invariant)
+        return lambda name, weight, bias: (
+            KQuantLinear(w, bias) if not isinstance(w := weight(), torch.Tensor) else PackedLinear(w, bias, True, max(pack_rows, 2))
+        )
     raise ValueError(f"unknown quantization {quant!r}: use one of {', '.join(QUANTIZATIONS)} or None")
 
 
@@ -184,8 +194,9 @@ class _Weights:
     def __init__(self, source, dtype: torch.dtype, device: torch.device):
         self.source, self.dtype, self.device = source, dtype, device
 
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self.source[name].to(self.device, self.dtype)
+    def __getitem__(self, name: str) -> torch.Tensor | KQuantWeight:
+        tensor = self.source[name]
+        return tensor.to(self.device, self.dtype) if isinstance(tensor, torch.Tensor) else tensor  # k-quant blocks stay as they are
 
     def get(self, name: str) -> torch.Tensor | None:
         return self[name] if name in self.source else None
@@ -213,10 +224,10 @@ class _Layer:
         qkv_bias = None
         if config.attention_bias:
             qkv_bias = torch.cat([b("self_attn.q_proj.bias"), b("self_attn.k_proj.bias"), b("self_attn.v_proj.bias")])
-        qkv = lambda: torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")])  # noqa: E731
+        qkv = lambda: concat_rows(w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight"))  # noqa: E731
         self.qkv = linear(prefix + "qkv", qkv, qkv_bias)
         self.o = linear(prefix + "o", lambda: w("self_attn.o_proj.weight"), b("self_attn.o_proj.bias"))
-        self.gate_up = linear(prefix + "gate_up", lambda: torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]), None)
+        self.gate_up = linear(prefix + "gate_up", lambda: concat_rows(w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")), None)
         self.down = linear(prefix + "down", lambda: w("mlp.down_proj.weight"), None)
 
 
@@ -224,7 +235,8 @@ class Transformer:
     """Inference-only decoder. `forward` appends tokens to a KVCache and returns logits.
 
     dtype: the dtype of activations, norms and the KV cache (and of the weights unless quantized);
-    quant: None, or "int8" for int8 linear layers (dtype must then be float32);
+    quant: None, "int8" for int8 linear layers, or "kquant" for a GGUF file's k-quant blocks
+    (`from_gguf`; dtype must then be float32);
     pack_rows: the rows per forward the float linear layers are packed for (`linear.py`);
     int8_store: where int8 layers come from (`from_folder` passes the folder's cache; without one
     they are quantized from the float weights);
@@ -268,10 +280,13 @@ class Transformer:
         linear = _linear_factory(pack, quant, pack_rows, int8_store)
         weights = _Weights(weights, dtype, device)
         self.embed = weights["model.embed_tokens.weight"]  # [vocab, hidden]
+        if isinstance(self.embed, KQuantWeight):
+            self.embed = KQuantEmbedding(self.embed)
         self.device = self.embed.device
         self.layers = [_Layer(weights, f"model.layers.{i}.", config, linear) for i in range(config.num_layers)]
         self.final_norm = weights["model.norm.weight"]
-        head = lambda: self.embed if config.tie_word_embeddings else weights["lm_head.weight"]  # noqa: E731
+        head = lambda: weights["lm_head.weight"] if not config.tie_word_embeddings else (  # noqa: E731
+            self.embed.weight if isinstance(self.embed, KQuantEmbedding) else self.embed)
         self.lm_head = linear("lm_head", head, None)
         self._rope_cache = torch.empty(2, 0, config.head_dim, dtype=dtype, device=self.device)  # [cos/sin, positions, head_dim]
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim))
@@ -294,6 +309,16 @@ class Transformer:
         if store is not None:
             store.save()
         return runner
+
+    @classmethod
+    def from_gguf(cls, path: str | Path, config: ModelConfig, pack_rows: int = 1) -> Transformer:
+        """The `kquant` runner of a GGUF file: its k-quant blocks as they are (`gguf_weights.py`), with
+        the file's own output head where it has one (llama.cpp uses it over a tied embedding)."""
+        from verispec.models.gguf_weights import GGUFWeights
+
+        weights = GGUFWeights(path, config.num_heads, config.num_kv_heads)
+        config = dataclasses.replace(config, tie_word_embeddings=not weights.has_output)
+        return cls(config, weights, torch.float32, quant="kquant", pack_rows=pack_rows)
 
     def new_cache(self, capacity: int = 1024) -> KVCache:
         return KVCache(self.config, capacity, self.dtype, self.device)
@@ -395,7 +420,7 @@ class Transformer:
         """The decoder stack over tokens [N] (the rows' new tokens, concatenated) -> hidden [N, hidden]."""
         cos, sin = self._rope(torch.cat([row.positions for row in rows]), max(row.top for row in rows) + 1)
         cos, sin = cos[None], sin[None]  # [1, N, head_dim]
-        x = F.embedding(tokens, self.embed)  # [N, hidden]
+        x = self.embed(tokens) if isinstance(self.embed, KQuantEmbedding) else F.embedding(tokens, self.embed)  # [N, hidden]
         one_chain = len(rows) == 1 and rows[0].chain and rows[0].n <= ROW_INVARIANT_POSITIONS
         compiled = self._compiled_layers() if one_chain else None
         if compiled is not None:  # the same operations as `_layers`, in one C++ call
@@ -440,8 +465,8 @@ class Transformer:
 
     @property
     def precision(self) -> str:
-        """'int8' for int8 linear layers, else the dtype's name ('float32', 'bfloat16')."""
-        return "int8" if self.quant == "int8" else str(self.dtype).removeprefix("torch.")
+        """The quantization ('int8', 'kquant'), else the dtype's name ('float32', 'bfloat16')."""
+        return self.quant or str(self.dtype).removeprefix("torch.")
 
     @property
     def compiled(self) -> bool:
@@ -459,8 +484,9 @@ class Transformer:
     def weight_bytes(self) -> int:
         """Bytes of every weight: the linear layers, the embedding and the norms."""
         norms = sum(layer.input_norm.numel() + layer.post_norm.numel() for layer in self.layers)
-        numel = self.embed.numel() + self.final_norm.numel() + norms
-        return self.linear_bytes + numel * self.embed.element_size()
+        floats = (self.final_norm.numel() + norms) * self.final_norm.element_size()
+        embed = self.embed.nbytes if isinstance(self.embed, KQuantEmbedding) else self.embed.numel() * self.embed.element_size()
+        return self.linear_bytes + floats + embed
 
     @property
     def cache_bytes_per_position(self) -> int:

@@ -1,0 +1,479 @@
+// Linear layers on a GGUF file's own k-quant blocks (Q4_K, Q6_K) with int8 activations: the kernels
+// of the `kquant` precision (see `models/kquant.py` for the why and the arithmetic).
+//
+// The weights are the file's: each 256-weight super-block keeps its scales and 4- or 6-bit values. At
+// load they are repacked once into tiles of 16 output columns (`repack`), so that one 512-bit register
+// holds four consecutive weights of each of the 16 columns. A VNNI dot product (`vpdpbusd`) then
+// multiplies them with four activation bytes broadcast to every lane, and the 16 lanes of the result
+// are the 16 columns' sums: no horizontal reduction, and the sub-block scales multiply whole lanes.
+// A tile's weights are unpacked once and reused for up to 8 activation rows, so verifying n positions
+// reads the weights once.
+//
+// Exactness: every row is computed the same way whatever else the call holds. The products of a
+// sub-block are summed in int32 (exact in any order), and the float work per super-block is a fixed
+// sequence (convert, multiply, fused multiply-add) applied to each row on its own, in block order. The
+// portable code (`dot_tile_portable`) performs the same float operations with std::fma, so it gives the
+// same bits as the AVX-512 code: the tests compare them.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define KQ_AVX512 1
+#else
+#define KQ_AVX512 0
+#endif
+
+namespace {
+
+constexpr int kBlock = 256;  // weights per super-block (QK_K)
+constexpr int kCols = 16;    // output columns per tile
+constexpr int kRows = 8;     // activation rows per pass over a tile
+
+enum Kind : int64_t { Q4_K = 12, Q6_K = 14 };  // ggml's type numbers
+
+// raw GGUF block sizes in bytes
+constexpr int kQ4KRaw = 144;  // fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
+constexpr int kQ6KRaw = 210;  // 128 bytes low nibbles, 64 bytes high 2 bits, 16 int8 scales, fp16 d
+
+// repacked tile-block sizes (16 columns × 256 weights)
+constexpr int kQ4KTile = 2 * 32 + 2 * 8 * 16 + 8 * 256;  // d, dmin [16] fp16; sc [8][16], m [4][16][2] u8; nibbles
+constexpr int kQ6KTile = 32 + 16 * 16 + 16 * 256;        // d [16] fp16; sc [16][16] i8; values [16][256] u8
+
+float half_to_float(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0) {
+    if (mantissa == 0) {
+      bits = sign;
+    } else {  // subnormal: normalize
+      int e = -1;
+      uint32_t m = mantissa;
+      do { ++e; m <<= 1; } while ((m & 0x400) == 0);
+      bits = sign | ((127 - 15 - e) << 23) | ((m & 0x3ff) << 13);
+    }
+  } else if (exponent == 31) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else {
+    bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t read_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+
+// The 6-bit scale and min of sub-block j (0..7) of a Q4_K block (ggml's packing of 12 bytes).
+void q4k_scale_min(const uint8_t* s, int j, uint8_t& scale, uint8_t& min) {
+  if (j < 4) {
+    scale = s[j] & 63;
+    min = s[j + 4] & 63;
+  } else {
+    scale = (s[j + 4] & 0xf) | ((s[j - 4] >> 6) << 4);
+    min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// The 4-bit value k (0..255) of a Q4_K block: 64 values per 32 bytes, low nibbles first.
+uint8_t q4k_value(const uint8_t* qs, int k) {
+  const int chunk = k / 64, l = k % 32;
+  const uint8_t byte = qs[32 * chunk + l];
+  return (k % 64) < 32 ? (byte & 0xf) : (byte >> 4);
+}
+
+// The 6-bit value k (0..255) of a Q6_K block, 0..63 (the weight is d · scale[k / 16] · (value − 32)).
+uint8_t q6k_value(const uint8_t* ql, const uint8_t* qh, int k) {
+  const int half = k / 128, r = k % 128, group = r / 32, l = r % 32;
+  ql += 64 * half;
+  qh += 32 * half;
+  const uint8_t low = group == 0 ? (ql[l] & 0xf) : group == 1 ? (ql[l + 32] & 0xf) : group == 2 ? (ql[l] >> 4) : (ql[l + 32] >> 4);
+  const uint8_t high = (qh[l] >> (2 * group)) & 3;
+  return low | (high << 4);
+}
+
+int64_t raw_bytes(int64_t kind) { return kind == Q4_K ? kQ4KRaw : kQ6KRaw; }
+int64_t tile_bytes(int64_t kind) { return kind == Q4_K ? kQ4KTile : kQ6KTile; }
+
+void check_kind(int64_t kind) {
+  TORCH_CHECK(kind == Q4_K || kind == Q6_K, "kquant kernels take Q4_K (12) and Q6_K (14) blocks, not type ", kind);
+}
+
+// One tile-block from the raw blocks of 16 columns (`rows[c]` points at column c's block, or is null
+// for a padding column, whose weights are zero).
+void repack_block(int64_t kind, const uint8_t* const* rows, uint8_t* out) {
+  if (kind == Q4_K) {
+    uint8_t* nibbles = out + 2 * 32 + 2 * 8 * 16;
+    for (int c = 0; c < kCols; ++c) {
+      const uint8_t* raw = rows[c];
+      if (raw) {  // d and dmin (a padding column keeps the zeroed bytes)
+        std::memcpy(out + 2 * c, raw, 2);
+        std::memcpy(out + 32 + 2 * c, raw + 2, 2);
+      }
+      for (int j = 0; j < 8; ++j) {
+        uint8_t scale = 0, min = 0;
+        if (raw) q4k_scale_min(raw + 4, j, scale, min);
+        out[64 + 16 * j + c] = scale;
+        out[64 + 128 + 32 * (j / 2) + 2 * c + j % 2] = min;  // pairs of sub-blocks side by side, for vpdpwssd
+        for (int t = 0; t < 4; ++t)
+          for (int i = 0; i < 4; ++i) {
+            const uint8_t lo = raw ? q4k_value(raw + 16, 32 * j + 4 * t + i) : 0;
+            const uint8_t hi = raw ? q4k_value(raw + 16, 32 * j + 4 * (t + 4) + i) : 0;
+            nibbles[256 * j + 64 * t + 4 * c + i] = lo | (hi << 4);
+          }
+      }
+    }
+  } else {
+    uint8_t* values = out + 32 + 16 * 16;
+    for (int c = 0; c < kCols; ++c) {
+      const uint8_t* raw = rows[c];
+      if (raw) std::memcpy(out + 2 * c, raw + 208, 2);
+      for (int j = 0; j < 16; ++j) {
+        out[32 + 16 * j + c] = raw ? raw[192 + j] : 0;
+        for (int t = 0; t < 4; ++t)
+          for (int i = 0; i < 4; ++i)
+            values[256 * j + 64 * t + 4 * c + i] = raw ? q6k_value(raw, raw + 128, 16 * j + 4 * t + i) : 32;
+      }
+    }
+  }
+}
+
+// Activations of one call, quantized per row and super-block (ggml's Q8_K, with rounding half to even):
+// d = absmax / 127, q = round(x / d), and the sums of q over each 16 values.
+struct Activations {
+  const int8_t* q;            // [rows, K]
+  const float* d;             // [rows, K / 256]
+  const int32_t* sums;        // [rows, K / 16]
+  const int16_t* pair_sums;   // [rows, K / 32]: the sums over each 32 values (Q4_K's sub-blocks)
+  int64_t k, blocks;
+};
+
+// ---------------------------------------------------------------------------------------------------
+// The portable tile kernel: y[r][c] for `rows` rows and one tile of 16 columns, in the AVX-512 code's
+// order of float operations.
+void dot_tile_portable(int64_t kind, const uint8_t* tile, const Activations& a, int64_t row0, int rows, float* acc) {
+  for (int r = 0; r < rows; ++r) {
+    const int8_t* q = a.q + (row0 + r) * a.k;
+    const float* d = a.d + (row0 + r) * a.blocks;
+    const int32_t* sums = a.sums + (row0 + r) * (a.k / 16);
+    float* y = acc + r * kCols;
+    for (int c = 0; c < kCols; ++c) y[c] = 0.0f;
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      const uint8_t* t = tile + b * tile_bytes(kind);
+      const int8_t* qb = q + b * kBlock;
+      const int32_t* sb = sums + b * 16;
+      for (int c = 0; c < kCols; ++c) {
+        if (kind == Q4_K) {
+          const uint8_t* nibbles = t + 2 * 32 + 2 * 8 * 16;
+          int32_t dot = 0, mins = 0;
+          for (int j = 0; j < 8; ++j) {
+            int32_t sub = 0;
+            for (int tt = 0; tt < 8; ++tt)
+              for (int i = 0; i < 4; ++i) {
+                const uint8_t byte = nibbles[256 * j + 64 * (tt % 4) + 4 * c + i];
+                sub += int32_t(tt < 4 ? (byte & 0xf) : (byte >> 4)) * qb[32 * j + 4 * tt + i];
+              }
+            dot += sub * int32_t(t[64 + 16 * j + c]);
+          }
+          for (int j = 0; j < 8; ++j) mins += int32_t(t[192 + 32 * (j / 2) + 2 * c + j % 2]) * (sb[2 * j] + sb[2 * j + 1]);
+          const float scale = half_to_float(read_u16(t + 2 * c)) * d[b];
+          const float min_scale = half_to_float(read_u16(t + 32 + 2 * c)) * d[b];
+          y[c] = std::fma(float(dot), scale, y[c]);
+          y[c] = std::fma(-float(mins), min_scale, y[c]);
+        } else {
+          const uint8_t* values = t + 32 + 16 * 16;
+          int32_t dot = 0;
+          for (int j = 0; j < 16; ++j) {
+            int32_t sub = 0;
+            for (int tt = 0; tt < 4; ++tt)
+              for (int i = 0; i < 4; ++i) sub += int32_t(values[256 * j + 64 * tt + 4 * c + i]) * qb[16 * j + 4 * tt + i];
+            sub -= 32 * sb[j];
+            dot += sub * int32_t(int8_t(t[32 + 16 * j + c]));
+          }
+          const float scale = half_to_float(read_u16(t + 2 * c)) * d[b];
+          y[c] = std::fma(float(dot), scale, y[c]);
+        }
+      }
+    }
+  }
+}
+
+#if KQ_AVX512
+// ---------------------------------------------------------------------------------------------------
+// The AVX-512 VNNI tile kernels, for R rows at once (the weights of a sub-block are unpacked once into
+// registers and used by every row).
+inline __m512i broadcast4(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+
+template <int R>
+void dot_tile_q4k(const uint8_t* tile, const Activations& a, int64_t row0, float* acc) {
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  __m512 y[R];
+  for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const uint8_t* t = tile + b * kQ4KTile;
+    const uint8_t* nibbles = t + 2 * 32 + 2 * 8 * 16;
+    __m512i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      __m512i w[8];
+      for (int tt = 0; tt < 4; ++tt) {
+        const __m512i packed = _mm512_loadu_si512(nibbles + 256 * j + 64 * tt);
+        w[tt] = _mm512_and_si512(packed, low);
+        w[tt + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+      }
+      const __m512i scale = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 64 + 16 * j)));
+      for (int r = 0; r < R; ++r) {
+        const int8_t* q = a.q + (row0 + r) * a.k + b * kBlock + 32 * j;
+        __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+        for (int tt = 0; tt < 8; tt += 2) {
+          even = _mm512_dpbusd_epi32(even, w[tt], broadcast4(q + 4 * tt));
+          odd = _mm512_dpbusd_epi32(odd, w[tt + 1], broadcast4(q + 4 * tt + 4));
+        }
+        dot[r] = _mm512_add_epi32(dot[r], _mm512_mullo_epi32(_mm512_add_epi32(even, odd), scale));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32)));
+    __m512i min_pairs[4];  // [16 columns × (m of sub-block 2i, m of 2i + 1)] int16
+    for (int i = 0; i < 4; ++i) min_pairs[i] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 192 + 32 * i)));
+    for (int r = 0; r < R; ++r) {
+      const int16_t* pairs = a.pair_sums + (row0 + r) * (a.k / 32) + b * 8;  // the row's sums over each 32 values
+      __m512i mins = _mm512_setzero_si512();
+      for (int i = 0; i < 4; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, pairs + 2 * i, 4);
+        mins = _mm512_dpwssd_epi32(mins, min_pairs[i], _mm512_set1_epi32(pair));
+      }
+      const __m512 xd = _mm512_set1_ps(a.d[(row0 + r) * a.blocks + b]);
+      y[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(d, xd), y[r]);
+      y[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(dmin, xd), y[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * kCols, y[r]);
+}
+
+template <int R>
+void dot_tile_q6k(const uint8_t* tile, const Activations& a, int64_t row0, float* acc) {
+  __m512 y[R];
+  for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const uint8_t* t = tile + b * kQ6KTile;
+    const uint8_t* values = t + 32 + 16 * 16;
+    __m512i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 16; ++j) {
+      __m512i w[4];
+      for (int tt = 0; tt < 4; ++tt) w[tt] = _mm512_loadu_si512(values + 256 * j + 64 * tt);
+      const __m512i scale = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * j)));
+      for (int r = 0; r < R; ++r) {
+        const int8_t* q = a.q + (row0 + r) * a.k + b * kBlock + 16 * j;
+        const int32_t offset = 32 * a.sums[(row0 + r) * (a.k / 16) + b * 16 + j];
+        __m512i even = _mm512_dpbusd_epi32(_mm512_set1_epi32(-offset), w[0], broadcast4(q));
+        __m512i odd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], broadcast4(q + 4));
+        even = _mm512_dpbusd_epi32(even, w[2], broadcast4(q + 8));
+        odd = _mm512_dpbusd_epi32(odd, w[3], broadcast4(q + 12));
+        dot[r] = _mm512_add_epi32(dot[r], _mm512_mullo_epi32(_mm512_add_epi32(even, odd), scale));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));
+    for (int r = 0; r < R; ++r) {
+      const __m512 xd = _mm512_set1_ps(a.d[(row0 + r) * a.blocks + b]);
+      y[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(d, xd), y[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * kCols, y[r]);
+}
+
+template <int R>
+void dot_tile_fast(int64_t kind, const uint8_t* tile, const Activations& a, int64_t row0, float* acc) {
+  if (kind == Q4_K) dot_tile_q4k<R>(tile, a, row0, acc);
+  else dot_tile_q6k<R>(tile, a, row0, acc);
+}
+
+void dot_tile_avx512(int64_t kind, const uint8_t* tile, const Activations& a, int64_t row0, int rows, float* acc) {
+  switch (rows) {
+    case 1: return dot_tile_fast<1>(kind, tile, a, row0, acc);
+    case 2: return dot_tile_fast<2>(kind, tile, a, row0, acc);
+    case 3: return dot_tile_fast<3>(kind, tile, a, row0, acc);
+    case 4: return dot_tile_fast<4>(kind, tile, a, row0, acc);
+    case 5: return dot_tile_fast<5>(kind, tile, a, row0, acc);
+    case 6: return dot_tile_fast<6>(kind, tile, a, row0, acc);
+    case 7: return dot_tile_fast<7>(kind, tile, a, row0, acc);
+    default: return dot_tile_fast<8>(kind, tile, a, row0, acc);
+  }
+}
+#endif
+
+bool use_portable = !KQ_AVX512;
+
+// y[:, offset : offset + columns] = (rows of `a`) · (the packed weight)ᵀ, y [rows, y_stride].
+void gemm(int64_t kind, const uint8_t* packed, int64_t columns, const Activations& a, int64_t rows, float* y,
+          int64_t y_stride, int64_t offset) {
+  const int64_t tiles = (columns + kCols - 1) / kCols;
+  const int64_t per_tile = a.blocks * tile_bytes(kind);
+  // about 64 KB of weights per task: enough to amortize the scheduling, small enough to share out
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / per_tile);
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    float acc[kRows * kCols];
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const uint8_t* weights = packed + tile * per_tile;
+      const int64_t width = std::min<int64_t>(kCols, columns - tile * kCols);
+      for (int64_t row0 = 0; row0 < rows; row0 += kRows) {
+        const int n = int(std::min<int64_t>(kRows, rows - row0));
+#if KQ_AVX512
+        if (!use_portable) dot_tile_avx512(kind, weights, a, row0, n, acc);
+        else
+#endif
+          dot_tile_portable(kind, weights, a, row0, n, acc);
+        for (int r = 0; r < n; ++r)
+          std::memcpy(y + (row0 + r) * y_stride + offset + tile * kCols, acc + r * kCols, width * sizeof(float));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// raw [columns, blocks × raw block bytes] uint8 (a GGUF tensor's rows) -> packed tiles (uint8, 1-D)
+torch::Tensor repack(int64_t kind, torch::Tensor raw) {
+  check_kind(kind);
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == torch::kUInt8, "repack wants uint8 [columns, bytes]");
+  TORCH_CHECK(raw.size(1) % raw_bytes(kind) == 0, "a row of this type is a whole number of ", raw_bytes(kind), "-byte blocks");
+  raw = raw.contiguous();
+  const int64_t columns = raw.size(0), blocks = raw.size(1) / raw_bytes(kind);
+  const int64_t tiles = (columns + kCols - 1) / kCols;
+  auto out = torch::zeros({tiles * blocks * tile_bytes(kind)}, raw.options());
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    const uint8_t* rows[kCols];
+    for (int64_t tile = begin; tile < end; ++tile)
+      for (int64_t b = 0; b < blocks; ++b) {
+        for (int c = 0; c < kCols; ++c) {
+          const int64_t column = tile * kCols + c;
+          rows[c] = column < columns ? src + column * raw.size(1) + b * raw_bytes(kind) : nullptr;
+        }
+        repack_block(kind, rows, dst + (tile * blocks + b) * tile_bytes(kind));
+      }
+  });
+  return out;
+}
+
+// raw [rows, blocks × raw block bytes] -> float32 [rows, blocks × 256]: the weights as the file means them
+torch::Tensor dequantize(int64_t kind, torch::Tensor raw) {
+  check_kind(kind);
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == torch::kUInt8, "dequantize wants uint8 [rows, bytes]");
+  raw = raw.contiguous();
+  const int64_t rows = raw.size(0), blocks = raw.size(1) / raw_bytes(kind);
+  auto out = torch::empty({rows, blocks * kBlock}, torch::kFloat);
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row)
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* block = src + row * raw.size(1) + b * raw_bytes(kind);
+        float* y = dst + row * blocks * kBlock + b * kBlock;
+        if (kind == Q4_K) {
+          const float d = half_to_float(read_u16(block)), dmin = half_to_float(read_u16(block + 2));
+          for (int k = 0; k < kBlock; ++k) {
+            uint8_t scale, min;
+            q4k_scale_min(block + 4, k / 32, scale, min);
+            y[k] = d * scale * q4k_value(block + 16, k) - dmin * min;
+          }
+        } else {
+          const float d = half_to_float(read_u16(block + 208));
+          for (int k = 0; k < kBlock; ++k)
+            y[k] = d * int8_t(block[192 + k / 16]) * (int(q6k_value(block, block + 128, k)) - 32);
+        }
+      }
+  });
+  return out;
+}
+
+// x [rows, K] float32 (K a multiple of 256) -> (q int8 [rows, K], d float32 [rows, K / 256],
+// sums int32 [rows, K / 16], pair sums int16 [rows, K / 32])
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> quantize_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "quantize_rows wants float32 [rows, K]");
+  TORCH_CHECK(x.size(1) % kBlock == 0, "kquant layers need an input width that is a multiple of 256, not ", x.size(1));
+  x = x.contiguous();
+  const int64_t rows = x.size(0), k = x.size(1), blocks = k / kBlock;
+  auto q = torch::empty({rows, k}, x.options().dtype(torch::kInt8));
+  auto d = torch::empty({rows, blocks}, x.options());
+  auto sums = torch::empty({rows, k / 16}, x.options().dtype(torch::kInt32));
+  auto pair_sums = torch::empty({rows, k / 32}, x.options().dtype(torch::kInt16));
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* dp = d.data_ptr<float>();
+  int32_t* sp = sums.data_ptr<int32_t>();
+  int16_t* pp = pair_sums.data_ptr<int16_t>();
+  at::parallel_for(0, rows * blocks, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* v = xp + i * kBlock;
+      int8_t* out = qp + i * kBlock;
+      float amax = 0.0f;
+      for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
+      const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+      dp[i] = amax / 127.0f;
+      for (int j = 0; j < kBlock; ++j) out[j] = int8_t(std::min(127.0f, std::max(-127.0f, std::nearbyint(v[j] * inverse))));
+      for (int s = 0; s < 16; ++s) {
+        int32_t total = 0;
+        for (int j = 0; j < 16; ++j) total += out[16 * s + j];
+        sp[i * 16 + s] = total;
+      }
+      for (int s = 0; s < 8; ++s) pp[i * 8 + s] = int16_t(sp[i * 16 + 2 * s] + sp[i * 16 + 2 * s + 1]);  // |sum| ≤ 32 · 127
+    }
+  });
+  return {q, d, sums, pair_sums};
+}
+
+// x [rows, K] float32 -> y [rows, Σ columns]: the parts' outputs side by side (plus bias [Σ columns]).
+// parts: packed tiles, one per GGUF tensor of the layer (e.g. q, k and v), with their kinds and columns.
+torch::Tensor linear(torch::Tensor x, std::vector<torch::Tensor> packed, std::vector<int64_t> kinds,
+                     std::vector<int64_t> columns, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(packed.size() == kinds.size() && kinds.size() == columns.size() && !packed.empty(), "linear: one kind and width per part");
+  auto [q, d, sums, pair_sums] = quantize_rows(x);
+  const int64_t rows = x.size(0);
+  int64_t total = 0;
+  for (size_t i = 0; i < packed.size(); ++i) {
+    check_kind(kinds[i]);
+    const int64_t tiles = (columns[i] + kCols - 1) / kCols;
+    TORCH_CHECK(packed[i].numel() == tiles * (x.size(1) / kBlock) * tile_bytes(kinds[i]),
+                "linear: part ", i, " was packed for another input width");
+    total += columns[i];
+  }
+  auto y = torch::empty({rows, total}, x.options());
+  const Activations a{q.data_ptr<int8_t>(), d.data_ptr<float>(), sums.data_ptr<int32_t>(), pair_sums.data_ptr<int16_t>(),
+                      x.size(1), x.size(1) / kBlock};
+  int64_t offset = 0;
+  for (size_t i = 0; i < packed.size(); ++i) {
+    gemm(kinds[i], packed[i].data_ptr<uint8_t>(), columns[i], a, rows, y.data_ptr<float>(), total, offset);
+    offset += columns[i];
+  }
+  if (bias.has_value()) y.add_(*bias);
+  return y;
+}
+
+// Which tile code runs: the AVX-512 VNNI kernels when built for them, else the portable code.
+// `set_portable(true)` forces the portable code (the tests compare the two).
+bool set_portable(bool portable) {
+  use_portable = portable || !KQ_AVX512;
+  return use_portable;
+}
+
+bool has_avx512() { return KQ_AVX512; }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("repack", &repack, "raw GGUF blocks [columns, bytes] -> tiles of 16 columns");
+  m.def("dequantize", &dequantize, "raw GGUF blocks [rows, bytes] -> float32 weights");
+  m.def("quantize_rows", &quantize_rows, "float32 [rows, K] -> (int8 values, scales per 256, sums per 16 and per 32)");
+  m.def("linear", &linear, "x [rows, K] -> [rows, Σ columns] through k-quant weights");
+  m.def("set_portable", &set_portable, "force the portable kernels (true) or use the fastest built (false)");
+  m.def("has_avx512", &has_avx512, "whether the AVX-512 VNNI kernels were built");
+}

@@ -1,0 +1,124 @@
+"""Linear layers on a GGUF file's own k-quant blocks: the kernels of the `kquant` precision.
+
+A Q4_K_M file keeps most weights as Q4_K (256-weight super-blocks: a float16 scale d and min dmin,
+eight 6-bit sub-block scales and mins, 4-bit values) and some as Q6_K (a float16 d, sixteen int8
+sub-block scales, 6-bit values). `kquant` runs those very blocks, so the model is the file the user
+chose, not a requantized copy. Each input row is quantized per 256 values as llama.cpp's Q8_K is
+(d = absmax / 127, q = round(x / d), rounding half to even), and a super-block's contribution to
+output column n is
+
+    Q4_K:  d_n · d_x · Σ_j sc_nj · Σ_{k∈j} w_k q_k  −  dmin_n · d_x · Σ_j m_nj · Σ_{k∈j} q_k
+    Q6_K:  d_n · d_x · Σ_j sc_nj · Σ_{k∈j} (w_k − 32) q_k
+
+with the inner sums in int32 (exact) and the float terms added block after block by fused
+multiply-adds, row by row. So a row's output is the same bits whatever other rows the call holds:
+greedy speculative decoding on this path is token-identical to greedy plain decoding of the same path,
+at every verification width, trees included.
+
+Why its own kernel: ggml unpacks the 4-bit blocks again for every row, so verifying n positions costs
+nearly n decode steps on a 2-core CPU, and no library kernel measured (ik_llama.cpp, onnxruntime's
+MatMulNBits, OpenVINO, torchao) is both as fast as llama.cpp for one row and flat for several
+(BENCHMARKS.md#4-bit-kernel-candidates). `kernels/kquant.cpp` repacks the blocks once into tiles of 16
+output columns and multiplies a tile with up to 8 rows through AVX-512 VNNI dot products; elsewhere it
+runs portable C++ that gives the same bits, slowly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from verispec.errors import ModelNotFoundError
+from verispec.models.kernels import extension
+
+__all__ = ["KQUANT_TYPES", "KQuantWeight", "KQuantLinear", "KQuantEmbedding", "concat_rows", "kquant_kernels"]
+
+KQUANT_TYPES = {"Q4_K": 12, "Q6_K": 14}  # ggml type name -> type number (what the kernels take)
+
+
+def kquant_kernels():
+    """The compiled kernels (`kernels/kquant.cpp`); ModelNotFoundError when they cannot be built (kquant has no torch fallback)."""
+    module = extension("kquant")
+    if module is None:
+        raise ModelNotFoundError("the kquant precision needs its C++ kernels, which could not be built here "
+                                 "(a C++ compiler and ninja are required); use --dtype gguf")
+    return module
+
+
+@dataclass(frozen=True)
+class KQuantWeight:
+    """One GGUF tensor's blocks: `raw` uint8 [rows, blocks × block bytes] (a row per output feature),
+    of ggml type `kind` (12 Q4_K, 14 Q6_K), each row `cols` weights wide."""
+
+    kind: int
+    raw: torch.Tensor
+    cols: int
+
+    @property
+    def rows(self) -> int:
+        return self.raw.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.raw.device
+
+
+def concat_rows(*weights):
+    """Weights stacked along their output rows: a float tensor for float weights (torch.cat), the list of
+    parts for k-quant weights (a layer keeps each part's own block type; q, k and v often differ)."""
+    if all(isinstance(w, torch.Tensor) for w in weights):
+        return torch.cat(weights)
+    if not all(isinstance(w, KQuantWeight) for w in weights):
+        raise TypeError("a layer's parts must be all float tensors or all k-quant blocks")
+    return list(weights)
+
+
+class KQuantLinear:
+    """y = x Wᵀ + b through k-quant blocks: x [rows, in] float32 -> [rows, Σ parts' rows] float32."""
+
+    def __init__(self, weight: KQuantWeight | list[KQuantWeight], bias: torch.Tensor | None = None):
+        parts = weight if isinstance(weight, list) else [weight]
+        widths = {part.cols for part in parts}
+        if len(widths) != 1:
+            raise ValueError(f"the parts of a k-quant layer take one input width, not {sorted(widths)}")
+        self.in_features = widths.pop()
+        kernels = kquant_kernels()
+        self.kinds = [part.kind for part in parts]
+        self.columns = [part.rows for part in parts]
+        self.packed = [kernels.repack(part.kind, part.raw) for part in parts]  # tiles of 16 columns, uint8 [bytes]
+        self.bias = None if bias is None else bias.float().contiguous()  # [out]
+        self.out_features = sum(self.columns)
+        self._linear = kernels.linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [rows, in] -> [rows, out]
+        return self._linear(x, self.packed, self.kinds, self.columns, self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() for p in self.packed) + (0 if self.bias is None else self.bias.numel() * 4)
+
+
+class KQuantEmbedding:
+    """Token embeddings kept as their k-quant blocks; a lookup dequantizes only the rows it reads."""
+
+    def __init__(self, weight: KQuantWeight):
+        self.weight = weight
+        self._dequantize = kquant_kernels().dequantize
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:  # tokens [N] -> [N, hidden] float32
+        return self._dequantize(self.weight.kind, self.weight.raw[tokens.cpu()])
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.raw.numel()
+
+
+def raw_rows(data: np.ndarray) -> torch.Tensor:
+    """A GGUF reader's block array (uint8 [rows, bytes], usually a read-only memory map) as a torch tensor of its own."""
+    return torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))
