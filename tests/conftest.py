@@ -68,6 +68,7 @@ def compiled_kernels():
     from verispec.models.kernels import extension
 
     extension("int8")
+    extension("kquant")
 
 
 @pytest.fixture(autouse=True)

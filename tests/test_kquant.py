@@ -1,0 +1,298 @@
+"""The kquant precision: a GGUF file's own Q4_K / Q6_K blocks in verispec's runner (`models/kquant.py`).
+
+The kernels are checked against the `gguf` package's own dequantization (the file's meaning of the
+blocks) with the activations quantized as the kernel quantizes them, and the AVX-512 code against
+the portable code (the same bits). Whole models are tiny random GGUF files written here with the
+`gguf` package (random blocks, llama and qwen2 layouts), checked against verispec's float32 runner on
+the dequantized weights (close), and, as for every backend, greedy speculative decoding against greedy
+plain decoding of the same path (token-identical) and sampled speculation against the path's own
+exact distribution (chi-square, stated power, with a positive control).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_tiny_model
+from distribution import assert_rejected, assert_same_distribution, bonus_from_the_wrong_row, sample_sequences
+
+from verispec import Engine, GenerationConfig, SamplingParams
+from verispec.drafters import DraftModelDrafter, ExpansionDrafter, NgramDrafter, StandDrafter
+from verispec.errors import ModelNotFoundError
+from verispec.models.kquant import KQUANT_TYPES, KQuantLinear, KQuantWeight, kquant_kernels
+from verispec.models.loading import load_model, parse_precision
+from verispec.models.runner import LoadedModel
+from verispec.models.transformer import ModelConfig, Transformer
+from verispec.testing.reference import reference_generate, sequence_distribution
+
+gguf = pytest.importorskip("gguf")
+from gguf.quants import dequantize  # noqa: E402
+
+Q4_K, Q6_K = KQUANT_TYPES["Q4_K"], KQUANT_TYPES["Q6_K"]
+_TYPES = {Q4_K: gguf.GGMLQuantizationType.Q4_K, Q6_K: gguf.GGMLQuantizationType.Q6_K}
+
+
+def random_blocks(kind: int, rows: int, cols: int, rng: np.random.Generator, scale: float = 1.0) -> np.ndarray:
+    """uint8 [rows, blocks × block bytes]: random values and sub-block scales, float16 scales of a sane size."""
+    size, at = (144, 0) if kind == Q4_K else (210, 208)
+    blocks = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
+    halves = 2 if kind == Q4_K else 1  # Q4_K: d and dmin; Q6_K: d
+    step = 2e-4 if kind == Q4_K else 5e-4
+    blocks[:, :, at : at + 2 * halves] = (rng.random((rows, cols // 256, halves)) * step * scale).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def float_rows(kind: int, blocks: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(dequantize(blocks, _TYPES[kind]).astype(np.float32))  # [rows, cols]
+
+
+# --- the kernels ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", [Q4_K, Q6_K], ids=["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("columns", [48, 40])  # 40: a tile padded with zero columns
+def test_the_kernel_multiplies_the_files_weights(kind, columns):
+    kernels = kquant_kernels()
+    rng = np.random.default_rng(kind + columns)
+    blocks = random_blocks(kind, columns, 512, rng)
+    weight = float_rows(kind, blocks)  # [columns, 512]
+    assert torch.equal(kernels.dequantize(kind, torch.from_numpy(blocks)), weight)  # the file's meaning
+    x = torch.randn(11, 512)
+    q, d, sums, pair_sums = kernels.quantize_rows(x)  # what the kernel multiplies: x rounded per 256 values
+    assert torch.equal(sums, q.view(11, -1, 16).int().sum(-1))
+    assert torch.equal(pair_sums.view(11, -1).int(), sums.view(11, -1, 2).sum(-1))
+    rounded = (q.float().view(11, 2, 256) * d[:, :, None]).view(11, 512)
+    assert (rounded - x).abs().max() <= d.max() / 2 + 1e-6
+    expected = rounded.double() @ weight.double().T  # [11, columns]
+    y = KQuantLinear(KQuantWeight(kind, torch.from_numpy(blocks), 512))(x)
+    assert torch.allclose(y.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max())
+
+
+def test_the_vector_code_gives_the_portable_codes_bits_for_each_row_alone():
+    kernels = kquant_kernels()
+    if not kernels.has_avx512():
+        pytest.skip("this CPU runs the portable code only")
+    rng = np.random.default_rng(3)
+    layer = KQuantLinear([KQuantWeight(Q4_K, torch.from_numpy(random_blocks(Q4_K, 64, 768, rng)), 768),
+                          KQuantWeight(Q6_K, torch.from_numpy(random_blocks(Q6_K, 24, 768, rng)), 768)])
+    x = torch.randn(20, 768) * torch.logspace(-3, 3, 20)[:, None]  # rows of very different sizes
+    fast = layer(x)  # [20, 88]
+    try:
+        kernels.set_portable(True)
+        portable = layer(x)
+    finally:
+        kernels.set_portable(False)
+    assert torch.equal(fast, portable)
+    for rows in (1, 2, 3, 7, 8, 9, 16):  # every tile size and a second pass over the tile
+        assert torch.equal(layer(x[:rows]), fast[:rows])
+    assert all(torch.equal(layer(x[i : i + 1]), fast[i : i + 1]) for i in range(20))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(layer(x), fast)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bad_shapes_are_clear_errors():
+    kernels = kquant_kernels()
+    blocks = torch.from_numpy(random_blocks(Q4_K, 16, 256, np.random.default_rng(0)))
+    layer = KQuantLinear(KQuantWeight(Q4_K, blocks, 256))
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        layer(torch.randn(2, 200))
+    with pytest.raises(RuntimeError, match="another input width"):
+        layer(torch.randn(2, 512))
+    with pytest.raises(RuntimeError, match="Q4_K"):
+        kernels.repack(2, blocks)
+    with pytest.raises(ValueError, match="one input width"):
+        KQuantLinear([KQuantWeight(Q4_K, blocks, 256), KQuantWeight(Q4_K, blocks, 512)])
+
+
+# --- tiny GGUF models ----------------------------------------------------------------------------
+
+HIDDEN, HEADS, KV_HEADS, LAYERS = 256, 4, 2, 2
+
+
+def write_tiny_gguf(path, arch: str, vocab: int, seed: int) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """A random `arch` model as a GGUF file of Q4_K and Q6_K blocks (v and down in Q6_K, as Q4_K_M
+    files keep some), and the same weights dequantized under Hugging Face names (query/key rows in
+    Hugging Face order: a llama file stores them permuted, as llama.cpp's converter does)."""
+    rng = np.random.default_rng(seed)
+    head_dim = HIDDEN // HEADS
+    config = ModelConfig(model_type=arch, vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                         num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=head_dim,
+                         rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256,
+                         attention_bias=arch == "qwen2", tie_word_embeddings=False)
+    writer = gguf.GGUFWriter(str(path), arch)
+    floats: dict[str, torch.Tensor] = {}
+
+    def quantized(hf: str, name: str, kind: int, rows: int, cols: int, scale: float = 1.0, heads: int | None = None):
+        blocks = random_blocks(kind, rows, cols, rng, scale)
+        floats[hf] = float_rows(kind, blocks)
+        if heads is not None and arch == "llama":  # llama.cpp's converter permutes q and k rows for its RoPE
+            blocks = blocks.reshape(heads, 2, rows // heads // 2, -1).swapaxes(1, 2).reshape(blocks.shape)
+        writer.add_tensor(name, blocks, raw_dtype=_TYPES[kind])
+
+    def plain(hf: str, name: str, values: np.ndarray):
+        floats[hf] = torch.from_numpy(values)
+        writer.add_tensor(name, values)
+
+    quantized("model.embed_tokens.weight", "token_embd.weight", Q4_K, vocab, HIDDEN, scale=20.0)
+    for i in range(LAYERS):
+        hf, blk = f"model.layers.{i}.", f"blk.{i}."
+        plain(hf + "input_layernorm.weight", blk + "attn_norm.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+        plain(hf + "post_attention_layernorm.weight", blk + "ffn_norm.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+        quantized(hf + "self_attn.q_proj.weight", blk + "attn_q.weight", Q4_K, HIDDEN, HIDDEN, heads=HEADS)
+        quantized(hf + "self_attn.k_proj.weight", blk + "attn_k.weight", Q4_K, KV_HEADS * head_dim, HIDDEN, heads=KV_HEADS)
+        quantized(hf + "self_attn.v_proj.weight", blk + "attn_v.weight", Q6_K, KV_HEADS * head_dim, HIDDEN)
+        if arch == "qwen2":
+            for p, width in (("q", HIDDEN), ("k", KV_HEADS * head_dim), ("v", KV_HEADS * head_dim)):
+                plain(hf + f"self_attn.{p}_proj.bias", blk + f"attn_{p}.bias", (0.1 * rng.standard_normal(width)).astype(np.float32))
+        quantized(hf + "self_attn.o_proj.weight", blk + "attn_output.weight", Q4_K, HIDDEN, HIDDEN)
+        quantized(hf + "mlp.gate_proj.weight", blk + "ffn_gate.weight", Q4_K, 2 * HIDDEN, HIDDEN)
+        quantized(hf + "mlp.up_proj.weight", blk + "ffn_up.weight", Q4_K, 2 * HIDDEN, HIDDEN)
+        quantized(hf + "mlp.down_proj.weight", blk + "ffn_down.weight", Q6_K, HIDDEN, 2 * HIDDEN)
+    plain("model.norm.weight", "output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+    quantized("lm_head.weight", "output.weight", Q6_K, vocab, HIDDEN, scale=0.5)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return config, floats
+
+
+def kquant_model(path, config: ModelConfig, tokenizer) -> LoadedModel:
+    return LoadedModel(str(path), path, Transformer.from_gguf(path, config), tokenizer, frozenset({0}))
+
+
+@pytest.fixture(scope="module")
+def tiny_draft48(tmp_path_factory):
+    """A float32 draft of the same 48-word vocabulary, whose word-level tokenizer the tiny files use too."""
+    folder = tmp_path_factory.mktemp("kq-draft") / "d"
+    return load_model(make_tiny_model(folder, vocab_size=48, seed=2, layers=1, arch="llama"))
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny(request, tmp_path_factory, tiny_draft48):
+    """(the kquant model, the float32 model of the same dequantized weights)."""
+    path = tmp_path_factory.mktemp("kquant") / f"{request.param}.gguf"
+    config, floats = write_tiny_gguf(path, request.param, vocab=48, seed=7)
+    reference = Transformer(config, floats, torch.float32, pack=False)
+    tokenizer = tiny_draft48.tokenizer
+    return kquant_model(path, config, tokenizer), LoadedModel("float", path, reference, tokenizer, frozenset({0}))
+
+
+PROMPTS = [[5, 9, 2, 7], [11, 3, 3, 3, 8, 1, 30, 12, 5], [40]]
+
+
+class WholeSequenceOracle:
+    """`model(ids).logits` like a transformers model, by the runner over the whole sequence in one pass."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def __call__(self, input_ids: torch.Tensor) -> SimpleNamespace:  # input_ids [1, L]
+        cache = self.runner.new_cache(input_ids.shape[1] + 1)
+        return SimpleNamespace(logits=self.runner.forward(cache, input_ids[0], logits="all")[None])  # [1, L, vocab]
+
+
+def test_the_file_runs_as_its_dequantized_weights_do(tiny):
+    """The blocks, names, head and (llama) row order are read right: the logits are close to float32
+    on the same weights (int8 activations are the only difference)."""
+    model, reference = tiny
+    ids = torch.tensor(PROMPTS[1])
+    got = model.runner.forward(model.runner.new_cache(), ids)
+    want = reference.runner.forward(reference.runner.new_cache(), ids)
+    assert 1 < float(want.std()) < 20  # logits of a useful size: neither uniform nor one-hot
+    assert float((got - want).norm() / want.norm()) < 0.15  # random weights: 2–7 % measured
+    kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True, reduction="batchmean")
+    assert float(kl) < 0.02
+    assert model.precision == "kquant" and model.runner.row_invariant
+
+
+def test_forward_rows_equal_single_position_decoding(tiny):
+    runner = tiny[0].runner
+    prompt, feed = torch.tensor(PROMPTS[1]), torch.tensor([4, 17, 23, 9, 31])
+    cache = runner.new_cache()
+    runner.forward(cache, prompt, logits="none")
+    together = runner.forward(cache, feed)  # [5, vocab]: a verification pass
+    cache.truncate(len(PROMPTS[1]))
+    alone = torch.cat([runner.forward(cache, feed[i : i + 1]) for i in range(len(feed))])
+    assert torch.equal(together, alone)
+    other = runner.new_cache()
+    cache.truncate(len(PROMPTS[1]))
+    batched = runner.forward_ragged([cache, other], [feed, torch.tensor(PROMPTS[0])])  # a server batch
+    assert torch.equal(batched[0], together)
+
+
+@pytest.mark.parametrize("gamma", [1, 4])
+@pytest.mark.parametrize("kind", ["model", "self", "ngram", "tree", "stand"])
+def test_greedy_speculative_equals_greedy_plain(tiny, tiny_draft48, kind, gamma):
+    model = tiny[0]
+    drafter = {
+        "model": lambda: DraftModelDrafter(tiny_draft48, model.vocab_size),
+        "self": lambda: DraftModelDrafter(model, model.vocab_size),  # always accepted: the bonus path
+        "ngram": lambda: NgramDrafter(max_n=3),
+        "tree": lambda: ExpansionDrafter(tiny_draft48, model.vocab_size),
+        "stand": lambda: StandDrafter(model.vocab_size),
+    }[kind]()
+    engine, plain = Engine(model, drafter, gamma=gamma, gamma_policy="constant"), Engine(model, None)
+    for prompt in PROMPTS:
+        expected = plain.generate(prompt, GenerationConfig(max_new_tokens=20)).token_ids
+        assert expected == reference_generate(WholeSequenceOracle(model.runner), prompt, 20, eos_ids=model.eos_ids)
+        assert engine.generate(prompt, GenerationConfig(max_new_tokens=20)).token_ids == expected
+
+
+# --- sampling: equal in distribution to the kquant target ----------------------------------------
+
+PROMPT, LENGTH, GAMMA, SAMPLES = [3, 7], 3, 2, 1_000  # 64 sequences; bias TV ≥ 0.16 found with 90 % power
+
+
+@pytest.fixture(scope="module")
+def small_pair(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("kquant-small")
+    config, _ = write_tiny_gguf(folder / "t.gguf", "qwen2", vocab=12, seed=21)
+    draft = load_model(make_tiny_model(folder / "d", vocab_size=12, seed=22, layers=1, arch="llama"))
+    target = kquant_model(folder / "t.gguf", config, draft.tokenizer)
+    target.eos_ids = frozenset()  # fixed-length sequences
+    return target, draft
+
+
+def test_sampled_output_is_distributed_as_the_kquant_target(small_pair):
+    target, draft = small_pair
+    params = SamplingParams(temperature=0.8, top_k=4)
+    engine = Engine(target, DraftModelDrafter(draft, target.vocab_size), gamma=GAMMA, gamma_policy="constant")
+    exact = sequence_distribution(WholeSequenceOracle(target.runner), PROMPT, LENGTH, params)
+    assert len(exact) == 64
+    result = assert_same_distribution(sample_sequences(engine, PROMPT, params, SAMPLES, LENGTH), exact)
+    assert result.detectable_tv < 0.16
+
+
+def test_the_kquant_test_catches_a_wrong_bonus(small_pair, monkeypatch):
+    import verispec.engine.shapes as engine_module
+
+    monkeypatch.setattr(engine_module, "verify_sampled", bonus_from_the_wrong_row)
+    target, draft = small_pair
+    params = SamplingParams(temperature=0.8, top_k=4)
+    engine = Engine(target, DraftModelDrafter(draft, target.vocab_size), gamma=GAMMA, gamma_policy="constant")
+    exact = sequence_distribution(WholeSequenceOracle(target.runner), PROMPT, LENGTH, params)
+    assert_rejected(sample_sequences(engine, PROMPT, params, SAMPLES // 3, LENGTH), exact)
+
+
+# --- what the precision accepts ------------------------------------------------------------------
+
+
+def test_a_file_with_other_block_types_is_a_clear_error(tmp_path):
+    path = tmp_path / "q8.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 34), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    config, _ = write_tiny_gguf(tmp_path / "ok.gguf", "qwen2", vocab=16, seed=1)
+    with pytest.raises(ModelNotFoundError, match="Q8_0.*--dtype gguf"):
+        Transformer.from_gguf(path, config)
+    with pytest.raises(ModelNotFoundError, match="kquant run a GGUF file"):
+        load_model("not-a-file.txt", "kquant")
+    assert parse_precision("kquant").quant == "kquant"
