@@ -29,13 +29,14 @@ HELP = {
              "tree[:k=2,depth=4] | merge | stand[:max_n=4,k=2,depth=5] | hybrid[:min_match=2] | online[:rank=8] | "
              "cascade[:kind=vertical] | self[:layers=7] | triforce (all: verispec.drafters)",
     "dtype": "float32 | bfloat16 | float16 (for a GPU) | int8 (int8 weights, batch-invariant: see verispec.models.int8) | "
+             "kquant (a GGUF's own Q4_K/Q6_K blocks in verispec's runner: batch-invariant, cheap verification on AVX-512 VNNI) | "
              "gguf (llama.cpp) | hf (transformers; float32/bfloat16 use it for models other than qwen2/llama)",
     "dtype_auto": "auto (on a GPU bfloat16; on the CPU gguf for a model with a GGUF file: the shipped ones, a .gguf path; "
                   "float32 otherwise) | ",
     "gamma": "draft length γ (the starting value for adaptive policies)",
     "gamma_policy": "how γ changes from step to step (default: auto with --draft auto, analytic otherwise)",
     "device": "where the torch runners compute: cpu (default) | cuda[:N] | auto (cuda when torch sees a GPU); "
-              "gguf and int8 are CPU-only",
+              "gguf, kquant and int8 are CPU-only",
 }
 
 
