@@ -296,3 +296,22 @@ def test_a_file_with_other_block_types_is_a_clear_error(tmp_path):
     with pytest.raises(ModelNotFoundError, match="kquant run a GGUF file"):
         load_model("not-a-file.txt", "kquant")
     assert parse_precision("kquant").quant == "kquant"
+
+
+def test_the_compiled_decoder_stack_gives_the_same_bits_as_the_python_loop(tiny, monkeypatch):
+    """Decode steps and chain verifications run `KQuantLayers` (C++, `kernels/decoder.h`); prefill,
+    trees and server batches the Python loop: the same model."""
+    runner = tiny[0].runner
+    assert runner._compiled_layers() is not None and runner.compiled
+
+    def decode(feeds: list[list[int]]) -> list[torch.Tensor]:
+        cache = runner.new_cache()
+        runner.forward(cache, torch.tensor(PROMPTS[1]), logits="none")
+        return [runner.forward(cache, torch.tensor(feed)) for feed in feeds]
+
+    feeds = [[5], [7, 9, 11, 13], [17], list(range(1, 9))]
+    compiled = decode(feeds)
+    with monkeypatch.context() as patch:
+        patch.setattr(Transformer, "_compiled_layers", lambda self: None)
+        python = decode(feeds)
+    assert all(torch.equal(a, b) for a, b in zip(compiled, python, strict=True))

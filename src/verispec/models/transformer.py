@@ -276,7 +276,7 @@ class Transformer:
         self.quant = quant
         self.variant = (f",{quant}" if quant else "") + (f",rows={pack_rows}" if pack and pack_rows != 1 else "")
         self.row_invariant = quant is not None
-        self._compiled: tuple = (None, None)  # (the layers it was built from, `Int8Layers` or None)
+        self._compiled: tuple = (None, None)  # (the layers it was built from, `Int8Layers`/`KQuantLayers` or None)
         linear = _linear_factory(pack, quant, pack_rows, int8_store)
         weights = _Weights(weights, dtype, device)
         self.embed = weights["model.embed_tokens.weight"]  # [vocab, hidden]
@@ -494,20 +494,29 @@ class Transformer:
         return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(self.dtype).bits // 8
 
     def _compiled_layers(self):
-        """The decoder stack as one C++ object (`kernels/int8.cpp`, `Int8Layers`) for an int8 runner
-        whose layers all run fbgemm with the residual row; None otherwise or without the extension. Built
-        once per list of layers (a runner copied with fewer layers, as `self:layers=L` does, gets its own)."""
-        if self.quant != "int8":
+        """The decoder stack as one C++ object (`kernels/decoder.h`: `Int8Layers` for an int8 runner whose
+        layers all run fbgemm with the residual row, `KQuantLayers` for a kquant runner); None otherwise or
+        without the extension. Built once per list of layers (a runner copied with fewer layers, as
+        `self:layers=L` does, gets its own)."""
+        if self.quant not in ("int8", "kquant"):
             return None
         key = tuple(self.layers)  # the layer objects themselves (compared by identity, kept alive)
         if self._compiled[0] != key:
-            extension = kernels.extension("int8")
-            linears = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-            usable = extension is not None and all(m.use_fbgemm and m.residual for m in linears)
-            layers = [(layer.input_norm, layer.post_norm, layer.qkv.packed, layer.qkv.bias, layer.o.packed,
-                       layer.o.bias, layer.gate_up.packed, layer.down.packed) for layer in self.layers]
             cfg = self.config
-            compiled = extension.Int8Layers(layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps) if usable else None
+            shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+            extension = kernels.extension(self.quant)
+            linears = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            if self.quant == "kquant":
+                parts = lambda m: (m.packed, m.kinds, m.columns, m.bias)  # noqa: E731
+                layers = [(layer.input_norm, layer.post_norm, *(parts(m) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)))
+                          for layer in self.layers]
+                usable = extension is not None and all(isinstance(m, KQuantLinear) for m in linears)
+                compiled = extension.KQuantLayers(layers, *shape) if usable else None
+            else:
+                usable = extension is not None and all(m.use_fbgemm and m.residual for m in linears)
+                layers = [(layer.input_norm, layer.post_norm, layer.qkv.packed, layer.qkv.bias, layer.o.packed,
+                           layer.o.bias, layer.gate_up.packed, layer.down.packed) for layer in self.layers]
+                compiled = extension.Int8Layers(layers, *shape) if usable else None
             self._compiled = key, compiled
         return self._compiled[1]
 

@@ -2,7 +2,7 @@
 
 `extension(name)` builds `<name>.cpp` next to this file with PyTorch's `cpp_extension` (a C++
 compiler and ninja, the latter a verispec dependency) into `cache_dir()/kernels/`, and returns the
-module. The build folder is keyed by what the binary depends on: the source, the compiler flags, the
+module. The build folder is keyed by what the binary depends on: the source and the headers beside it, the compiler flags, the
 CPU's instruction sets (`-march=native`), the torch release and the Python ABI. A finished build is
 imported directly, so every virtual environment with the same torch and Python shares one compile.
 When it cannot be built (no compiler, an unusual platform) or `VERISPEC_KERNELS=0` is set, it
@@ -56,7 +56,8 @@ def _build_folder(name: str, source: Path) -> Path:
     """The cache folder of this source built with these flags for this CPU, torch release and Python ABI
     (not for a torch path: its build file names one venv's headers, but the binary fits them all)."""
     key = " ".join([*FLAGS, cpu_flags(), torch.__version__, sysconfig.get_config_var("EXT_SUFFIX") or ""])
-    digest = hashlib.sha256(source.read_bytes() + key.encode()).hexdigest()[:12]
+    headers = b"".join(header.read_bytes() for header in sorted(source.parent.glob("*.h")))
+    digest = hashlib.sha256(source.read_bytes() + headers + key.encode()).hexdigest()[:12]
     return cache_dir() / "kernels" / f"{name}-torch{torch.__version__}-{digest}"
 
 

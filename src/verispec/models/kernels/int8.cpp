@@ -6,14 +6,15 @@
 // They compute exactly what the torch code in `Int8Linear` computes, operation by operation and in
 // float32 (built with -ffp-contract=off, so no multiply-add is fused).
 //
-// `Int8Layers`: a whole int8 decoder stack for one chain of up to 32 new positions (decoding and
-// verification), calling the same ATen operations in the same order as `Transformer._layers`, so a model
-// gives the same bits with or without this extension, without the Python interpreter in between.
+// `Int8Layers`: the whole decoder stack (`decoder.h`) on these int8 linear layers, for one chain of up to
+// 32 new positions (decoding and verification): the same bits as `Transformer._layers`, in one call.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/jit/api/object.h>
+
+#include "decoder.h"
 
 #include <algorithm>
 #include <cmath>
@@ -106,86 +107,29 @@ struct Linear {
   }
 };
 
-struct Layer {
-  at::Tensor input_norm, post_norm;
-  Linear qkv, o, gate_up, down;
-};
-
 }  // namespace
 
-// The decoder layers of an int8 `Transformer` for one chain of n ≤ 32 new positions, as one C++ call:
-// the same ATen operations, in the same order, as `Transformer._layers` and `_attend_rows` (so the same
-// bits), without the Python interpreter between them.
-class Int8Layers {
- public:
-  Int8Layers(const std::vector<py::tuple>& layers, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
-      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(1.0 / std::sqrt(double(head_dim))) {
-    for (const auto& t : layers) {  // (input_norm, post_norm, qkv packed, qkv bias, o packed, o bias, gate_up packed, down packed)
-      auto linear = [&](int packed, int bias) {
-        Linear l{c10::IValue(t[packed].cast<torch::jit::Object>()._ivalue()), c10::nullopt};
-        if (bias >= 0 && !t[bias].is_none()) l.bias = t[bias].cast<at::Tensor>();
-        return l;
-      };
-      layers_.push_back({t[0].cast<at::Tensor>(), t[1].cast<at::Tensor>(), linear(2, 3), linear(4, 5), linear(6, -1), linear(7, -1)});
-    }
-  }
-
-  // x [n, hidden] -> [n, hidden]; writes the new keys/values to slots start … start+n−1 of every layer.
-  at::Tensor forward(at::Tensor x, at::Tensor keys, at::Tensor values, int64_t start, at::Tensor cos, at::Tensor sin) const {
-    const int64_t n = x.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
-    for (size_t i = 0; i < layers_.size(); ++i) {
-      const Layer& layer = layers_[i];
-      at::Tensor qkv = layer.qkv(rms_norm(x, layer.input_norm));
-      at::Tensor q = qkv.slice(1, 0, q_size).view({n, heads_, head_dim_}).transpose(0, 1);
-      at::Tensor k = qkv.slice(1, q_size, q_size + kv_size).view({n, kv_heads_, head_dim_}).transpose(0, 1);
-      at::Tensor v = qkv.slice(1, q_size + kv_size).view({n, kv_heads_, head_dim_}).transpose(0, 1);
-      q = rotate(q, cos, sin);
-      k = rotate(k, cos, sin);
-      at::Tensor attn = attend(keys.select(0, i), values.select(0, i), q, k, v, start);
-      x = x + layer.o(attn.transpose(0, 1).reshape({n, q_size}));
-      auto halves = layer.gate_up(rms_norm(x, layer.post_norm)).chunk(2, -1);
-      x = x + layer.down(at::silu(halves[0]) * halves[1]);
-    }
-    return x;
-  }
-
- private:
-  at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const {
-    return (x * at::rsqrt(x.pow(2).mean({-1}, true) + eps_)) * weight;
-  }
-
-  static at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-    const int64_t half = x.size(-1) / 2;
-    at::Tensor rotated = at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
-    return x * cos + rotated * sin;
-  }
-
-  // keys/values [kv_heads, capacity, head_dim] of one layer; q [heads, n, hd], k/v [kv_heads, n, hd].
-  at::Tensor attend(at::Tensor keys, at::Tensor values, const at::Tensor& q, const at::Tensor& k,
-                    const at::Tensor& v, int64_t start) const {
-    const int64_t n = q.size(1), end = start + n;
-    keys.slice(1, start, end).copy_(k);
-    values.slice(1, start, end).copy_(v);
-    auto one = [&](int64_t position, int64_t seen) {  // one query over the first `seen` slots
-      return at::scaled_dot_product_attention(q.unsqueeze(0).slice(2, position, position + 1),
-                                              keys.slice(1, 0, seen).unsqueeze(0), values.slice(1, 0, seen).unsqueeze(0),
-                                              c10::nullopt, 0.0, false, scale_, true).select(0, 0);
+// The decoder layers of an int8 `Transformer` (`decoder.h`), built from the Python layers' tuples
+// (input_norm, post_norm, qkv packed, qkv bias, o packed, o bias, gate_up packed, down packed).
+std::vector<DecoderLayer<Linear>> int8_layers(const std::vector<py::tuple>& layers) {
+  std::vector<DecoderLayer<Linear>> out;
+  for (const auto& t : layers) {
+    auto linear = [&](int packed, int bias) {
+      Linear l{c10::IValue(t[packed].cast<torch::jit::Object>()._ivalue()), c10::nullopt};
+      if (bias >= 0 && !t[bias].is_none()) l.bias = t[bias].cast<at::Tensor>();
+      return l;
     };
-    if (n == 1) return one(0, end);
-    std::vector<at::Tensor> outputs;
-    for (int64_t j = 0; j < n; ++j) outputs.push_back(one(j, start + j + 1));
-    return at::cat(outputs, 1);
+    out.push_back({t[0].cast<at::Tensor>(), t[1].cast<at::Tensor>(), linear(2, 3), linear(4, 5), linear(6, -1), linear(7, -1)});
   }
-
-  std::vector<Layer> layers_;
-  int64_t heads_, kv_heads_, head_dim_;
-  double eps_, scale_;
-};
+  return out;
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("split_rows", &split_rows, "per-row 7-bit coarse (and fine) activation levels and absmax");
   m.def("join_rows", &join_rows, "integer sums back to float rows, scaled, plus bias");
-  py::class_<Int8Layers>(m, "Int8Layers")
-      .def(py::init<const std::vector<py::tuple>&, int64_t, int64_t, int64_t, double>())
-      .def("forward", &Int8Layers::forward, py::call_guard<py::gil_scoped_release>());
+  py::class_<DecoderLayers<Linear>>(m, "Int8Layers")
+      .def(py::init([](const std::vector<py::tuple>& layers, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps) {
+        return DecoderLayers<Linear>(int8_layers(layers), heads, kv_heads, head_dim, eps);
+      }))
+      .def("forward", &DecoderLayers<Linear>::forward, py::call_guard<py::gil_scoped_release>());
 }

@@ -24,6 +24,8 @@
 #include <cstring>
 #include <vector>
 
+#include "decoder.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define KQ_AVX512 1
@@ -460,6 +462,33 @@ torch::Tensor linear(torch::Tensor x, std::vector<torch::Tensor> packed, std::ve
   return y;
 }
 
+namespace {
+
+struct Linear {  // a `KQuantLinear`: its parts and bias
+  std::vector<torch::Tensor> packed;
+  std::vector<int64_t> kinds, columns;
+  c10::optional<torch::Tensor> bias;
+
+  at::Tensor operator()(const at::Tensor& x) const { return linear(x, packed, kinds, columns, bias); }
+};
+
+Linear to_linear(const py::tuple& t) {  // (packed parts, kinds, columns, bias or None)
+  Linear l{t[0].cast<std::vector<torch::Tensor>>(), t[1].cast<std::vector<int64_t>>(), t[2].cast<std::vector<int64_t>>(), c10::nullopt};
+  if (!t[3].is_none()) l.bias = t[3].cast<torch::Tensor>();
+  return l;
+}
+
+}  // namespace
+
+// The decoder layers of a kquant `Transformer` (`decoder.h`) from the Python layers' tuples
+// (input_norm, post_norm, qkv, o, gate_up, down), each linear as `to_linear` reads it.
+std::vector<DecoderLayer<Linear>> kquant_layers(const std::vector<py::tuple>& layers) {
+  std::vector<DecoderLayer<Linear>> out;
+  for (const auto& t : layers)
+    out.push_back({t[0].cast<at::Tensor>(), t[1].cast<at::Tensor>(), to_linear(t[2]), to_linear(t[3]), to_linear(t[4]), to_linear(t[5])});
+  return out;
+}
+
 // Which tile code runs: the AVX-512 VNNI kernels when built for them, else the portable code.
 // `set_portable(true)` forces the portable code (the tests compare the two).
 bool set_portable(bool portable) {
@@ -476,4 +505,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x [rows, K] -> [rows, Σ columns] through k-quant weights");
   m.def("set_portable", &set_portable, "force the portable kernels (true) or use the fastest built (false)");
   m.def("has_avx512", &has_avx512, "whether the AVX-512 VNNI kernels were built");
+  py::class_<DecoderLayers<Linear>>(m, "KQuantLayers")
+      .def(py::init([](const std::vector<py::tuple>& layers, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps) {
+        return DecoderLayers<Linear>(kquant_layers(layers), heads, kv_heads, head_dim, eps);
+      }))
+      .def("forward", &DecoderLayers<Linear>::forward, py::call_guard<py::gil_scoped_release>());
 }

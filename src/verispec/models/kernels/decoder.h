@@ -1,0 +1,79 @@
+// The decoder stack of verispec's runner as one C++ call, shared by the quantized precisions' extensions
+// (`int8.cpp`, `kquant.cpp`), each with its own linear layer.
+//
+// `DecoderLayers<Linear>::forward` runs one chain of n ≤ 32 new positions (decoding and verification)
+// through every layer with the same ATen operations, in the same order, as `Transformer._layers` and
+// `_attend_rows` (so the same bits), without the Python interpreter between them. `Linear` is any
+// type with `at::Tensor operator()(const at::Tensor& x) const` (x [n, in] -> [n, out]).
+
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cmath>
+#include <vector>
+
+template <typename Linear>
+struct DecoderLayer {
+  at::Tensor input_norm, post_norm;
+  Linear qkv, o, gate_up, down;
+};
+
+template <typename Linear>
+class DecoderLayers {
+ public:
+  DecoderLayers(std::vector<DecoderLayer<Linear>> layers, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
+      : layers_(std::move(layers)), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps),
+        scale_(1.0 / std::sqrt(double(head_dim))) {}
+
+  // x [n, hidden] -> [n, hidden]; writes the new keys/values to slots start … start+n−1 of every layer.
+  at::Tensor forward(at::Tensor x, at::Tensor keys, at::Tensor values, int64_t start, at::Tensor cos, at::Tensor sin) const {
+    const int64_t n = x.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const DecoderLayer<Linear>& layer = layers_[i];
+      at::Tensor qkv = layer.qkv(rms_norm(x, layer.input_norm));
+      at::Tensor q = qkv.slice(1, 0, q_size).view({n, heads_, head_dim_}).transpose(0, 1);
+      at::Tensor k = qkv.slice(1, q_size, q_size + kv_size).view({n, kv_heads_, head_dim_}).transpose(0, 1);
+      at::Tensor v = qkv.slice(1, q_size + kv_size).view({n, kv_heads_, head_dim_}).transpose(0, 1);
+      q = rotate(q, cos, sin);
+      k = rotate(k, cos, sin);
+      at::Tensor attn = attend(keys.select(0, i), values.select(0, i), q, k, v, start);
+      x = x + layer.o(attn.transpose(0, 1).reshape({n, q_size}));
+      auto halves = layer.gate_up(rms_norm(x, layer.post_norm)).chunk(2, -1);
+      x = x + layer.down(at::silu(halves[0]) * halves[1]);
+    }
+    return x;
+  }
+
+ private:
+  at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const {
+    return (x * at::rsqrt(x.pow(2).mean({-1}, true) + eps_)) * weight;
+  }
+
+  static at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+    const int64_t half = x.size(-1) / 2;
+    at::Tensor rotated = at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
+    return x * cos + rotated * sin;
+  }
+
+  // keys/values [kv_heads, capacity, head_dim] of one layer; q [heads, n, hd], k/v [kv_heads, n, hd].
+  at::Tensor attend(at::Tensor keys, at::Tensor values, const at::Tensor& q, const at::Tensor& k,
+                    const at::Tensor& v, int64_t start) const {
+    const int64_t n = q.size(1), end = start + n;
+    keys.slice(1, start, end).copy_(k);
+    values.slice(1, start, end).copy_(v);
+    auto one = [&](int64_t position, int64_t seen) {  // one query over the first `seen` slots
+      return at::scaled_dot_product_attention(q.unsqueeze(0).slice(2, position, position + 1),
+                                              keys.slice(1, 0, seen).unsqueeze(0), values.slice(1, 0, seen).unsqueeze(0),
+                                              c10::nullopt, 0.0, false, scale_, true).select(0, 0);
+    };
+    if (n == 1) return one(0, end);
+    std::vector<at::Tensor> outputs;
+    for (int64_t j = 0; j < n; ++j) outputs.push_back(one(j, start + j + 1));
+    return at::cat(outputs, 1);
+  }
+
+  std::vector<DecoderLayer<Linear>> layers_;
+  int64_t heads_, kv_heads_, head_dim_;
+  double eps_, scale_;
+};
