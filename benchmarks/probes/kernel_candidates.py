@@ -13,6 +13,9 @@ probe measures exactly that for each library candidate, so that the kernel is pi
                       activations); `onnxruntime-acc1` the same with fp32 activations
   openvino            a stack of int4 (group 32) weight-compressed MatMuls, fused by the CPU plugin into
                       FullyConnected with dynamic int8 activations (group 32); `openvino-f32act` without
+  verispec-kquant     the whole GGUF model in verispec's own runner on the file's Q4_K/Q6_K blocks
+                      (`--dtype kquant`, `models/kquant.py`): a forward over n positions after the
+                      same context, logits for every position
   torchao             torchao's Int8DynamicActivationInt4WeightConfig (da8w4_linear_cpu, group 32);
                       `torchao-int4wo` its int4 weight-only CPU path (aten._weight_int4pack_mm_for_cpu)
 
@@ -31,7 +34,7 @@ table of every result in --out is printed at the end, so runs with different int
 Run it on a quiet machine, llama.cpp from the project's venv, the others from a venv that has them
 (they are not the project's dependencies; torch there is the CPU build, as scripts/setup.sh installs it):
 
-    .venv/bin/python benchmarks/probes/kernel_candidates.py --candidates llama.cpp --out kc.jsonl
+    .venv/bin/python benchmarks/probes/kernel_candidates.py --candidates llama.cpp,verispec-kquant --out kc.jsonl
     python3 -m venv /tmp/cand && /tmp/cand/bin/pip install torch==2.13.0 torchao onnx onnxruntime \\
         openvino ik-llama-cpp-python
     /tmp/cand/bin/python benchmarks/probes/kernel_candidates.py --out kc.jsonl --candidates \\
@@ -481,6 +484,33 @@ class GgufModel(Subject):
             free_model(self.model)
 
 
+class VerispecKQuant(Subject):
+    """The whole GGUF model in verispec's kquant runner: a `context`-token prompt in the cache, then each
+    pass truncates back to it and runs n new positions (logits for all, as verification needs)."""
+
+    def __init__(self, path: Path, threads: int, rng: np.random.Generator, context: int, max_n: int):
+        import torch
+
+        from verispec.models.loading import load_model
+
+        torch.set_num_threads(threads)
+        self.torch, self.context = torch, context
+        self.runner = load_model(str(path), "kquant").runner
+        tokens = rng.integers(100, 20000, context + max_n).tolist()
+        self.cache = self.runner.new_cache(context + max_n + 8)
+        self.runner.forward(self.cache, torch.tensor(tokens[:context]), logits="none")
+        self.new = torch.tensor(tokens[context:])
+        self.info = {"gguf": path.name, "library": "verispec kquant", "context": context,
+                     "compiled_stack": self.runner.compiled}
+
+    def forward(self, n: int):
+        self.cache.truncate(self.context)
+        return self.runner.forward(self.cache, self.new[:n])  # [n, vocab]
+
+    def first_row(self, result) -> np.ndarray:
+        return result[0].numpy().copy()
+
+
 # ----------------------------------------------------------------------------------------- candidates
 
 @dataclass(frozen=True)
@@ -506,11 +536,16 @@ def gguf(binding: Callable[[], GgufBinding], model_params: dict | None = None,
     return build
 
 
+def verispec_kquant(args, rng, inputs):
+    return VerispecKQuant(args.gguf, args.threads, rng, args.context, args.max_n)
+
+
 CANDIDATES: dict[str, Candidate] = {
     "llama.cpp": Candidate("llama_cpp", ("llama-cpp-python",), gguf(llama_cpp_binding), whole_model=True),
     "ik_llama.cpp": Candidate("ik_llama_cpp", ("ik-llama-cpp-python",), gguf(ik_llama_cpp_binding), whole_model=True),
     "ik_llama.cpp-rtr": Candidate("ik_llama_cpp", ("ik-llama-cpp-python",), whole_model=True,
                                   build=gguf(ik_llama_cpp_binding, {"use_mmap": False, "repack_tensors": True})),
+    "verispec-kquant": Candidate("verispec", ("torch",), verispec_kquant, whole_model=True),
     "onnxruntime": Candidate("onnxruntime", ("onnxruntime", "onnx"), stack(OnnxRuntimeStack, accuracy_level=4)),
     "onnxruntime-acc1": Candidate("onnxruntime", ("onnxruntime", "onnx"), stack(OnnxRuntimeStack, accuracy_level=1)),
     "openvino": Candidate("openvino", ("openvino",), stack(OpenVinoStack, dynamic_quantization_group=GROUP)),
