@@ -315,3 +315,19 @@ def test_the_compiled_decoder_stack_gives_the_same_bits_as_the_python_loop(tiny,
         patch.setattr(Transformer, "_compiled_layers", lambda self: None)
         python = decode(feeds)
     assert all(torch.equal(a, b) for a, b in zip(compiled, python, strict=True))
+
+
+def test_a_derived_draft_shares_the_files_head_tiles(tiny):
+    """`self:layers=1,vocab=20` on a kquant target: the head's first tiles, shared, scoring ids < 20 with
+    the full head's bits; as a draft, greedy output stays the target's own."""
+    from verispec.drafters import make_drafter
+
+    model = tiny[0]
+    drafter = make_drafter("self:layers=1,vocab=20", model)
+    head, cut = model.runner.lm_head, drafter.model.runner.lm_head.head
+    assert cut.packed[0].data_ptr() == head.packed[0].data_ptr() and cut.out_features == 20
+    x = torch.randn(3, HIDDEN)
+    assert torch.equal(cut(x), head(x)[:, :20])
+    config = GenerationConfig(max_new_tokens=16)
+    expected = Engine(model, None).generate(PROMPTS[1], config).token_ids
+    assert Engine(model, drafter, gamma=3, gamma_policy="constant").generate(PROMPTS[1], config).token_ids == expected

@@ -95,6 +95,19 @@ class KQuantLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [rows, in] -> [rows, out]
         return self._linear(x, self.packed, self.kinds, self.columns, self.bias)
 
+    def first_columns(self, n: int) -> KQuantLinear:
+        """This layer cut to its first n outputs (a head that scores only ids < n), sharing the packed
+        tiles: a tile holds 16 whole columns, so the cut is a view of the first tiles."""
+        if len(self.packed) != 1 or not 1 <= n <= self.out_features:
+            raise ValueError(f"a one-part layer keeps 1 … {self.out_features} columns, not {n}")
+        cut = object.__new__(KQuantLinear)
+        cut.__dict__.update(self.__dict__)
+        tiles = -(-n // 16)
+        cut.packed = [self.packed[0][: self.packed[0].numel() * tiles // -(-self.out_features // 16)]]
+        cut.columns, cut.out_features = [n], n
+        cut.bias = None if self.bias is None else self.bias[:n]
+        return cut
+
     @property
     def nbytes(self) -> int:
         return sum(p.numel() for p in self.packed) + (0 if self.bias is None else self.bias.numel() * 4)

@@ -83,11 +83,14 @@ def head_weight(runner: Transformer, folder=None) -> torch.Tensor:
 
 def reduced_vocab(runner: Transformer, vocab: int, head: torch.Tensor, pack: bool = True) -> Transformer:
     """`runner` whose head scores only ids [0, vocab); `head` is the full unpacked head [full, hidden].
-    An int8 runner (`runner.quant == "int8"`) gets an int8 head."""
+    An int8 runner (`runner.quant == "int8"`) gets an int8 head; a kquant runner keeps the first tiles
+    of its own head (`head` unused)."""
     full = runner.config.vocab_size
     if not 1 <= vocab <= full:
         raise InvalidParameterError(f"vocab must be in [1, {full}] for this model, got {vocab}")
-    if runner.quant == "int8":
+    if runner.quant == "kquant":  # the file's blocks: the first tiles of the packed head, shared
+        kept = runner.lm_head.first_columns(vocab)
+    elif runner.quant == "int8":
         kept = Int8Linear.from_float(head[:vocab])
     else:
         kept = PackedLinear(head[:vocab], None, pack)
@@ -124,11 +127,11 @@ def derive_model(model: LoadedModel, layers: int | None = None, vocab: int | Non
     """`model` with its first `layers` layers, its head cut to `vocab` ids, and/or int8 linears."""
     require_own_runner(model, "a derived draft (layers=, vocab=, int8=)")
     runner = model.runner
-    if int8 and runner.quant != "int8":  # quantizing needs the raw weights: read them again
+    if int8 and runner.quant not in ("int8", "kquant"):  # quantizing needs the raw weights: read them again
         if runner.dtype != torch.float32:
             raise InvalidParameterError("int8 drafts need a float32 model (dtype float32)")
         runner = Transformer.from_folder(model.folder, torch.float32, quant="int8")
-    full_head = head_weight(runner, model.folder) if vocab is not None else None
+    full_head = head_weight(runner, model.folder) if vocab is not None and runner.quant != "kquant" else None
     if layers is not None:
         runner = truncated(runner, layers)
     if vocab is not None:
