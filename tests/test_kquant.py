@@ -22,7 +22,8 @@ from distribution import assert_rejected, assert_same_distribution, bonus_from_t
 from verispec import Engine, GenerationConfig, SamplingParams
 from verispec.drafters import DraftModelDrafter, ExpansionDrafter, NgramDrafter, StandDrafter
 from verispec.errors import ModelNotFoundError
-from verispec.models.kquant import KQUANT_TYPES, KQuantLinear, KQuantWeight, kquant_kernels
+from verispec.engine.build import auto_backends
+from verispec.models.kquant import KQUANT_TYPES, KQuantLinear, KQuantWeight, kquant_kernels, kquant_suits
 from verispec.models.loading import load_model, parse_precision
 from verispec.models.runner import LoadedModel
 from verispec.models.transformer import ModelConfig, Transformer
@@ -293,6 +294,10 @@ def test_a_file_with_other_block_types_is_a_clear_error(tmp_path):
     config, _ = write_tiny_gguf(tmp_path / "ok.gguf", "qwen2", vocab=16, seed=1)
     with pytest.raises(ModelNotFoundError, match="Q8_0.*--dtype gguf"):
         Transformer.from_gguf(path, config)
+    assert not kquant_suits(path)  # so `--dtype auto` plans llama.cpp alone for it
+    fast = kquant_kernels().has_avx512()
+    assert kquant_suits(tmp_path / "ok.gguf") == fast
+    assert auto_backends(str(tmp_path / "ok.gguf")) == (["gguf", "kquant"] if fast else ["gguf"])
     with pytest.raises(ModelNotFoundError, match="kquant run a GGUF file"):
         load_model("not-a-file.txt", "kquant")
     assert parse_precision("kquant").quant == "kquant"

@@ -80,3 +80,19 @@ def test_cli_default_is_the_auto_plan(capsys, tiny_target):
     assert "plan: float32 ·" in captured.err and "ngram" in captured.err
     assert main([*common, "--draft", "none", "--dtype", "float32"]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == auto["token_ids"]
+
+
+def test_the_backend_with_the_fewest_predicted_seconds_a_token_is_kept():
+    """llama.cpp's steep curve plans plain decoding at its T(1); a flat backend a little slower per
+    token that speculates is predicted faster, and kept; with a costly drafter it is not."""
+    from verispec.control.plan import choose_backend
+
+    steep = choose_plan("gguf", [0.033 * r for r in STEEP], {"ngram": 0.0}, max_gamma=4)
+    flat = choose_plan("kquant", [0.036 * r for r in FLAT], {"ngram": 0.0}, max_gamma=4)
+    chosen = choose_backend([steep, flat])
+    assert chosen.precision == "kquant" and chosen.drafter == "ngram"
+    assert chosen.backends["gguf"] == pytest.approx(0.033)
+    assert chosen.backends["kquant"] == pytest.approx(0.036 / flat.predicted["ngram"][0])
+    assert "ms a token: gguf 33.0, kquant" in chosen.summary()
+    slow = choose_plan("kquant", [0.050 * r for r in FLAT], {"ngram": 0.0}, max_gamma=4, alphas={"ngram": 0.1})
+    assert choose_backend([steep, slow]).precision == "gguf"

@@ -8,16 +8,20 @@ the backend's measured verification curve T(n) on this CPU. The plan speculates 
 candidate only when that beats plain decoding by `MARGIN` (work outside the forwards is not in the
 model yet); otherwise it decodes plain. Inside a request the `auto` γ policy keeps measuring α,
 pauses speculation when it loses and probes now and then to resume.
+
+Where several backends can run the target's file (llama.cpp and verispec's kquant runner for a Q4_K_M
+GGUF), each gets its own plan from its own measured curve, and `choose_backend` keeps the one with
+the fewest predicted seconds a token: its T(1) over its predicted speedup.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from verispec.control.theory import curve_verify_cost, expected_speedup
 
-__all__ = ["ALPHA_PRIORS", "MARGIN", "Plan", "best_gamma", "choose_plan"]
+__all__ = ["ALPHA_PRIORS", "MARGIN", "Plan", "best_gamma", "choose_backend", "choose_plan"]
 
 ALPHA_PRIORS = {"ngram": 0.5, "model": 0.7}  # α before a request measures its own (public prompts)
 MARGIN = 1.1  # a predicted speedup must reach this to be worth a drafter's memory and per-step work
@@ -32,18 +36,30 @@ def best_gamma(alpha: float, c: float, curve: Sequence[float], max_gamma: int) -
 @dataclass(frozen=True)
 class Plan:
     """What runs: the precision, the drafter spec ("none": plain decoding) and its starting γ, and
-    every candidate's predicted speedup over plain decoding (with the γ it was predicted at)."""
+    every candidate's predicted speedup over plain decoding (with the γ it was predicted at);
+    `token_seconds`: the backend's measured T(1); `backends`: each backend considered → its plan's
+    predicted seconds a token (`choose_backend`)."""
 
     precision: str
     drafter: str
     gamma: int
     predicted: dict[str, tuple[float, int]]
+    token_seconds: float | None = None
+    backends: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def speedup(self) -> float:
+        """The predicted speedup of what runs over plain decoding on the same backend (1 for plain)."""
+        return self.predicted[self.drafter][0] if self.drafter in self.predicted else 1.0
 
     def summary(self) -> str:
         """One line for the user: what was chosen, and why."""
         considered = ", ".join(f"{name} {speedup:.2f}× (γ {gamma})" for name, (speedup, gamma) in self.predicted.items())
         chosen = "plain decoding" if self.drafter == "none" else f"draft {self.drafter}, γ {self.gamma}"
-        return f"plan: {self.precision} · {chosen} · predicted over plain: {considered or 'nothing to compare'}"
+        line = f"plan: {self.precision} · {chosen} · predicted over plain: {considered or 'nothing to compare'}"
+        if len(self.backends) > 1:
+            line += " · ms a token: " + ", ".join(f"{name} {seconds * 1e3:.1f}" for name, seconds in self.backends.items())
+        return line
 
 
 def choose_plan(precision: str, curve: Sequence[float], costs: dict[str, float], max_gamma: int,
@@ -58,6 +74,15 @@ def choose_plan(precision: str, curve: Sequence[float], costs: dict[str, float],
             gamma, speedup = best_gamma(alphas[spec.split(":")[0]], c, curve, max_gamma)
             predicted[spec] = (speedup, gamma)
     best = max(predicted, key=lambda spec: predicted[spec][0], default=None)
+    token_seconds = curve[0] if curve else None
     if best is None or predicted[best][0] < MARGIN:
-        return Plan(precision, "none", 0, predicted)
-    return Plan(precision, best, predicted[best][1], predicted)
+        return Plan(precision, "none", 0, predicted, token_seconds)
+    return Plan(precision, best, predicted[best][1], predicted, token_seconds)
+
+
+def choose_backend(plans: Sequence[Plan]) -> Plan:
+    """The plan with the fewest predicted seconds a token (its measured T(1) over its predicted speedup),
+    with every backend's prediction kept in `backends`; the first plan wins a tie."""
+    seconds = {plan.precision: plan.token_seconds / plan.speedup for plan in plans}
+    best = min(plans, key=lambda plan: seconds[plan.precision])
+    return replace(best, backends=seconds)

@@ -7,7 +7,7 @@ with it, the benchmarks build several over the same models.
 
 from __future__ import annotations
 
-from verispec.control.plan import Plan, choose_plan
+from verispec.control.plan import Plan, choose_backend, choose_plan
 from verispec.drafters import make_drafter
 from verispec.drafters.base import Drafter
 from verispec.engine.loop import Engine
@@ -15,10 +15,10 @@ from verispec.engine.spec import AUTO, EngineSpec
 from verispec.models.device import resolve_device
 from verispec.models.linear import VERIFY_ROWS
 from verispec.models.loading import ModelCache, parse_precision
-from verispec.models.registry import SHIPPED_MODELS
+from verispec.models.registry import SHIPPED_MODELS, gguf_file
 from verispec.models.runner import LoadedModel
 
-__all__ = ["EngineBuilder", "auto_precision", "load"]
+__all__ = ["EngineBuilder", "auto_backends", "auto_precision", "load"]
 
 
 def auto_precision(target: str, device: str = "cpu") -> str:
@@ -28,6 +28,18 @@ def auto_precision(target: str, device: str = "cpu") -> str:
     if resolve_device(device).type != "cpu":
         return "bfloat16"
     return "gguf" if target in SHIPPED_MODELS or str(target).endswith(".gguf") else "float32"
+
+
+def auto_backends(target: str, device: str = "cpu") -> list[str]:
+    """The precisions `--dtype auto --draft auto` plans over: `auto_precision`'s, and for a GGUF file that
+    verispec's kquant runner runs fast on this CPU (Q4_K/Q6_K blocks, AVX-512 VNNI kernels) kquant too:
+    the same file's weights either way; the plan keeps the backend its measured costs predict fastest."""
+    first = auto_precision(target, device)
+    if first != "gguf":
+        return [first]
+    from verispec.models.kquant import kquant_suits
+
+    return ["gguf", "kquant"] if kquant_suits(gguf_file(str(target))) else ["gguf"]
 
 
 class EngineBuilder:
@@ -80,12 +92,30 @@ class EngineBuilder:
         return choose_plan(target.precision, curve, {spec: cost.draft_cost_ratio() or 0.0 for spec, cost in costs.items()},
                            max_gamma)
 
-    def planned_engine(self, gamma: int = 4, gamma_policy: str | None = None, precision: str | None = None) -> Engine:
-        """An Engine over the plan's drafter and γ (`plan`), with the plan kept as `engine.plan`."""
-        plan = self.plan(gamma, precision)
+    def planned_engine(self, gamma: int = 4, gamma_policy: str | None = None, precision: str | None = None,
+                       backends: list[str] | None = None, settle: bool = False) -> Engine:
+        """An Engine over the plan's drafter and γ (`plan`), with the plan kept as `engine.plan`. With
+        several `backends` (precisions of the same target), each is planned and the fastest kept
+        (`choose_backend`); `settle`: it becomes the builder's precision and the others' models are let go."""
+        if backends and len(backends) > 1:
+            plan = choose_backend([self.plan(gamma, backend) for backend in backends])
+            precision = plan.precision
+            if settle:
+                self.dtype = precision
+                for backend in backends:
+                    if backend != precision:
+                        self.release(backend)
+        else:
+            plan = self.plan(gamma, precision)
         engine = self.engine(plan.drafter, max(plan.gamma, 1), gamma_policy or "auto", precision)
         engine.plan = plan
         return engine
+
+    def release(self, precision: str) -> None:
+        """Let the target in `precision` and the drafters built for it go (a backend the plan did not keep)."""
+        name = parse_precision(precision).name
+        self._drafters = {key: drafter for key, drafter in self._drafters.items() if key[1] != name}
+        self.models.drop(self.target_spec, name)
 
     def freeze(self) -> None:
         """No more loading: a request may pick another drafter over the loaded models, never load new
@@ -111,7 +141,8 @@ def load(
     "none": plain decoding of the target; "auto": planned from measured costs, `EngineBuilder.plan`,
     the plan kept as `engine.plan`). dtype: "float32", "bfloat16" or "int8" (int8 weights, float32
     activations; a draft model follows the target's precision, see `verispec.models.loading`), a
-    llama.cpp / Hugging Face precision, or "auto" (`auto_precision`). gamma: the (starting) draft
+    llama.cpp / Hugging Face precision, or "auto" (`auto_precision`; with draft "auto" the plan picks among
+    `auto_backends`). gamma: the (starting) draft
     length; gamma_policy: constant, heuristic, analytic or auto (how γ changes from step to step;
     default: auto with a planned drafter, analytic otherwise). device: "cpu" (the default), "cuda" or
     "auto" (CUDA when torch sees a GPU): where the torch runners keep weights and caches and where a
@@ -124,9 +155,10 @@ def load(
     tokenizer) and InvalidParameterError (a bad spec, precision, γ, policy or device). The same settings as one
     value (the CLI's options, a Ray worker's loader): `verispec.engine.spec.EngineSpec`.
     """
-    builder = EngineBuilder(target, auto_precision(target, device) if dtype == AUTO else dtype, device=device)
+    backends = auto_backends(target, device) if dtype == AUTO else [dtype]
+    builder = EngineBuilder(target, backends[0], device=device)
     if draft == AUTO:
-        engine = builder.planned_engine(gamma, gamma_policy)
+        engine = builder.planned_engine(gamma, gamma_policy, backends=backends, settle=True)
     else:
         engine = builder.engine(draft, gamma, gamma_policy or "analytic")
     builder.freeze()

@@ -33,7 +33,7 @@ import torch
 from verispec.errors import ModelNotFoundError
 from verispec.models.kernels import extension
 
-__all__ = ["KQUANT_TYPES", "KQuantWeight", "KQuantLinear", "KQuantEmbedding", "concat_rows", "kquant_kernels"]
+__all__ = ["KQUANT_TYPES", "KQuantWeight", "KQuantLinear", "KQuantEmbedding", "concat_rows", "kquant_kernels", "kquant_suits"]
 
 KQUANT_TYPES = {"Q4_K": 12, "Q6_K": 14}  # ggml type name -> type number (what the kernels take)
 
@@ -45,6 +45,21 @@ def kquant_kernels():
         raise ModelNotFoundError("the kquant precision needs its C++ kernels, which could not be built here "
                                  "(a C++ compiler and ninja are required); use --dtype gguf")
     return module
+
+
+def kquant_suits(path) -> bool:
+    """Whether kquant runs the GGUF file at `path` fast here: its kernels built with AVX-512 VNNI (the
+    portable code is exact but slow) and a qwen2/llama file of Q4_K/Q6_K (and float) tensors."""
+    from verispec.models.gguf_weights import GGUFWeights
+
+    module = extension("kquant")
+    if module is None or not module.has_avx512():
+        return False
+    try:
+        GGUFWeights(path, num_heads=1, num_kv_heads=1)  # reads the header: architecture and block types
+    except (ModelNotFoundError, OSError, ValueError):
+        return False
+    return True
 
 
 @dataclass(frozen=True)

