@@ -47,7 +47,7 @@ constexpr int kQ6KRaw = 210;  // 128 bytes low nibbles, 64 bytes high 2 bits, 16
 
 // repacked tile-block sizes (16 columns × 256 weights)
 constexpr int kQ4KTile = 2 * 32 + 2 * 8 * 16 + 8 * 256;  // d, dmin [16] fp16; sc [8][16], m [4][16][2] u8; nibbles
-constexpr int kQ6KTile = 32 + 16 * 16 + 16 * 256;        // d [16] fp16; sc [16][16] i8; values [16][256] u8
+constexpr int kQ6KTile = 32 + 16 * 16 + 16 * 192;        // d [16] fp16; sc [16][16] i8; 6-bit values [16][192]
 
 float half_to_float(uint16_t h) {
   const uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
@@ -101,6 +101,18 @@ uint8_t q6k_value(const uint8_t* ql, const uint8_t* qh, int k) {
   return low | (high << 4);
 }
 
+// A repacked Q6_K sub-block (16 columns × 16 values) in 192 bytes: value (lane, t) — lane = 4 · column + i
+// holds k = 4t + i — keeps its low 4 bits in byte 64 · (t / 2) + lane (low nibble for even t, high for odd)
+// and its high 2 bits at bit 2t of byte 128 + lane.
+void q6k_store(uint8_t* sub, int t, int lane, uint8_t value) {
+  sub[64 * (t / 2) + lane] |= (value & 0xf) << (4 * (t % 2));
+  sub[128 + lane] |= (value >> 4) << (2 * t);
+}
+
+uint8_t q6k_load(const uint8_t* sub, int t, int lane) {
+  return ((sub[64 * (t / 2) + lane] >> (4 * (t % 2))) & 0xf) | (((sub[128 + lane] >> (2 * t)) & 3) << 4);
+}
+
 int64_t raw_bytes(int64_t kind) { return kind == Q4_K ? kQ4KRaw : kQ6KRaw; }
 int64_t tile_bytes(int64_t kind) { return kind == Q4_K ? kQ4KTile : kQ6KTile; }
 
@@ -141,7 +153,7 @@ void repack_block(int64_t kind, const uint8_t* const* rows, uint8_t* out) {
         out[32 + 16 * j + c] = raw ? raw[192 + j] : 0;
         for (int t = 0; t < 4; ++t)
           for (int i = 0; i < 4; ++i)
-            values[256 * j + 64 * t + 4 * c + i] = raw ? q6k_value(raw, raw + 128, 16 * j + 4 * t + i) : 32;
+            q6k_store(values + 192 * j, t, 4 * c + i, raw ? q6k_value(raw, raw + 128, 16 * j + 4 * t + i) : 32);
       }
     }
   }
@@ -195,7 +207,7 @@ void dot_tile_portable(int64_t kind, const uint8_t* tile, const Activations& a, 
           for (int j = 0; j < 16; ++j) {
             int32_t sub = 0;
             for (int tt = 0; tt < 4; ++tt)
-              for (int i = 0; i < 4; ++i) sub += int32_t(values[256 * j + 64 * tt + 4 * c + i]) * qb[16 * j + 4 * tt + i];
+              for (int i = 0; i < 4; ++i) sub += int32_t(q6k_load(values + 192 * j, tt, 4 * c + i)) * qb[16 * j + 4 * tt + i];
             sub -= 32 * sb[j];
             dot += sub * int32_t(int8_t(t[32 + 16 * j + c]));
           }
@@ -263,6 +275,7 @@ void dot_tile_q4k(const uint8_t* tile, const Activations& a, int64_t row0, float
 
 template <int R>
 void dot_tile_q6k(const uint8_t* tile, const Activations& a, int64_t row0, float* acc) {
+  const __m512i nibble = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
   __m512 y[R];
   for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.blocks; ++b) {
@@ -271,8 +284,13 @@ void dot_tile_q6k(const uint8_t* tile, const Activations& a, int64_t row0, float
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
     for (int j = 0; j < 16; ++j) {
-      __m512i w[4];
-      for (int tt = 0; tt < 4; ++tt) w[tt] = _mm512_loadu_si512(values + 256 * j + 64 * tt);
+      __m512i w[4];  // the 6-bit values of the sub-block (`q6k_store`), unpacked
+      const uint8_t* sub = values + 192 * j;
+      const __m512i low0 = _mm512_loadu_si512(sub), low1 = _mm512_loadu_si512(sub + 64), high = _mm512_loadu_si512(sub + 128);
+      w[0] = _mm512_or_si512(_mm512_and_si512(low0, nibble), _mm512_and_si512(_mm512_slli_epi16(high, 4), top));
+      w[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low0, 4), nibble), _mm512_and_si512(_mm512_slli_epi16(high, 2), top));
+      w[2] = _mm512_or_si512(_mm512_and_si512(low1, nibble), _mm512_and_si512(high, top));
+      w[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low1, 4), nibble), _mm512_and_si512(_mm512_srli_epi16(high, 2), top));
       const __m512i scale = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * j)));
       for (int r = 0; r < R; ++r) {
         const int8_t* q = a.q + (row0 + r) * a.k + b * kBlock + 16 * j;
