@@ -37,7 +37,7 @@ namespace {
 
 constexpr int kBlock = 256;  // weights per super-block (QK_K)
 constexpr int kCols = 16;    // output columns per tile
-constexpr int kRows = 8;     // activation rows per pass over a tile
+constexpr int kRows = 4;     // activation rows per pass over a tile
 
 enum Kind : int64_t { Q4_K = 12, Q6_K = 14 };  // ggml's type numbers
 
@@ -225,6 +225,23 @@ void dot_tile_portable(int64_t kind, const uint8_t* tile, const Activations& a, 
 // registers and used by every row).
 inline __m512i broadcast4(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
 
+// acc += w · (the four bytes at p, in every lane), with the broadcast folded into the instruction
+inline __m512i dot4(__m512i acc, __m512i w, const int8_t* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
+}
+
+// Independent accumulation chains per row: with 1–2 rows a row's dot products are split over two chains
+// (a dot product's latency would stall one chain); with more rows, the rows' chains interleave.
+template <int R>
+constexpr int kChains = R <= 2 ? 2 : 1;
+
+template <int R>
+inline __m512i chain_sum(const __m512i* chains) {
+  if constexpr (kChains<R> == 2) return _mm512_add_epi32(chains[0], chains[1]);
+  else return chains[0];
+}
+
 template <int R>
 void dot_tile_q4k(const uint8_t* tile, const Activations& a, int64_t row0, float* acc) {
   const __m512i low = _mm512_set1_epi8(0x0f);
@@ -243,15 +260,15 @@ void dot_tile_q4k(const uint8_t* tile, const Activations& a, int64_t row0, float
         w[tt + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
       }
       const __m512i scale = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 64 + 16 * j)));
-      for (int r = 0; r < R; ++r) {
-        const int8_t* q = a.q + (row0 + r) * a.k + b * kBlock + 32 * j;
-        __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
-        for (int tt = 0; tt < 8; tt += 2) {
-          even = _mm512_dpbusd_epi32(even, w[tt], broadcast4(q + 4 * tt));
-          odd = _mm512_dpbusd_epi32(odd, w[tt + 1], broadcast4(q + 4 * tt + 4));
+      __m512i sub[R][kChains<R>];  // the sub-block's sums: rows' chains interleaved, so dot products overlap
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < kChains<R>; ++c) sub[r][c] = _mm512_setzero_si512();
+      for (int tt = 0; tt < 8; ++tt)
+        for (int r = 0; r < R; ++r) {
+          const int8_t* q = a.q + (row0 + r) * a.k + b * kBlock + 32 * j + 4 * tt;
+          sub[r][tt % kChains<R>] = dot4(sub[r][tt % kChains<R>], w[tt], q);
         }
-        dot[r] = _mm512_add_epi32(dot[r], _mm512_mullo_epi32(_mm512_add_epi32(even, odd), scale));
-      }
+      for (int r = 0; r < R; ++r) dot[r] = _mm512_add_epi32(dot[r], _mm512_mullo_epi32(chain_sum<R>(sub[r]), scale));
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));
     const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32)));
@@ -285,22 +302,24 @@ void dot_tile_q6k(const uint8_t* tile, const Activations& a, int64_t row0, float
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
     for (int j = 0; j < 16; ++j) {
       __m512i w[4];  // the 6-bit values of the sub-block (`q6k_store`), unpacked
-      const uint8_t* sub = values + 192 * j;
-      const __m512i low0 = _mm512_loadu_si512(sub), low1 = _mm512_loadu_si512(sub + 64), high = _mm512_loadu_si512(sub + 128);
+      const uint8_t* packed = values + 192 * j;
+      const __m512i low0 = _mm512_loadu_si512(packed), low1 = _mm512_loadu_si512(packed + 64), high = _mm512_loadu_si512(packed + 128);
       w[0] = _mm512_or_si512(_mm512_and_si512(low0, nibble), _mm512_and_si512(_mm512_slli_epi16(high, 4), top));
       w[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low0, 4), nibble), _mm512_and_si512(_mm512_slli_epi16(high, 2), top));
       w[2] = _mm512_or_si512(_mm512_and_si512(low1, nibble), _mm512_and_si512(high, top));
       w[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low1, 4), nibble), _mm512_and_si512(_mm512_srli_epi16(high, 2), top));
       const __m512i scale = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * j)));
-      for (int r = 0; r < R; ++r) {
-        const int8_t* q = a.q + (row0 + r) * a.k + b * kBlock + 16 * j;
-        const int32_t offset = 32 * a.sums[(row0 + r) * (a.k / 16) + b * 16 + j];
-        __m512i even = _mm512_dpbusd_epi32(_mm512_set1_epi32(-offset), w[0], broadcast4(q));
-        __m512i odd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], broadcast4(q + 4));
-        even = _mm512_dpbusd_epi32(even, w[2], broadcast4(q + 8));
-        odd = _mm512_dpbusd_epi32(odd, w[3], broadcast4(q + 12));
-        dot[r] = _mm512_add_epi32(dot[r], _mm512_mullo_epi32(_mm512_add_epi32(even, odd), scale));
+      __m512i sub[R][kChains<R>];
+      for (int r = 0; r < R; ++r) {  // minus 32 · (the activations' sum): the weights are stored as value + 32
+        sub[r][0] = _mm512_set1_epi32(-32 * a.sums[(row0 + r) * (a.k / 16) + b * 16 + j]);
+        if constexpr (kChains<R> > 1) sub[r][1] = _mm512_setzero_si512();
       }
+      for (int tt = 0; tt < 4; ++tt)
+        for (int r = 0; r < R; ++r) {
+          const int8_t* q = a.q + (row0 + r) * a.k + b * kBlock + 16 * j + 4 * tt;
+          sub[r][tt % kChains<R>] = dot4(sub[r][tt % kChains<R>], w[tt], q);
+        }
+      for (int r = 0; r < R; ++r) dot[r] = _mm512_add_epi32(dot[r], _mm512_mullo_epi32(chain_sum<R>(sub[r]), scale));
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));
     for (int r = 0; r < R; ++r) {
