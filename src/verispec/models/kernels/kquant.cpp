@@ -231,6 +231,23 @@ inline __m512i dot4(__m512i acc, __m512i w, const int8_t* p) {
   return acc;
 }
 
+// Ask for the tile-block `kAhead` blocks further on, a share of its cache lines per sub-block step
+// (part `j` of `steps`), so the weight stream keeps reads in flight while a long block computes. Only
+// where a block's work is long (Q4_K from 3 rows, Q6_K from 2): for shorter work the hardware's
+// prefetcher keeps up and the extra instructions only cost (measured on an AVX-512 EPYC, BENCHMARKS.md).
+constexpr int kAhead = 2;
+template <int R>
+constexpr bool kPrefetchQ4K = R >= 3;
+template <int R>
+constexpr bool kPrefetchQ6K = R >= 2;
+
+inline void prefetch_ahead(const uint8_t* block, int bytes, int j, int steps) {
+  const int lines = (bytes + 63) / 64, per_step = (lines + steps - 1) / steps;
+  const uint8_t* ahead = block + kAhead * bytes;
+  for (int line = j * per_step; line < std::min(lines, (j + 1) * per_step); ++line)
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * line), _MM_HINT_T0);
+}
+
 // Independent accumulation chains per row: with 1–2 rows a row's dot products are split over two chains
 // (a dot product's latency would stall one chain); with more rows, the rows' chains interleave.
 template <int R>
@@ -253,6 +270,7 @@ void dot_tile_q4k(const uint8_t* tile, const Activations& a, int64_t row0, float
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
+      if constexpr (kPrefetchQ4K<R>) prefetch_ahead(t, kQ4KTile, j, 8);
       __m512i w[8];
       for (int tt = 0; tt < 4; ++tt) {
         const __m512i packed = _mm512_loadu_si512(nibbles + 256 * j + 64 * tt);
@@ -301,6 +319,7 @@ void dot_tile_q6k(const uint8_t* tile, const Activations& a, int64_t row0, float
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
     for (int j = 0; j < 16; ++j) {
+      if constexpr (kPrefetchQ6K<R>) prefetch_ahead(t, kQ6KTile, j, 16);
       __m512i w[4];  // the 6-bit values of the sub-block (`q6k_store`), unpacked
       const uint8_t* packed = values + 192 * j;
       const __m512i low0 = _mm512_loadu_si512(packed), low1 = _mm512_loadu_si512(packed + 64), high = _mm512_loadu_si512(packed + 128);
@@ -352,27 +371,41 @@ void dot_tile_avx512(int64_t kind, const uint8_t* tile, const Activations& a, in
 
 bool use_portable = !KQ_AVX512;
 
-// y[:, offset : offset + columns] = (rows of `a`) · (the packed weight)ᵀ, y [rows, y_stride].
-void gemm(int64_t kind, const uint8_t* packed, int64_t columns, const Activations& a, int64_t rows, float* y,
-          int64_t y_stride, int64_t offset) {
-  const int64_t tiles = (columns + kCols - 1) / kCols;
-  const int64_t per_tile = a.blocks * tile_bytes(kind);
+// One weight of a layer: its packed tiles, block type, output columns and first column in the output.
+struct Part {
+  int64_t kind;
+  const uint8_t* packed;
+  int64_t columns, offset;
+};
+
+// y [rows, y_stride] = (rows of `a`) · (the parts' weights, side by side)ᵀ (+ bias [y_stride]), in ONE
+// parallel region over every part's tiles (a thread takes a contiguous run of tiles: one stream of weights).
+void gemm(const std::vector<Part>& parts, const Activations& a, int64_t rows, float* y, int64_t y_stride, const float* bias) {
+  std::vector<int64_t> first_tile{0};  // the global index of each part's first tile, then the total
+  for (const Part& part : parts) first_tile.push_back(first_tile.back() + (part.columns + kCols - 1) / kCols);
+  const int64_t per_tile = a.blocks * tile_bytes(parts[0].kind);
   // about 64 KB of weights per task: enough to amortize the scheduling, small enough to share out
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / per_tile);
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, first_tile.back(), grain, [&](int64_t begin, int64_t end) {
     float acc[kRows * kCols];
-    for (int64_t tile = begin; tile < end; ++tile) {
-      const uint8_t* weights = packed + tile * per_tile;
-      const int64_t width = std::min<int64_t>(kCols, columns - tile * kCols);
+    size_t p = 0;
+    for (int64_t global = begin; global < end; ++global) {
+      while (global >= first_tile[p + 1]) ++p;
+      const Part& part = parts[p];
+      const int64_t tile = global - first_tile[p];
+      const uint8_t* weights = part.packed + tile * a.blocks * tile_bytes(part.kind);
+      const int64_t width = std::min<int64_t>(kCols, part.columns - tile * kCols), column = part.offset + tile * kCols;
       for (int64_t row0 = 0; row0 < rows; row0 += kRows) {
         const int n = int(std::min<int64_t>(kRows, rows - row0));
 #if KQ_AVX512
-        if (!use_portable) dot_tile_avx512(kind, weights, a, row0, n, acc);
+        if (!use_portable) dot_tile_avx512(part.kind, weights, a, row0, n, acc);
         else
 #endif
-          dot_tile_portable(kind, weights, a, row0, n, acc);
-        for (int r = 0; r < n; ++r)
-          std::memcpy(y + (row0 + r) * y_stride + offset + tile * kCols, acc + r * kCols, width * sizeof(float));
+          dot_tile_portable(part.kind, weights, a, row0, n, acc);
+        for (int r = 0; r < n; ++r) {
+          float* out = y + (row0 + r) * y_stride + column;
+          for (int64_t c = 0; c < width; ++c) out[c] = bias ? acc[r * kCols + c] + bias[column + c] : acc[r * kCols + c];
+        }
       }
     }
   });
@@ -452,7 +485,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> quantize_
   float* dp = d.data_ptr<float>();
   int32_t* sp = sums.data_ptr<int32_t>();
   int16_t* pp = pair_sums.data_ptr<int16_t>();
-  at::parallel_for(0, rows * blocks, 8, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {  // a decode step's row: one thread
     for (int64_t i = begin; i < end; ++i) {
       const float* v = xp + i * kBlock;
       int8_t* out = qp + i * kBlock;
@@ -490,12 +523,15 @@ torch::Tensor linear(torch::Tensor x, std::vector<torch::Tensor> packed, std::ve
   auto y = torch::empty({rows, total}, x.options());
   const Activations a{q.data_ptr<int8_t>(), d.data_ptr<float>(), sums.data_ptr<int32_t>(), pair_sums.data_ptr<int16_t>(),
                       x.size(1), x.size(1) / kBlock};
-  int64_t offset = 0;
-  for (size_t i = 0; i < packed.size(); ++i) {
-    gemm(kinds[i], packed[i].data_ptr<uint8_t>(), columns[i], a, rows, y.data_ptr<float>(), total, offset);
-    offset += columns[i];
+  std::vector<Part> parts;
+  for (size_t i = 0, offset = 0; i < packed.size(); offset += columns[i], ++i)
+    parts.push_back({kinds[i], packed[i].data_ptr<uint8_t>(), columns[i], int64_t(offset)});
+  torch::Tensor b;
+  if (bias.has_value()) {
+    b = bias->to(torch::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == total, "linear: the bias has ", b.numel(), " values for ", total, " outputs");
   }
-  if (bias.has_value()) y.add_(*bias);
+  gemm(parts, a, rows, y.data_ptr<float>(), total, bias.has_value() ? b.data_ptr<float>() : nullptr);
   return y;
 }
 
@@ -534,6 +570,7 @@ bool set_portable(bool portable) {
 }
 
 bool has_avx512() { return KQ_AVX512; }
+
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("repack", &repack, "raw GGUF blocks [columns, bytes] -> tiles of 16 columns");
