@@ -96,15 +96,21 @@ class EngineBuilder:
                        backends: list[str] | None = None, settle: bool = False) -> Engine:
         """An Engine over the plan's drafter and γ (`plan`), with the plan kept as `engine.plan`. With
         several `backends` (precisions of the same target), each is planned and the fastest kept
-        (`choose_backend`); `settle`: it becomes the builder's precision and the others' models are let go."""
+        (`choose_backend`); `settle`: it becomes the builder's precision and the others' models are let go,
+        each as soon as it is measured (a first run never holds two copies of the target; the kept one is
+        loaded again if it was let go)."""
         if backends and len(backends) > 1:
-            plan = choose_backend([self.plan(gamma, backend) for backend in backends])
+            plans = []
+            for backend in backends:  # settling: one backend's target in memory at a time (its costs are kept)
+                plans.append(self.plan(gamma, backend))
+                if settle and backend != backends[-1]:
+                    self.release(backend)
+            plan = choose_backend(plans)
             precision = plan.precision
             if settle:
                 self.dtype = precision
-                for backend in backends:
-                    if backend != precision:
-                        self.release(backend)
+                if precision != backends[-1]:
+                    self.release(backends[-1])
         else:
             plan = self.plan(gamma, precision)
         engine = self.engine(plan.drafter, max(plan.gamma, 1), gamma_policy or "auto", precision)

@@ -5,17 +5,25 @@
 (`KQuantWeight`), read from the file when asked for. Llama files store the query and key rows
 permuted for ggml's RoPE; those rows are put back in Hugging Face order (a permutation of whole rows,
 so the blocks stay as they are).
+
+`tensor_index` reads the file's header itself: the `gguf` package's reader parses every metadata
+array into Python objects (the 1.5B's tokenizer: ~12 s), and a memory map would count the whole file
+in the process's memory while it loads; here the tokenizer arrays are skipped and each tensor is read
+into its own buffer.
 """
 
 from __future__ import annotations
 
+import struct
+from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
 
 from verispec.errors import ModelNotFoundError
-from verispec.models.kquant import KQUANT_TYPES, KQuantWeight, raw_rows
+from verispec.models.kquant import KQUANT_TYPES, KQuantWeight
 
 __all__ = ["GGUFWeights", "GGUF_ARCHITECTURES"]
 
@@ -32,7 +40,71 @@ _LAYER_NAMES = {  # Hugging Face name inside model.layers.{i}. -> GGUF name insi
 }
 _MODEL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                 "lm_head.weight": "output.weight"}
-_FLOAT_TYPES = ("F32", "F16", "BF16")
+_FLOAT_TYPES = ("F32", "F16")
+
+
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}  # GGUF value types
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    type_name: str  # ggml's type name: "Q4_K", "Q6_K", "F32", …
+    shape: tuple[int, ...]  # GGUF order: the innermost (input) dimension first
+    offset: int  # from the file's start
+    nbytes: int
+
+
+def _read(f: BinaryIO, fmt: str):
+    return struct.unpack("<" + fmt, f.read(struct.calcsize(fmt)))[0]
+
+
+def _string(f: BinaryIO) -> bytes:
+    return f.read(_read(f, "Q"))
+
+
+def _value(f: BinaryIO, kind: int):
+    """One metadata value; arrays are skipped (None): the tensors need none of them."""
+    if kind == _STRING:
+        return _string(f)
+    if kind == _ARRAY:
+        item, count = _read(f, "I"), _read(f, "Q")
+        if item == _STRING:
+            for _ in range(count):
+                f.seek(_read(f, "Q"), 1)
+        else:
+            f.seek(count * struct.calcsize(_SCALARS[item]), 1)
+        return None
+    return _read(f, _SCALARS[kind])
+
+
+def tensor_index(path: Path) -> tuple[str, dict[str, TensorInfo]]:
+    """(architecture, tensor name → where and what it is) from a GGUF file's header."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ModelNotFoundError(f"{path} is not a GGUF file")
+        _read(f, "I")  # the format version: 2 and 3 share this layout
+        tensors, fields = _read(f, "Q"), _read(f, "Q")
+        meta = {}
+        for _ in range(fields):
+            key = _string(f).decode()
+            meta[key] = _value(f, _read(f, "I"))
+        infos = []
+        for _ in range(tensors):
+            name = _string(f).decode()
+            shape = tuple(_read(f, "Q") for _ in range(_read(f, "I")))
+            infos.append((name, _read(f, "I"), shape, _read(f, "Q")))
+        alignment = int(meta.get("general.alignment") or 32)
+        start = -(-f.tell() // alignment) * alignment
+    index = {}
+    for name, type_number, shape, offset in infos:
+        kind = GGMLQuantizationType(type_number)
+        block, block_bytes = GGML_QUANT_SIZES[kind]
+        index[name] = TensorInfo(kind.name, shape, start + offset, int(np.prod(shape)) // block * block_bytes)
+    architecture = meta.get("general.architecture")
+    return architecture.decode() if isinstance(architecture, bytes) else "?", index
 
 
 def gguf_name(name: str) -> str | None:
@@ -50,19 +122,13 @@ class GGUFWeights:
     """A read-only mapping from Hugging Face weight names to a GGUF file's tensors (see the module docstring)."""
 
     def __init__(self, path: str | Path, num_heads: int, num_kv_heads: int):
-        from gguf import GGUFReader
-
         self.path = Path(path)
-        self.reader = GGUFReader(self.path)
-        self.tensors = {tensor.name: tensor for tensor in self.reader.tensors}
-        field = self.reader.fields.get("general.architecture")
-        self.architecture = bytes(field.parts[field.data[0]]).decode() if field is not None else "?"
+        self.architecture, self.tensors = tensor_index(self.path)
         if self.architecture not in GGUF_ARCHITECTURES:
             raise ModelNotFoundError(f"{self.path.name} is a {self.architecture!r} GGUF file; kquant runs "
                                      f"{', '.join(GGUF_ARCHITECTURES)} files (use --dtype gguf for llama.cpp)")
         self.heads = {"q": num_heads, "k": num_kv_heads}
-        unsupported = sorted({t.tensor_type.name for t in self.reader.tensors
-                              if t.tensor_type.name not in (*KQUANT_TYPES, *_FLOAT_TYPES)})
+        unsupported = sorted({t.type_name for t in self.tensors.values() if t.type_name not in (*KQUANT_TYPES, *_FLOAT_TYPES)})
         if unsupported:
             raise ModelNotFoundError(
                 f"{self.path.name} holds {', '.join(unsupported)} tensors; kquant runs Q4_K and Q6_K blocks "
@@ -74,13 +140,18 @@ class GGUFWeights:
 
     def __getitem__(self, name: str) -> torch.Tensor | KQuantWeight:
         tensor = self.tensors[gguf_name(name)]
-        rows = np.asarray(tensor.data)
-        rows = self._hf_row_order(name, rows)
-        kind = tensor.tensor_type.name
-        if kind in KQUANT_TYPES:
-            cols = int(tensor.shape[0])  # GGUF lists the innermost (input) dimension first
-            return KQuantWeight(KQUANT_TYPES[kind], raw_rows(rows), cols)
-        return torch.from_numpy(np.array(rows, dtype=np.float32))
+        data = np.empty(tensor.nbytes, dtype=np.uint8)
+        with open(self.path, "rb") as f:
+            f.seek(tensor.offset)
+            if f.readinto(data) != tensor.nbytes:
+                raise ModelNotFoundError(f"{self.path.name} ends inside tensor {gguf_name(name)}")
+        rows = int(np.prod(tensor.shape[1:]))  # one row per output feature (1 for a vector)
+        if tensor.type_name in KQUANT_TYPES:
+            raw = self._hf_row_order(name, data.reshape(rows, -1))
+            return KQuantWeight(KQUANT_TYPES[tensor.type_name], torch.from_numpy(np.ascontiguousarray(raw)), int(tensor.shape[0]))
+        values = data.view({"F32": np.float32, "F16": np.float16}[tensor.type_name]).astype(np.float32)
+        shape = tuple(reversed(tensor.shape))  # numpy order: [out, in] or [n]
+        return torch.from_numpy(self._hf_row_order(name, values.reshape(shape)).copy())
 
     def _hf_row_order(self, name: str, rows: np.ndarray) -> np.ndarray:
         """Undo llama.cpp's converter permuting the query/key rows of llama files (per head, the two RoPE halves interleaved)."""

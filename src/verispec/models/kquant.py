@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from verispec.errors import ModelNotFoundError
@@ -146,7 +145,3 @@ class KQuantEmbedding:
     def nbytes(self) -> int:
         return self.weight.raw.numel()
 
-
-def raw_rows(data: np.ndarray) -> torch.Tensor:
-    """A GGUF reader's block array (uint8 [rows, bytes], usually a read-only memory map) as a torch tensor of its own."""
-    return torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))

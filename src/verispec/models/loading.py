@@ -39,6 +39,9 @@ any other model asked for in float32 or bfloat16 is run by the Hugging Face runn
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import hashlib
 import json
 import warnings
@@ -282,8 +285,12 @@ class ModelCache:
         return list(dict.fromkeys(name for name, _ in self._models))
 
     def drop(self, spec: str | Path, dtype: str | torch.dtype) -> None:
-        """Forget the model `spec` in `dtype` (its memory goes with the last reference to it)."""
-        self._models.pop((str(spec), parse_precision(dtype).name), None)
+        """Forget the model `spec` in `dtype`: its memory goes with the last reference to it, and what the C
+        allocator keeps of it afterwards is handed back to the system (`malloc_trim`, where glibc has it)."""
+        if self._models.pop((str(spec), parse_precision(dtype).name), None) is not None:
+            gc.collect()
+            with contextlib.suppress(OSError, AttributeError):
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
 
     def __call__(self, spec: str | Path, dtype: str | torch.dtype = "float32", pack_rows: int = VERIFY_ROWS) -> LoadedModel:
         key = (str(spec), parse_precision(dtype).name)
