@@ -14,7 +14,7 @@ import pytest
 
 from verispec.control import CostModel
 from verispec.control.gamma import PROBE_EVERY, make_gamma_policy
-from verispec.control.plan import MARGIN, best_gamma, choose_plan
+from verispec.control.plan import ALPHA_PRIORS, MARGIN, best_gamma, choose_plan
 from verispec.control.theory import expected_speedup
 
 FLAT = [1.0, 1.01, 1.08, 1.15, 1.31]  # T(n) of a flat verifier (int8 on AVX-512): speculation pays
@@ -24,8 +24,8 @@ STEEP = [1.0, 1.89, 2.56, 3.13, 3.58]  # T(n) of ggml's Q4_K_M on the same CPU: 
 def test_a_flat_curve_plans_the_drafter_the_theory_prefers():
     plan = choose_plan("int8", FLAT, {"ngram": 0.0, "model": 0.31}, max_gamma=4)
     speedup, gamma = plan.predicted["ngram"]
-    assert (gamma, speedup) == best_gamma(0.5, 0.0, FLAT, 4)
-    assert speedup == pytest.approx(expected_speedup(0.5, gamma, 0.0, lambda g: FLAT[g] / FLAT[0]))
+    assert (gamma, speedup) == best_gamma(ALPHA_PRIORS["ngram"], 0.0, FLAT, 4)
+    assert speedup == pytest.approx(expected_speedup(ALPHA_PRIORS["ngram"], gamma, 0.0, lambda g: FLAT[g] / FLAT[0]))
     best = max(plan.predicted, key=lambda spec: plan.predicted[spec][0])
     assert plan.drafter == best and plan.gamma == plan.predicted[best][1] >= 1
     assert "plan: int8 · draft" in plan.summary()
@@ -84,7 +84,8 @@ def test_cli_default_is_the_auto_plan(capsys, tiny_target):
 
 def test_the_backend_with_the_fewest_predicted_seconds_a_token_is_kept():
     """llama.cpp's steep curve plans plain decoding at its T(1); a flat backend a little slower per
-    token that speculates is predicted faster, and kept; with a costly drafter it is not."""
+    token that speculates is predicted faster by more than MARGIN, and kept; with a poor drafter, or a
+    gain under MARGIN, the first (default) backend stays."""
     from verispec.control.plan import choose_backend
 
     steep = choose_plan("gguf", [0.033 * r for r in STEEP], {"ngram": 0.0}, max_gamma=4)
@@ -96,3 +97,6 @@ def test_the_backend_with_the_fewest_predicted_seconds_a_token_is_kept():
     assert "ms a token: gguf 33.0, kquant" in chosen.summary()
     slow = choose_plan("kquant", [0.050 * r for r in FLAT], {"ngram": 0.0}, max_gamma=4, alphas={"ngram": 0.1})
     assert choose_backend([steep, slow]).precision == "gguf"
+    # faster, but not by MARGIN: the default backend stays (another backend is other numerics)
+    close = choose_plan("kquant", [0.033 * flat.speedup / (MARGIN * 0.99) * r for r in FLAT], {"ngram": 0.0}, max_gamma=4)
+    assert close.token_seconds / close.speedup < 0.033 and choose_backend([steep, close]).precision == "gguf"

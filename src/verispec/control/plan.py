@@ -23,7 +23,9 @@ from verispec.control.theory import curve_verify_cost, expected_speedup
 
 __all__ = ["ALPHA_PRIORS", "MARGIN", "Plan", "best_gamma", "choose_backend", "choose_plan"]
 
-ALPHA_PRIORS = {"ngram": 0.5, "model": 0.7}  # α before a request measures its own (public prompts)
+# α before a request measures its own: prompt lookup accepted 0.40–0.43 at its first positions on public
+# prompts (Spec-Bench groups + HumanEval, gguf and kquant runs in BENCHMARKS.md), the 0.5B draft 0.78–0.82
+ALPHA_PRIORS = {"ngram": 0.4, "model": 0.7}
 MARGIN = 1.1  # a predicted speedup must reach this to be worth a drafter's memory and per-step work
 
 
@@ -81,8 +83,11 @@ def choose_plan(precision: str, curve: Sequence[float], costs: dict[str, float],
 
 
 def choose_backend(plans: Sequence[Plan]) -> Plan:
-    """The plan with the fewest predicted seconds a token (its measured T(1) over its predicted speedup),
-    with every backend's prediction kept in `backends`; the first plan wins a tie."""
+    """The first plan (the default backend) unless another is predicted faster by `MARGIN` in seconds a
+    token (its measured T(1) over its predicted speedup): switching backend switches numerics and is
+    only worth a clear gain. Every backend's prediction is kept in `backends`."""
     seconds = {plan.precision: plan.token_seconds / plan.speedup for plan in plans}
     best = min(plans, key=lambda plan: seconds[plan.precision])
+    if seconds[best.precision] * MARGIN > seconds[plans[0].precision]:
+        best = plans[0]
     return replace(best, backends=seconds)
