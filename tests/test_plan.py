@@ -100,3 +100,20 @@ def test_the_backend_with_the_fewest_predicted_seconds_a_token_is_kept():
     # faster, but not by MARGIN: the default backend stays (another backend is other numerics)
     close = choose_plan("kquant", [0.033 * flat.speedup / (MARGIN * 0.99) * r for r in FLAT], {"ngram": 0.0}, max_gamma=4)
     assert close.token_seconds / close.speedup < 0.033 and choose_backend([steep, close]).precision == "gguf"
+
+
+def test_a_settled_backend_choice_is_remembered_and_only_that_backend_loads_again(tiny_target):
+    """The first run plans every backend (one in memory at a time) and keeps the fastest; a later run with
+    the same target, candidates, threads and CPU loads only the backend chosen before."""
+    from verispec.engine.build import EngineBuilder, backend_choices
+
+    first = EngineBuilder(str(tiny_target))
+    engine = first.planned_engine(backends=["float32", "int8"], settle=True)
+    chosen = engine.plan.precision
+    assert set(engine.plan.backends) == {"float32", "int8"} and first.dtype == chosen
+    assert [key[1] for key in first.models._models] == [chosen]  # the other backend was let go
+    assert any(value["precision"] == chosen for value in backend_choices().values())
+    later = EngineBuilder(str(tiny_target))
+    again = later.planned_engine(backends=["float32", "int8"], settle=True)
+    assert again.plan.precision == chosen and again.plan.backends == engine.plan.backends
+    assert [key[1] for key in later.models._models] == [chosen]

@@ -4,6 +4,7 @@ numbers (a number measured on one CPU kind says nothing about another)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 from functools import cache
@@ -34,6 +35,11 @@ def cpu_flags() -> str:
         return next((line for line in lines if line.startswith("flags")), platform.processor())
     except OSError:
         return platform.processor()
+
+
+def cpu_key() -> str:
+    """A short name for this CPU kind (a digest of its flags): what a measured cost or choice is kept under."""
+    return hashlib.sha256(cpu_flags().encode()).hexdigest()[:12]
 
 
 @cache

@@ -10,7 +10,6 @@ A model-free drafter (n-gram) counts as free (c = 0).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -19,7 +18,7 @@ import torch
 
 from verispec.models.device import device_tag, synchronize
 from verispec.models.runner import LoadedModel, Runner
-from verispec.paths import cache_dir, cpu_flags
+from verispec.paths import cache_dir, cpu_key
 from verispec.progress import status
 
 __all__ = ["CostModel", "measure_verify_curve", "prefill_seconds_per_token"]
@@ -58,11 +57,6 @@ def measure_verify_curve(runner: Runner, max_positions: int, context: int = 64, 
     return times
 
 
-def _cpu_key() -> str:
-    """A short name for this CPU kind: a cost measured on one CPU never steers γ on another."""
-    return hashlib.sha256(cpu_flags().encode()).hexdigest()[:12]
-
-
 def _cached(key: str, needed: int, measure: Callable[[], list[float]]) -> list[float]:
     """The timings stored under `key` in the cache directory, measured now when missing or too short."""
     file = cache_dir() / "verify_costs.json"
@@ -81,7 +75,7 @@ def _runner_key(runner: Runner, folder: str) -> str:
     variant = runner.variant + device_tag(runner.device)  # a derived draft (fewer layers, int8, …) is timed on its own
     if runner.compiled:  # the C++ decoder stack changes the curve: timed apart
         variant += ",compiled"
-    return f"{folder}{variant}|{runner.dtype}|threads={torch.get_num_threads()}|cpu={_cpu_key()}"
+    return f"{folder}{variant}|{runner.dtype}|threads={torch.get_num_threads()}|cpu={cpu_key()}"
 
 
 def _cached_curve(runner: Runner, folder: str, max_positions: int) -> list[float]:

@@ -7,6 +7,12 @@ with it, the benchmarks build several over the same models.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
 from verispec.control.plan import Plan, choose_backend, choose_plan
 from verispec.drafters import make_drafter
 from verispec.drafters.base import Drafter
@@ -17,8 +23,11 @@ from verispec.models.linear import VERIFY_ROWS
 from verispec.models.loading import ModelCache, parse_precision
 from verispec.models.registry import SHIPPED_MODELS, gguf_file
 from verispec.models.runner import LoadedModel
+from verispec.paths import cache_dir, cpu_key
 
-__all__ = ["EngineBuilder", "auto_backends", "auto_precision", "load"]
+__all__ = ["EngineBuilder", "auto_backends", "auto_precision", "backend_choices", "load"]
+
+BACKEND_CHOICES = "backend_choices.json"
 
 
 def auto_precision(target: str, device: str = "cpu") -> str:
@@ -28,6 +37,21 @@ def auto_precision(target: str, device: str = "cpu") -> str:
     if resolve_device(device).type != "cpu":
         return "bfloat16"
     return "gguf" if target in SHIPPED_MODELS or str(target).endswith(".gguf") else "float32"
+
+
+def backend_choices() -> dict:
+    """The backends `planned_engine` chose before (cache_dir()/backend_choices.json): a later run loads the
+    chosen one alone (delete the file to plan again)."""
+    file = cache_dir() / BACKEND_CHOICES
+    return json.loads(file.read_text()) if file.exists() else {}
+
+
+def remember_backend_choice(key: str, plan: Plan) -> None:
+    choices = backend_choices()
+    choices[key] = {"precision": plan.precision, "seconds": plan.backends}
+    file = cache_dir() / BACKEND_CHOICES
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(json.dumps(choices, indent=1))
 
 
 def auto_backends(target: str, device: str = "cpu") -> list[str]:
@@ -98,8 +122,12 @@ class EngineBuilder:
         several `backends` (precisions of the same target), each is planned and the fastest kept
         (`choose_backend`); `settle`: it becomes the builder's precision and the others' models are let go,
         each as soon as it is measured (a first run never holds two copies of the target; the kept one is
-        loaded again if it was let go)."""
-        if backends and len(backends) > 1:
+        loaded again if it was let go), and the choice is remembered (`backend_choices`): a later run with
+        the same target, candidates, threads and CPU loads and plans the chosen backend alone."""
+        if backends and len(backends) > 1 and settle and (chosen := backend_choices().get(self._choice_key(backends))):
+            plan = dataclasses.replace(self.plan(gamma, chosen["precision"]), backends=chosen["seconds"])  # loads one backend
+            self.dtype = precision = plan.precision
+        elif backends and len(backends) > 1:
             plans = []
             for backend in backends:  # settling: one backend's target in memory at a time (its costs are kept)
                 plans.append(self.plan(gamma, backend))
@@ -111,11 +139,21 @@ class EngineBuilder:
                 self.dtype = precision
                 if precision != backends[-1]:
                     self.release(backends[-1])
+                remember_backend_choice(self._choice_key(backends), plan)
         else:
             plan = self.plan(gamma, precision)
         engine = self.engine(plan.drafter, max(plan.gamma, 1), gamma_policy or "auto", precision)
         engine.plan = plan
         return engine
+
+    def _choice_key(self, backends: list[str]) -> str:
+        """What a backend choice depends on: the target (its file's size and time), the candidates, the
+        threads and the CPU kind (its measured costs are cached under the same things)."""
+        path = Path(self.target_spec)
+        if self.target_spec in SHIPPED_MODELS:
+            path = gguf_file(self.target_spec) if "gguf" in backends else path
+        stamp = f"{path.stat().st_size}:{int(path.stat().st_mtime)}" if path.exists() else "?"
+        return f"{self.target_spec}|{stamp}|{','.join(backends)}|threads={torch.get_num_threads()}|cpu={cpu_key()}"
 
     def release(self, precision: str) -> None:
         """Let the target in `precision` and the drafters built for it go (a backend the plan did not keep)."""
