@@ -129,6 +129,7 @@ def _beam(args: argparse.Namespace, config) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
+    from verispec.models.gguf_weights import kquant_runs
     from verispec.models.loading import precisions_for
     from verispec.models.registry import SHIPPED_MODELS, prepare_shipped_model
     from verispec.models.vocabulary import vocabulary_difference
@@ -147,8 +148,10 @@ def _models(args: argparse.Namespace) -> int:
             runs = f"gguf (llama.cpp); the others once pulled (verispec models --pull {name})"
         else:
             by_backend: dict[str, list[str]] = {}
+            gguf = cache_dir() / "gguf" / f"{name}.gguf"
             for precision, backend in precisions_for(model_type, gguf=True).items():
-                by_backend.setdefault(backend, []).append(precision)
+                if precision != "kquant" or (gguf.exists() and kquant_runs(gguf)):  # kquant: Q4_K/Q6_K files only
+                    by_backend.setdefault(backend, []).append(precision)
             runs = " · ".join(f"{', '.join(names)} ({backend})" for backend, names in by_backend.items())
         print(f"{name:30s} {model_type or '?':12s} {state:40s} {runs}")
         if folder in families:

@@ -25,7 +25,7 @@ import torch
 from verispec.errors import ModelNotFoundError
 from verispec.models.kquant import KQUANT_TYPES, KQuantWeight
 
-__all__ = ["GGUFWeights", "GGUF_ARCHITECTURES"]
+__all__ = ["GGUFWeights", "GGUF_ARCHITECTURES", "kquant_runs", "tensor_index"]
 
 GGUF_ARCHITECTURES = ("qwen2", "llama")
 
@@ -116,6 +116,15 @@ def gguf_name(name: str) -> str | None:
         if rest in _LAYER_NAMES:
             return f"blk.{index}.{_LAYER_NAMES[rest]}"
     return None
+
+
+def kquant_runs(path: str | Path) -> bool:
+    """Whether kquant can run the GGUF file at `path` (a qwen2/llama file of Q4_K, Q6_K and float tensors)."""
+    try:
+        architecture, tensors = tensor_index(Path(path))
+    except (ModelNotFoundError, OSError, ValueError, struct.error):
+        return False
+    return architecture in GGUF_ARCHITECTURES and all(t.type_name in (*KQUANT_TYPES, *_FLOAT_TYPES) for t in tensors.values())
 
 
 class GGUFWeights:

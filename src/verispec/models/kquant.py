@@ -49,16 +49,10 @@ def kquant_kernels():
 def kquant_suits(path) -> bool:
     """Whether kquant runs the GGUF file at `path` fast here: its kernels built with AVX-512 VNNI (the
     portable code is exact but slow) and a qwen2/llama file of Q4_K/Q6_K (and float) tensors."""
-    from verispec.models.gguf_weights import GGUFWeights
+    from verispec.models.gguf_weights import kquant_runs
 
     module = extension("kquant")
-    if module is None or not module.has_avx512():
-        return False
-    try:
-        GGUFWeights(path, num_heads=1, num_kv_heads=1)  # reads the header: architecture and block types
-    except (ModelNotFoundError, OSError, ValueError):
-        return False
-    return True
+    return module is not None and module.has_avx512() and kquant_runs(path)
 
 
 @dataclass(frozen=True)
