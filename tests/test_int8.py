@@ -16,7 +16,6 @@ the bonus token from the wrong target row.
 
 import os
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -31,21 +30,9 @@ from verispec.errors import InvalidParameterError
 from verispec.models.int8 import Int8Linear
 from verispec.models.loading import load_model, parse_precision
 from verispec.models.transformer import Transformer
-from verispec.testing.reference import reference_generate, sequence_distribution
+from verispec.testing.reference import WholeSequenceOracle, reference_generate, sequence_distribution
 
 PROMPTS = [[5, 9, 2, 7], [11, 3, 3, 3, 8, 1, 30, 12, 5], [40]]
-
-
-class WholeSequenceOracle:
-    """`model(ids).logits` like a transformers model (the interface of `verispec.testing.reference`), computed
-    by a verispec runner over the whole sequence in ONE forward pass with a fresh cache."""
-
-    def __init__(self, runner: Transformer):
-        self.runner = runner
-
-    def __call__(self, input_ids: torch.Tensor) -> SimpleNamespace:  # input_ids [1, L]
-        cache = self.runner.new_cache(input_ids.shape[1] + 1)
-        return SimpleNamespace(logits=self.runner.forward(cache, input_ids[0], logits="all")[None])  # [1, L, vocab]
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ exact distribution (chi-square, stated power, with a positive control).
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,10 +23,11 @@ from verispec.drafters import DraftModelDrafter, ExpansionDrafter, NgramDrafter,
 from verispec.errors import ModelNotFoundError
 from verispec.engine.build import auto_backends
 from verispec.models.kquant import KQUANT_TYPES, KQuantLinear, KQuantWeight, kquant_kernels, kquant_suits
+from verispec.models.gguf_weights import kquant_runs
 from verispec.models.loading import load_model, parse_precision
 from verispec.models.runner import LoadedModel
 from verispec.models.transformer import ModelConfig, Transformer
-from verispec.testing.reference import reference_generate, sequence_distribution
+from verispec.testing.reference import WholeSequenceOracle, reference_generate, sequence_distribution
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize  # noqa: E402
@@ -189,17 +189,6 @@ def tiny(request, tmp_path_factory, tiny_draft48):
 PROMPTS = [[5, 9, 2, 7], [11, 3, 3, 3, 8, 1, 30, 12, 5], [40]]
 
 
-class WholeSequenceOracle:
-    """`model(ids).logits` like a transformers model, by the runner over the whole sequence in one pass."""
-
-    def __init__(self, runner):
-        self.runner = runner
-
-    def __call__(self, input_ids: torch.Tensor) -> SimpleNamespace:  # input_ids [1, L]
-        cache = self.runner.new_cache(input_ids.shape[1] + 1)
-        return SimpleNamespace(logits=self.runner.forward(cache, input_ids[0], logits="all")[None])  # [1, L, vocab]
-
-
 def test_the_file_runs_as_its_dequantized_weights_do(tiny):
     """The blocks, names, head and (llama) row order are read right: the logits are close to float32
     on the same weights (int8 activations are the only difference)."""
@@ -294,7 +283,8 @@ def test_a_file_with_other_block_types_is_a_clear_error(tmp_path):
     config, _ = write_tiny_gguf(tmp_path / "ok.gguf", "qwen2", vocab=16, seed=1)
     with pytest.raises(ModelNotFoundError, match="Q8_0.*--dtype gguf"):
         Transformer.from_gguf(path, config)
-    assert not kquant_suits(path)  # so `--dtype auto` plans llama.cpp alone for it
+    assert not kquant_suits(path) and not kquant_runs(path)  # so `--dtype auto` plans llama.cpp alone for it
+    assert kquant_runs(tmp_path / "ok.gguf")
     fast = kquant_kernels().has_avx512()
     assert kquant_suits(tmp_path / "ok.gguf") == fast
     assert auto_backends(str(tmp_path / "ok.gguf")) == (["gguf", "kquant"] if fast else ["gguf"])

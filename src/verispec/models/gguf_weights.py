@@ -124,7 +124,8 @@ def kquant_runs(path: str | Path) -> bool:
         architecture, tensors = tensor_index(Path(path))
     except (ModelNotFoundError, OSError, ValueError, struct.error):
         return False
-    return architecture in GGUF_ARCHITECTURES and all(t.type_name in (*KQUANT_TYPES, *_FLOAT_TYPES) for t in tensors.values())
+    known = (*KQUANT_TYPES, *_FLOAT_TYPES)
+    return architecture in GGUF_ARCHITECTURES and bool(tensors) and all(t.type_name in known for t in tensors.values())
 
 
 class GGUFWeights:

@@ -11,16 +11,30 @@ before the processors, as a grammar constraint asks.
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import torch
 
 from verispec.sampling.processors import SamplingParams, greedy_tokens, penalty_seen, to_probs
 from verispec.sampling.samplers import multinomial
 
-__all__ = ["next_token_probs", "reference_generate", "sequence_distribution"]
+__all__ = ["WholeSequenceOracle", "next_token_probs", "reference_generate", "sequence_distribution"]
 
 
 @torch.inference_mode()
+class WholeSequenceOracle:
+    """`model(ids).logits` like a transformers model (the interface of the functions below), computed by a
+    verispec runner over the whole sequence in ONE forward pass with a fresh cache: for a row-invariant
+    runner (int8, kquant) the oracle of its own decoding, bit for bit."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def __call__(self, input_ids: torch.Tensor) -> SimpleNamespace:  # input_ids [1, L]
+        cache = self.runner.new_cache(input_ids.shape[1] + 1)
+        return SimpleNamespace(logits=self.runner.forward(cache, input_ids[0], logits="all")[None])  # [1, L, vocab]
+
+
 def _last_logits(hf_model, ids: list[int]) -> torch.Tensor:
     return hf_model(torch.tensor([ids])).logits[0, -1:].float()  # [1, vocab]
 
