@@ -93,3 +93,25 @@ def test_int8_speculative_greedy_equals_int8_plain_greedy(target_int8, int8_plai
         assert result.token_ids == int8_plain[prompt]
         if draft in ("model", "gguf"):
             assert result.stats.mean_accepted_length > 1.5
+
+
+@pytest.fixture(scope="module")
+def target_kquant():
+    """The shipped 1.5B Q4_K_M file on its own blocks (`--dtype kquant`)."""
+    return load_model(DEFAULT_TARGET, "kquant")
+
+
+@pytest.mark.parametrize("draft", ["model", "ngram", "self:layers=4,vocab=32000"])
+def test_kquant_speculative_greedy_equals_kquant_plain_greedy(target_kquant, draft):
+    """The shipped file's own Q4_K/Q6_K blocks: greedy speculation (the 0.5B drafting through llama.cpp,
+    prompt lookup, a draft sharing the target's first layers and head tiles) is token-identical to plain
+    greedy decoding of the same kquant model."""
+    config = GenerationConfig(max_new_tokens=24)
+    plain = Engine(target_kquant, None)
+    engine = Engine(target_kquant, make_drafter(draft, target_kquant), gamma=4, gamma_policy="constant")
+    for prompt in PROMPTS:
+        ids = target_kquant.encode_prompt(prompt)
+        result = engine.generate(ids, config)
+        assert result.token_ids == plain.generate(ids, config).token_ids
+        if draft == "model":
+            assert result.stats.mean_accepted_length > 1.5
