@@ -18,9 +18,9 @@ at every verification width, trees included.
 Why its own kernel: ggml unpacks the 4-bit blocks again for every row, so verifying n positions costs
 nearly n decode steps on a 2-core CPU, and no library kernel measured (ik_llama.cpp, onnxruntime's
 MatMulNBits, OpenVINO, torchao) is both as fast as llama.cpp for one row and flat for several
-(BENCHMARKS.md#4-bit-kernel-candidates). `kernels/kquant.cpp` repacks the blocks once into tiles of 16
-output columns and multiplies a tile with up to 8 rows through AVX-512 VNNI dot products; elsewhere it
-runs portable C++ that gives the same bits, slowly.
+(BENCHMARKS.md, "4-bit kernels that could verify flat"). `kernels/kquant.cpp` repacks the blocks once
+into tiles of 16 output columns and multiplies a tile with up to 4 rows per pass through AVX-512 VNNI dot
+products; elsewhere it runs portable C++ that gives the same bits, slowly.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from verispec.models.kernels import extension
 __all__ = ["KQUANT_TYPES", "KQuantWeight", "KQuantLinear", "KQuantEmbedding", "concat_rows", "kquant_kernels", "kquant_suits"]
 
 KQUANT_TYPES = {"Q4_K": 12, "Q6_K": 14}  # ggml type name -> type number (what the kernels take)
+TILE_COLUMNS = 16  # output columns per packed tile (`kCols` in kernels/kquant.cpp)
 
 
 def kquant_kernels():
@@ -105,13 +106,13 @@ class KQuantLinear:
 
     def first_columns(self, n: int) -> KQuantLinear:
         """This layer cut to its first n outputs (a head that scores only ids < n), sharing the packed
-        tiles: a tile holds 16 whole columns, so the cut is a view of the first tiles."""
+        tiles: a tile holds TILE_COLUMNS whole columns, so the cut is a view of the first tiles."""
         if len(self.packed) != 1 or not 1 <= n <= self.out_features:
             raise ValueError(f"a one-part layer keeps 1 … {self.out_features} columns, not {n}")
         cut = object.__new__(KQuantLinear)
         cut.__dict__.update(self.__dict__)
-        tiles = -(-n // 16)
-        cut.packed = [self.packed[0][: self.packed[0].numel() * tiles // -(-self.out_features // 16)]]
+        tiles, all_tiles = -(-n // TILE_COLUMNS), -(-self.out_features // TILE_COLUMNS)
+        cut.packed = [self.packed[0][: self.packed[0].numel() // all_tiles * tiles]]
         cut.columns, cut.out_features = [n], n
         cut.bias = None if self.bias is None else self.bias[:n]
         return cut

@@ -6,8 +6,8 @@
 // holds four consecutive weights of each of the 16 columns. A VNNI dot product (`vpdpbusd`) then
 // multiplies them with four activation bytes broadcast to every lane, and the 16 lanes of the result
 // are the 16 columns' sums: no horizontal reduction, and the sub-block scales multiply whole lanes.
-// A tile's weights are unpacked once and reused for up to 8 activation rows, so verifying n positions
-// reads the weights once.
+// A tile's weights are unpacked once and reused for up to 4 activation rows, so verifying up to 4
+// positions reads the weights once (more: once per 4 rows, from cache).
 //
 // Exactness: every row is computed the same way whatever else the call holds. The products of a
 // sub-block are summed in int32 (exact in any order), and the float work per super-block is a fixed
