@@ -19,6 +19,7 @@ from verispec.drafters.base import Drafter
 from verispec.engine.loop import Engine
 from verispec.engine.spec import AUTO, EngineSpec
 from verispec.models.device import resolve_device
+from verispec.models.kernels import build_key
 from verispec.models.linear import VERIFY_ROWS
 from verispec.models.loading import ModelCache, parse_precision
 from verispec.models.registry import SHIPPED_MODELS, gguf_file
@@ -153,7 +154,8 @@ class EngineBuilder:
         if self.target_spec in SHIPPED_MODELS:
             path = gguf_file(self.target_spec) if "gguf" in backends else path
         stamp = f"{path.stat().st_size}:{int(path.stat().st_mtime)}" if path.exists() else "?"
-        return f"{self.target_spec}|{stamp}|{','.join(backends)}|threads={torch.get_num_threads()}|cpu={cpu_key()}"
+        kernels = f"|kquant={build_key('kquant')}" if "kquant" in backends else ""  # a new kernel: choose again
+        return f"{self.target_spec}|{stamp}|{','.join(backends)}{kernels}|threads={torch.get_num_threads()}|cpu={cpu_key()}"
 
     def release(self, precision: str) -> None:
         """Let the target in `precision` and the drafters built for it go (a backend the plan did not keep)."""

@@ -19,7 +19,7 @@ Why its own kernel: ggml unpacks the 4-bit blocks again for every row, so verify
 nearly n decode steps on a 2-core CPU, and no library kernel measured (ik_llama.cpp, onnxruntime's
 MatMulNBits, OpenVINO, torchao) is both as fast as llama.cpp for one row and flat for several
 (BENCHMARKS.md, "4-bit kernels that could verify flat"). `kernels/kquant.cpp` repacks the blocks once
-into tiles of 16 output columns and multiplies a tile with up to 4 rows per pass through AVX-512 VNNI dot
+into tiles of 16 output columns and multiplies a tile with up to 8 rows per pass through AVX-512 VNNI dot
 products; elsewhere it runs portable C++ that gives the same bits, slowly.
 """
 

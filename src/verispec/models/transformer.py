@@ -275,6 +275,8 @@ class Transformer:
         self.dtype = dtype
         self.quant = quant
         self.variant = (f",{quant}" if quant else "") + (f",rows={pack_rows}" if pack and pack_rows != 1 else "")
+        if quant == "kquant":  # its costs are the kernels' own: a new kernel build is measured anew
+            self.variant += f",kernels={kernels.build_key('kquant')}"
         self.row_invariant = quant is not None
         self._compiled: tuple = (None, None)  # (the layers it was built from, `Int8Layers`/`KQuantLayers` or None)
         linear = _linear_factory(pack, quant, pack_rows, int8_store)

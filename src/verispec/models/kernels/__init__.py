@@ -24,7 +24,7 @@ import torch
 
 from verispec.paths import cache_dir, cpu_flags
 
-__all__ = ["extension"]
+__all__ = ["build_key", "extension"]
 
 # -march=native: this machine's vector instructions (rounding inlined); -ffp-contract=off: no fused
 # multiply-add, so the same float operations as the torch code
@@ -50,6 +50,12 @@ def extension(name: str) -> ModuleType | None:
         warnings.warn(f"could not build verispec's {name} kernels ({type(error).__name__}: {str(error)[:300]}); "
                       "using the slower torch code, which gives the same results", stacklevel=2)
         return None
+
+
+def build_key(name: str) -> str:
+    """A short digest of what extension `name`'s binary is built from (source, headers, flags, CPU, torch):
+    measured costs and choices that depend on the kernels are kept under it, so a new kernel is measured anew."""
+    return _build_folder(name, Path(__file__).with_name(f"{name}.cpp")).name.rsplit("-", 1)[-1]
 
 
 def _build_folder(name: str, source: Path) -> Path:

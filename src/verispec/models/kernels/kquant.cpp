@@ -6,8 +6,8 @@
 // holds four consecutive weights of each of the 16 columns. A VNNI dot product (`vpdpbusd`) then
 // multiplies them with four activation bytes broadcast to every lane, and the 16 lanes of the result
 // are the 16 columns' sums: no horizontal reduction, and the sub-block scales multiply whole lanes.
-// A tile's weights are unpacked once and reused for up to 4 activation rows, so verifying up to 4
-// positions reads the weights once (more: once per 4 rows, from cache).
+// A tile's weights are unpacked once and reused for up to 8 activation rows, so verifying up to 8
+// positions reads the weights once (more: once per 8 rows, from cache).
 //
 // Exactness: every row is computed the same way whatever else the call holds. The products of a
 // sub-block are summed in int32 (exact in any order), and the float work per super-block is a fixed
@@ -37,7 +37,7 @@ namespace {
 
 constexpr int kBlock = 256;  // weights per super-block (QK_K)
 constexpr int kCols = 16;    // output columns per tile
-constexpr int kRows = 4;     // activation rows per pass over a tile
+constexpr int kRows = 8;     // activation rows per pass over a tile
 
 enum Kind : int64_t { Q4_K = 12, Q6_K = 14 };  // ggml's type numbers
 
