@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from test_hf_runner import make_hf_model
 
-from verispec.cli import _gguf_architecture, main
+from verispec.cli import main
+from verispec.models.gguf_weights import gguf_architecture
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +90,7 @@ def test_cli_models_says_which_precisions_run_each_model(capsys, monkeypatch, tm
         (tmp_path / "hf" / name / "config.json").write_text(json.dumps({"model_type": model_type}))
     (tmp_path / "gguf").mkdir()
     _write_gguf_header(tmp_path / "gguf" / "qwen2.5-coder-1.5b-instruct.gguf", "qwen2")
-    assert _gguf_architecture(tmp_path / "gguf" / "qwen2.5-coder-1.5b-instruct.gguf") == "qwen2"
+    assert gguf_architecture(tmp_path / "gguf" / "qwen2.5-coder-1.5b-instruct.gguf") == "qwen2"
     assert main(["models"]) == 0
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
     assert "float32, bfloat16, hf (transformers) · gguf (llama.cpp)" in lines["gemma-3-270m"]

@@ -186,31 +186,9 @@ def _shipped_model_type(name: str) -> str | None:
         spec = importlib.util.find_spec(model.module_prefix)
         if spec is not None and spec.submodule_search_locations:
             gguf = Path(next(iter(spec.submodule_search_locations))) / model.file_name
-    return _gguf_architecture(gguf) if gguf.exists() else None
+    from verispec.models.gguf_weights import gguf_architecture
 
-
-def _gguf_architecture(path: Path) -> str | None:
-    """general.architecture from a GGUF header (read up to that key: the tokenizer arrays after it are
-    never parsed), or None when the header does not start with it."""
-    import struct
-
-    scalar = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
-    with path.open("rb") as f:
-        if f.read(4) != b"GGUF":
-            return None
-        f.read(4 + 8 + 8)  # version, tensor count, key/value count
-        for _ in range(64):
-            key = f.read(struct.unpack("<Q", f.read(8))[0]).decode(errors="replace")
-            kind = struct.unpack("<I", f.read(4))[0]
-            if kind == 8:  # a string
-                value = f.read(struct.unpack("<Q", f.read(8))[0]).decode(errors="replace")
-                if key == "general.architecture":
-                    return value
-            elif kind in scalar:
-                f.read(scalar[kind])
-            else:  # an array before the architecture: give up rather than parse it
-                return None
-    return None
+    return gguf_architecture(gguf) if gguf.exists() else None
 
 
 def _serve(args: argparse.Namespace) -> int:

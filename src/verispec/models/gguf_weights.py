@@ -25,7 +25,7 @@ import torch
 from verispec.errors import ModelNotFoundError
 from verispec.models.kquant import KQUANT_TYPES, KQuantWeight
 
-__all__ = ["GGUFWeights", "GGUF_ARCHITECTURES", "kquant_runs", "tensor_index"]
+__all__ = ["GGUFWeights", "GGUF_ARCHITECTURES", "gguf_architecture", "kquant_runs", "tensor_index"]
 
 GGUF_ARCHITECTURES = ("qwen2", "llama")
 
@@ -116,6 +116,15 @@ def gguf_name(name: str) -> str | None:
         if rest in _LAYER_NAMES:
             return f"blk.{index}.{_LAYER_NAMES[rest]}"
     return None
+
+
+def gguf_architecture(path: str | Path) -> str | None:
+    """general.architecture of a GGUF file (its header alone is read), or None for a file that is not one."""
+    try:
+        architecture, _ = tensor_index(Path(path))
+    except (ModelNotFoundError, OSError, ValueError, KeyError, struct.error):
+        return None
+    return None if architecture == "?" else architecture
 
 
 def kquant_runs(path: str | Path) -> bool:
