@@ -77,3 +77,17 @@ class DecoderLayers {
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, scale_;
 };
+
+// Registers `DecoderLayers<Linear>` as the Python class `name`: built from the Python layers' tuples, each
+// read by `read` (py::tuple -> DecoderLayer<Linear>), and the shape (heads, kv_heads, head_dim, eps);
+// `forward` releases the GIL.
+template <typename Linear, typename Read>
+void bind_decoder_layers(py::module& m, const char* name, Read read) {
+  py::class_<DecoderLayers<Linear>>(m, name)
+      .def(py::init([read](const std::vector<py::tuple>& layers, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps) {
+        std::vector<DecoderLayer<Linear>> read_layers;
+        for (const auto& layer : layers) read_layers.push_back(read(layer));
+        return DecoderLayers<Linear>(std::move(read_layers), heads, kv_heads, head_dim, eps);
+      }))
+      .def("forward", &DecoderLayers<Linear>::forward, py::call_guard<py::gil_scoped_release>());
+}

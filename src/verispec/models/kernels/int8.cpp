@@ -109,27 +109,19 @@ struct Linear {
 
 }  // namespace
 
-// The decoder layers of an int8 `Transformer` (`decoder.h`), built from the Python layers' tuples
+// One decoder layer of an int8 `Transformer` (`decoder.h`) from the Python layer's tuple
 // (input_norm, post_norm, qkv packed, qkv bias, o packed, o bias, gate_up packed, down packed).
-std::vector<DecoderLayer<Linear>> int8_layers(const std::vector<py::tuple>& layers) {
-  std::vector<DecoderLayer<Linear>> out;
-  for (const auto& t : layers) {
-    auto linear = [&](int packed, int bias) {
-      Linear l{c10::IValue(t[packed].cast<torch::jit::Object>()._ivalue()), c10::nullopt};
-      if (bias >= 0 && !t[bias].is_none()) l.bias = t[bias].cast<at::Tensor>();
-      return l;
-    };
-    out.push_back({t[0].cast<at::Tensor>(), t[1].cast<at::Tensor>(), linear(2, 3), linear(4, 5), linear(6, -1), linear(7, -1)});
-  }
-  return out;
+DecoderLayer<Linear> int8_layer(const py::tuple& t) {
+  auto linear = [&](int packed, int bias) {
+    Linear l{c10::IValue(t[packed].cast<torch::jit::Object>()._ivalue()), c10::nullopt};
+    if (bias >= 0 && !t[bias].is_none()) l.bias = t[bias].cast<at::Tensor>();
+    return l;
+  };
+  return {t[0].cast<at::Tensor>(), t[1].cast<at::Tensor>(), linear(2, 3), linear(4, 5), linear(6, -1), linear(7, -1)};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("split_rows", &split_rows, "per-row 7-bit coarse (and fine) activation levels and absmax");
   m.def("join_rows", &join_rows, "integer sums back to float rows, scaled, plus bias");
-  py::class_<DecoderLayers<Linear>>(m, "Int8Layers")
-      .def(py::init([](const std::vector<py::tuple>& layers, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps) {
-        return DecoderLayers<Linear>(int8_layers(layers), heads, kv_heads, head_dim, eps);
-      }))
-      .def("forward", &DecoderLayers<Linear>::forward, py::call_guard<py::gil_scoped_release>());
+  bind_decoder_layers<Linear>(m, "Int8Layers", int8_layer);
 }

@@ -259,9 +259,28 @@ inline __m512i chain_sum(const __m512i* chains) {
   else return chains[0];
 }
 
+// dot[r] += scale · (row r's sub-block sums) for R rows: the sub-block's T groups of 4 weights w[t] times
+// row r's activation bytes at `offset` + 4t, the rows' dot-product chains interleaved, row r's sum seeded
+// with start[r].
+template <int R, int T>
+inline void add_sub_block(const __m512i* w, __m512i scale, const Activations& a, int64_t row0, int64_t offset,
+                          const __m512i* start, __m512i* dot) {
+  __m512i sub[R][kChains<R>];
+  for (int r = 0; r < R; ++r) {
+    sub[r][0] = start[r];
+    if constexpr (kChains<R> > 1) sub[r][1] = _mm512_setzero_si512();
+  }
+  for (int tt = 0; tt < T; ++tt)
+    for (int r = 0; r < R; ++r)
+      sub[r][tt % kChains<R>] = dot4(sub[r][tt % kChains<R>], w[tt], a.q + (row0 + r) * a.k + offset + 4 * tt);
+  for (int r = 0; r < R; ++r) dot[r] = _mm512_add_epi32(dot[r], _mm512_mullo_epi32(chain_sum<R>(sub[r]), scale));
+}
+
 template <int R>
 void dot_tile_q4k(const uint8_t* tile, const Activations& a, int64_t row0, float* acc) {
   const __m512i low = _mm512_set1_epi8(0x0f);
+  __m512i zeros[R];
+  for (int r = 0; r < R; ++r) zeros[r] = _mm512_setzero_si512();
   __m512 y[R];
   for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.blocks; ++b) {
@@ -278,15 +297,7 @@ void dot_tile_q4k(const uint8_t* tile, const Activations& a, int64_t row0, float
         w[tt + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
       }
       const __m512i scale = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 64 + 16 * j)));
-      __m512i sub[R][kChains<R>];  // the sub-block's sums: rows' chains interleaved, so dot products overlap
-      for (int r = 0; r < R; ++r)
-        for (int c = 0; c < kChains<R>; ++c) sub[r][c] = _mm512_setzero_si512();
-      for (int tt = 0; tt < 8; ++tt)
-        for (int r = 0; r < R; ++r) {
-          const int8_t* q = a.q + (row0 + r) * a.k + b * kBlock + 32 * j + 4 * tt;
-          sub[r][tt % kChains<R>] = dot4(sub[r][tt % kChains<R>], w[tt], q);
-        }
-      for (int r = 0; r < R; ++r) dot[r] = _mm512_add_epi32(dot[r], _mm512_mullo_epi32(chain_sum<R>(sub[r]), scale));
+      add_sub_block<R, 8>(w, scale, a, row0, b * kBlock + 32 * j, zeros, dot);
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));
     const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32)));
@@ -328,17 +339,9 @@ void dot_tile_q6k(const uint8_t* tile, const Activations& a, int64_t row0, float
       w[2] = _mm512_or_si512(_mm512_and_si512(low1, nibble), _mm512_and_si512(high, top));
       w[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low1, 4), nibble), _mm512_and_si512(_mm512_srli_epi16(high, 2), top));
       const __m512i scale = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * j)));
-      __m512i sub[R][kChains<R>];
-      for (int r = 0; r < R; ++r) {  // minus 32 · (the activations' sum): the weights are stored as value + 32
-        sub[r][0] = _mm512_set1_epi32(-32 * a.sums[(row0 + r) * (a.k / 16) + b * 16 + j]);
-        if constexpr (kChains<R> > 1) sub[r][1] = _mm512_setzero_si512();
-      }
-      for (int tt = 0; tt < 4; ++tt)
-        for (int r = 0; r < R; ++r) {
-          const int8_t* q = a.q + (row0 + r) * a.k + b * kBlock + 16 * j + 4 * tt;
-          sub[r][tt % kChains<R>] = dot4(sub[r][tt % kChains<R>], w[tt], q);
-        }
-      for (int r = 0; r < R; ++r) dot[r] = _mm512_add_epi32(dot[r], _mm512_mullo_epi32(chain_sum<R>(sub[r]), scale));
+      __m512i start[R];  // minus 32 · (the activations' sum): the weights are stored as value + 32
+      for (int r = 0; r < R; ++r) start[r] = _mm512_set1_epi32(-32 * a.sums[(row0 + r) * (a.k / 16) + b * 16 + j]);
+      add_sub_block<R, 4>(w, scale, a, row0, b * kBlock + 16 * j, start, dot);
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));
     for (int r = 0; r < R; ++r) {
@@ -553,13 +556,10 @@ Linear to_linear(const py::tuple& t) {  // (packed parts, kinds, columns, bias o
 
 }  // namespace
 
-// The decoder layers of a kquant `Transformer` (`decoder.h`) from the Python layers' tuples
+// One decoder layer of a kquant `Transformer` (`decoder.h`) from the Python layer's tuple
 // (input_norm, post_norm, qkv, o, gate_up, down), each linear as `to_linear` reads it.
-std::vector<DecoderLayer<Linear>> kquant_layers(const std::vector<py::tuple>& layers) {
-  std::vector<DecoderLayer<Linear>> out;
-  for (const auto& t : layers)
-    out.push_back({t[0].cast<at::Tensor>(), t[1].cast<at::Tensor>(), to_linear(t[2]), to_linear(t[3]), to_linear(t[4]), to_linear(t[5])});
-  return out;
+DecoderLayer<Linear> kquant_layer(const py::tuple& t) {
+  return {t[0].cast<at::Tensor>(), t[1].cast<at::Tensor>(), to_linear(t[2]), to_linear(t[3]), to_linear(t[4]), to_linear(t[5])};
 }
 
 // Which tile code runs: the AVX-512 VNNI kernels when built for them, else the portable code.
@@ -579,9 +579,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x [rows, K] -> [rows, Σ columns] through k-quant weights");
   m.def("set_portable", &set_portable, "force the portable kernels (true) or use the fastest built (false)");
   m.def("has_avx512", &has_avx512, "whether the AVX-512 VNNI kernels were built");
-  py::class_<DecoderLayers<Linear>>(m, "KQuantLayers")
-      .def(py::init([](const std::vector<py::tuple>& layers, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps) {
-        return DecoderLayers<Linear>(kquant_layers(layers), heads, kv_heads, head_dim, eps);
-      }))
-      .def("forward", &DecoderLayers<Linear>::forward, py::call_guard<py::gil_scoped_release>());
+  bind_decoder_layers<Linear>(m, "KQuantLayers", kquant_layer);
 }
