@@ -251,13 +251,20 @@ def small_pair(tmp_path_factory):
     return target, draft
 
 
-def test_sampled_output_is_distributed_as_the_kquant_target(small_pair):
+PARAMS = SamplingParams(temperature=0.8, top_k=4)
+
+
+def _sampling_case(small_pair) -> tuple[Engine, dict]:
+    """The draft-model engine on the kquant target, and the target's exact distribution of LENGTH tokens."""
     target, draft = small_pair
-    params = SamplingParams(temperature=0.8, top_k=4)
     engine = Engine(target, DraftModelDrafter(draft, target.vocab_size), gamma=GAMMA, gamma_policy="constant")
-    exact = sequence_distribution(WholeSequenceOracle(target.runner), PROMPT, LENGTH, params)
+    return engine, sequence_distribution(WholeSequenceOracle(target.runner), PROMPT, LENGTH, PARAMS)
+
+
+def test_sampled_output_is_distributed_as_the_kquant_target(small_pair):
+    engine, exact = _sampling_case(small_pair)
     assert len(exact) == 64
-    result = assert_same_distribution(sample_sequences(engine, PROMPT, params, SAMPLES, LENGTH), exact)
+    result = assert_same_distribution(sample_sequences(engine, PROMPT, PARAMS, SAMPLES, LENGTH), exact)
     assert result.detectable_tv < 0.16
 
 
@@ -265,11 +272,8 @@ def test_the_kquant_test_catches_a_wrong_bonus(small_pair, monkeypatch):
     import verispec.engine.shapes as engine_module
 
     monkeypatch.setattr(engine_module, "verify_sampled", bonus_from_the_wrong_row)
-    target, draft = small_pair
-    params = SamplingParams(temperature=0.8, top_k=4)
-    engine = Engine(target, DraftModelDrafter(draft, target.vocab_size), gamma=GAMMA, gamma_policy="constant")
-    exact = sequence_distribution(WholeSequenceOracle(target.runner), PROMPT, LENGTH, params)
-    assert_rejected(sample_sequences(engine, PROMPT, params, SAMPLES // 3, LENGTH), exact)
+    engine, exact = _sampling_case(small_pair)
+    assert_rejected(sample_sequences(engine, PROMPT, PARAMS, SAMPLES // 3, LENGTH), exact)
 
 
 # --- what the precision accepts ------------------------------------------------------------------
