@@ -128,6 +128,22 @@ def test_a_kernel_that_cannot_be_built_means_the_torch_code_with_a_warning(monke
     assert kernels.extension.__wrapped__("int8") is None
 
 
+@pytest.mark.parametrize("name", ["int8", "kquant"])
+def test_the_kernels_loops_use_torchs_threads(name):
+    """`at::parallel_for` is a header: built without OpenMP an extension's loops run on one thread
+    (the kquant kernels did, at half speed, until this was checked)."""
+    from verispec.models.kernels import extension
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert extension(name).parallel_threads(8) == 2
+        torch.set_num_threads(1)
+        assert extension(name).parallel_threads(8) == 1
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_finished_build_is_shared_by_every_torch_installation_of_its_release(monkeypatch):
     """The user's cache holds a build (the conftest loads it first): a process imports it without
     compiling, and a virtual environment elsewhere with the same torch release finds the same folder."""

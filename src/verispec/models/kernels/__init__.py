@@ -27,8 +27,9 @@ from verispec.paths import cache_dir, cpu_flags
 __all__ = ["build_key", "extension"]
 
 # -march=native: this machine's vector instructions (rounding inlined); -ffp-contract=off: no fused
-# multiply-add, so the same float operations as the torch code
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
+# multiply-add, so the same float operations as the torch code; -fopenmp: `at::parallel_for` is a header
+# that runs serially unless OpenMP is on (in the process the loaded libgomp is torch's own, one thread pool)
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 READY = "ready"  # written into a build folder once its module has compiled and loaded
 
 
@@ -73,7 +74,7 @@ def _compile(name: str, source: Path, build: Path) -> ModuleType:
     from torch.utils.cpp_extension import load
 
     build.mkdir(parents=True, exist_ok=True)
-    module = load(f"verispec_{name}", [str(source)], extra_cflags=FLAGS, build_directory=str(build))
+    module = load(f"verispec_{name}", [str(source)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(build))
     (build / READY).touch()
     return module
 

@@ -9,7 +9,9 @@
 #pragma once
 
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 
+#include <atomic>
 #include <cmath>
 #include <vector>
 
@@ -78,6 +80,21 @@ class DecoderLayers {
   double eps_, scale_;
 };
 
+// How many threads `at::parallel_for` gives this extension's loops (each of `items` takes a while, so
+// every thread gets some): 1 when it was built without OpenMP, where the header runs the loop serially.
+inline int64_t parallel_threads(int64_t items) {
+  std::vector<std::atomic<int>> seen(at::get_num_threads());
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    volatile double spin = 0;
+    for (int64_t i = begin; i < end; ++i)
+      for (int k = 0; k < 200000; ++k) spin = spin + 1;
+    seen[at::get_thread_num()] = 1;
+  });
+  int64_t threads = 0;
+  for (const auto& s : seen) threads += s.load();
+  return threads;
+}
+
 // Registers `DecoderLayers<Linear>` as the Python class `name`: built from the Python layers' tuples, each
 // read by `read` (py::tuple -> DecoderLayer<Linear>), and the shape (heads, kv_heads, head_dim, eps);
 // `forward` releases the GIL.
@@ -90,4 +107,5 @@ void bind_decoder_layers(py::module& m, const char* name, Read read) {
         return DecoderLayers<Linear>(std::move(read_layers), heads, kv_heads, head_dim, eps);
       }))
       .def("forward", &DecoderLayers<Linear>::forward, py::call_guard<py::gil_scoped_release>());
+  m.def("parallel_threads", &parallel_threads, "threads at::parallel_for uses for `items` long tasks", py::arg("items"));
 }
