@@ -112,6 +112,37 @@ def test_bad_shapes_are_clear_errors():
         KQuantLinear([KQuantWeight(Q4_K, blocks, 256), KQuantWeight(Q4_K, blocks, 512)])
 
 
+@pytest.mark.parametrize("head_dim", [128, 64, 48])  # 128 and 64: the vector code where built; 48: the portable code
+def test_the_exact_attention_is_attention_and_each_position_is_computed_alone(head_dim):
+    """`attend` (kernels/attention.h): every new position of a chain gets the bits it gets alone, a
+    token-tree node the bits of the same path laid out as a chain, and all are softmax attention."""
+    attend = kquant_kernels().attend
+    torch.manual_seed(0)
+    heads, kv_heads, start, n, scale = 6, 2, 37, 5, head_dim**-0.5
+    keys, values = torch.randn(kv_heads, 64, head_dim), torch.randn(kv_heads, 64, head_dim)  # [kv_heads, capacity, d]
+    q = torch.randn(heads, n, head_dim)
+    chain = attend(q, keys, values, start, None, scale)  # [heads, n, d]
+    for i in range(n):
+        seen_keys = keys[:, : start + i + 1].double().repeat_interleave(heads // kv_heads, 0)  # [heads, seen, d]
+        seen_values = values[:, : start + i + 1].double().repeat_interleave(heads // kv_heads, 0)
+        weights = (torch.einsum("hd,hsd->hs", q[:, i].double(), seen_keys) * scale).softmax(-1)
+        torch.testing.assert_close(chain[:, i].double(), torch.einsum("hs,hsd->hd", weights, seen_values), atol=1e-5, rtol=0)
+        assert torch.equal(attend(q[:, i : i + 1], keys, values, start + i, None, scale), chain[:, i : i + 1])
+    causal = torch.cat([torch.ones(n, start, dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril()], 1)
+    assert torch.equal(attend(q, keys, values, start, causal, scale), chain)
+    # a tree: node 3 is a child of node 0 (slots start+0, start+3); as a chain its path is slots start, start+1
+    tree = causal.clone()
+    tree[3, start + 1 : start + 3] = False
+    path_keys, path_values = keys.clone(), values.clone()
+    path_keys[:, start + 1], path_values[:, start + 1] = keys[:, start + 3], values[:, start + 3]
+    node = attend(q, keys, values, start, tree, scale)[:, 3:4]
+    assert torch.equal(node, attend(q[:, 3:4], path_keys, path_values, start + 1, None, scale))
+    with pytest.raises(RuntimeError, match="mask is"):
+        attend(q, keys, values, start, causal[:, 1:], scale)
+    with pytest.raises(RuntimeError, match="do not match the cache"):
+        attend(q, keys, values, 62, None, scale)  # 62 + 5 slots > capacity 64
+
+
 # --- tiny GGUF models ----------------------------------------------------------------------------
 
 HIDDEN, HEADS, KV_HEADS, LAYERS = 256, 4, 2, 2

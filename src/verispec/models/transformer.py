@@ -248,10 +248,11 @@ class Transformer:
     are embedding, norms, RoPE and the SiLU gate (elementwise or per-row reductions); batched
     `scaled_dot_product_attention` is not (its blocking changes with the number of queries), so feeds
     of 2..ROW_INVARIANT_POSITIONS positions, chains or token trees, attend one query at a time over
-    exactly the keys, in the order, that a single-token step on that path would see (one SDPA call per
-    layer and position; a tree node's keys are gathered from its ancestors' slots; the cost at 1–4
-    positions: BENCHMARKS.md#avx2-int8-kernels-and-where-a-step-goes). Longer feeds (prompt prefill) use one
-    batched call: prefill is shared by speculative and plain decoding. Float runners batch everything
+    exactly the keys, in the order, that a single-token step on that path would see (int8: one SDPA call
+    per layer and position, a tree node's keys gathered from its ancestors' slots; kquant: the
+    kquant extension's own attention, `kernels/attention.h`, every position of a layer in one call that
+    reads each cached key once per group of query heads). Longer feeds (prompt prefill) use one batched
+    SDPA call: prefill is shared by speculative and plain decoding. Float runners batch everything
     and are exact up to float rounding.
 
     A row's company in `forward_ragged` does not matter (float32, int8, and bfloat16 where oneDNN
@@ -526,10 +527,16 @@ class Transformer:
         """Store each row's keys/values in its cache and attend over it: q [heads, N, hd] -> [heads, N, hd]."""
         scale = 1.0 / math.sqrt(self.config.head_dim)
         outputs, offset = [], 0
+        exact = kernels.extension("kquant").attend if self.quant == "kquant" else None  # `kernels/attention.h`
         for row in rows:
             end = row.start + row.n
             row.cache.keys[layer, :, row.start : end] = k[:, offset : offset + row.n]
             row.cache.values[layer, :, row.start : end] = v[:, offset : offset + row.n]
+            if exact is not None and row.n <= ROW_INVARIANT_POSITIONS:  # every position on its own, in one call
+                mask = None if row.chain else row.mask
+                outputs.append(exact(q[:, offset : offset + row.n], row.cache.keys[layer], row.cache.values[layer], row.start, mask, scale))
+                offset += row.n
+                continue
             if self.row_invariant and 1 < row.n <= ROW_INVARIANT_POSITIONS:
                 for i in range(row.n):  # each position exactly as a single-token decode step computes it
                     seen = row.seen[i]

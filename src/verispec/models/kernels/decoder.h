@@ -1,10 +1,11 @@
 // The decoder stack of verispec's runner as one C++ call, shared by the quantized precisions' extensions
 // (`int8.cpp`, `kquant.cpp`), each with its own linear layer.
 //
-// `DecoderLayers<Linear>::forward` runs one chain of n ≤ 32 new positions (decoding and verification)
-// through every layer with the same ATen operations, in the same order, as `Transformer._layers` and
-// `_attend_rows` (so the same bits), without the Python interpreter between them. `Linear` is any
-// type with `at::Tensor operator()(const at::Tensor& x) const` (x [n, in] -> [n, out]).
+// `DecoderLayers<Linear, Attention>::forward` runs one chain of n ≤ 32 new positions (decoding and
+// verification) through every layer with the same operations, in the same order, as `Transformer._layers`
+// and `_attend_rows` (so the same bits), without the Python interpreter between them. `Linear` is any
+// type with `at::Tensor operator()(const at::Tensor& x) const` (x [n, in] -> [n, out]); `Attention`
+// attends the new positions over the cache they were just stored in (`SdpaAttention` by default).
 
 #pragma once
 
@@ -21,7 +22,24 @@ struct DecoderLayer {
   Linear qkv, o, gate_up, down;
 };
 
-template <typename Linear>
+// Each position on its own through `scaled_dot_product_attention` (what `_attend_rows` does for a runner
+// without its own attention): q [heads, n, hd], keys/values [kv_heads, capacity, hd] -> [heads, n, hd].
+struct SdpaAttention {
+  at::Tensor operator()(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start, double scale) const {
+    const int64_t n = q.size(1);
+    auto one = [&](int64_t position, int64_t seen) {  // one query over the first `seen` slots
+      return at::scaled_dot_product_attention(q.unsqueeze(0).slice(2, position, position + 1),
+                                              keys.slice(1, 0, seen).unsqueeze(0), values.slice(1, 0, seen).unsqueeze(0),
+                                              c10::nullopt, 0.0, false, scale, true).select(0, 0);
+    };
+    if (n == 1) return one(0, start + 1);
+    std::vector<at::Tensor> outputs;
+    for (int64_t j = 0; j < n; ++j) outputs.push_back(one(j, start + j + 1));
+    return at::cat(outputs, 1);
+  }
+};
+
+template <typename Linear, typename Attention = SdpaAttention>
 class DecoderLayers {
  public:
   DecoderLayers(std::vector<DecoderLayer<Linear>> layers, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
@@ -61,21 +79,13 @@ class DecoderLayers {
   // keys/values [kv_heads, capacity, head_dim] of one layer; q [heads, n, hd], k/v [kv_heads, n, hd].
   at::Tensor attend(at::Tensor keys, at::Tensor values, const at::Tensor& q, const at::Tensor& k,
                     const at::Tensor& v, int64_t start) const {
-    const int64_t n = q.size(1), end = start + n;
-    keys.slice(1, start, end).copy_(k);
-    values.slice(1, start, end).copy_(v);
-    auto one = [&](int64_t position, int64_t seen) {  // one query over the first `seen` slots
-      return at::scaled_dot_product_attention(q.unsqueeze(0).slice(2, position, position + 1),
-                                              keys.slice(1, 0, seen).unsqueeze(0), values.slice(1, 0, seen).unsqueeze(0),
-                                              c10::nullopt, 0.0, false, scale_, true).select(0, 0);
-    };
-    if (n == 1) return one(0, end);
-    std::vector<at::Tensor> outputs;
-    for (int64_t j = 0; j < n; ++j) outputs.push_back(one(j, start + j + 1));
-    return at::cat(outputs, 1);
+    keys.slice(1, start, start + q.size(1)).copy_(k);
+    values.slice(1, start, start + q.size(1)).copy_(v);
+    return attention_(q, keys, values, start, scale_);
   }
 
   std::vector<DecoderLayer<Linear>> layers_;
+  Attention attention_;
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, scale_;
 };
@@ -98,14 +108,15 @@ inline int64_t parallel_threads(int64_t items) {
 // Registers `DecoderLayers<Linear>` as the Python class `name`: built from the Python layers' tuples, each
 // read by `read` (py::tuple -> DecoderLayer<Linear>), and the shape (heads, kv_heads, head_dim, eps);
 // `forward` releases the GIL.
-template <typename Linear, typename Read>
+template <typename Linear, typename Attention = SdpaAttention, typename Read>
 void bind_decoder_layers(py::module& m, const char* name, Read read) {
-  py::class_<DecoderLayers<Linear>>(m, name)
+  using Layers = DecoderLayers<Linear, Attention>;
+  py::class_<Layers>(m, name)
       .def(py::init([read](const std::vector<py::tuple>& layers, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps) {
         std::vector<DecoderLayer<Linear>> read_layers;
         for (const auto& layer : layers) read_layers.push_back(read(layer));
-        return DecoderLayers<Linear>(std::move(read_layers), heads, kv_heads, head_dim, eps);
+        return Layers(std::move(read_layers), heads, kv_heads, head_dim, eps);
       }))
-      .def("forward", &DecoderLayers<Linear>::forward, py::call_guard<py::gil_scoped_release>());
+      .def("forward", &Layers::forward, py::call_guard<py::gil_scoped_release>());
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for uses for `items` long tasks", py::arg("items"));
 }

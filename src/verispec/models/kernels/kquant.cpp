@@ -24,6 +24,7 @@
 #include <cstring>
 #include <vector>
 
+#include "attention.h"
 #include "decoder.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -557,6 +558,13 @@ Linear to_linear(const py::tuple& t) {  // (packed parts, kinds, columns, bias o
 
 }  // namespace
 
+// The decoder stack's attention: the exact attention of `attention.h` (chains: no mask).
+struct ExactAttention {
+  at::Tensor operator()(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start, double scale) const {
+    return exact_attention::attend(q, keys, values, start, c10::nullopt, scale);
+  }
+};
+
 // One decoder layer of a kquant `Transformer` (`decoder.h`) from the Python layer's tuple
 // (input_norm, post_norm, qkv, o, gate_up, down), each linear as `to_linear` reads it.
 DecoderLayer<Linear> kquant_layer(const py::tuple& t) {
@@ -580,5 +588,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x [rows, K] -> [rows, Σ columns] through k-quant weights");
   m.def("set_portable", &set_portable, "force the portable kernels (true) or use the fastest built (false)");
   m.def("has_avx512", &has_avx512, "whether the AVX-512 VNNI kernels were built");
-  bind_decoder_layers<Linear>(m, "KQuantLayers", kquant_layer);
+  m.def("attend", &exact_attention::attend, "q [heads, n, d] over one layer's cache [kv_heads, capacity, d] from slot `start` "
+        "(mask: None for a chain, else bool [n, start + n]) -> [heads, n, d], each position on its own",
+        py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("start"), py::arg("mask"), py::arg("scale"));
+  bind_decoder_layers<Linear, ExactAttention>(m, "KQuantLayers", kquant_layer);
 }

@@ -1,0 +1,210 @@
+// Attention of a few new positions over a KV cache, each position computed on its own and the same
+// way whatever else the call holds: the exact attention of the kquant runner (`kquant.cpp`, used by
+// `Transformer._attend_rows` and the C++ decoder stack alike).
+//
+// Why not `scaled_dot_product_attention`: to keep a position's bits independent of the call, the runner
+// called it once per position and layer, and each call read the layer's whole cache again, so verifying
+// n positions cost n times the attention of a decode step (at 700 cached tokens, 4 ms a step and 20 ms
+// for 5 positions on 2 cores). Here one parallel call per layer takes every new position, a task per
+// (KV head, position): each key and value row is read once for the query heads that share it (grouped-
+// query attention: 6 in Qwen2.5-1.5B) rather than once per head.
+//
+// Exactness: for each (position, head) the arithmetic is a fixed sequence that depends only on the
+// position's visible slots: a dot product per slot (16-lane fused multiply-adds over the head dimension,
+// then one fixed reduction), e^x by Cody–Waite reduction and a polynomial, the softmax sum in a fixed
+// order for the number of slots, and the weighted values accumulated in slot order. So a position gets the same bits alone, in a chain
+// of verification or as a node of a token tree whose visible slots are the same.
+
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define EXACT_ATTENTION_AVX512 1
+#else
+#define EXACT_ATTENTION_AVX512 0
+#endif
+
+namespace exact_attention {
+
+// e^x for x ≤ 0 (a score minus the row's largest): x = n·ln 2 + r, e^r by a degree-7 polynomial (Cephes'
+// expf), times 2^n. Below −80 the result is e^−80, negligible beside the largest term (1).
+constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f, kFloor = -80.0f;
+constexpr float kPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+inline float exp_portable(float x) {
+  x = std::max(x, kFloor);
+  const float n = std::nearbyint(x * kLog2e);
+  float r = std::fma(n, -kLn2Hi, x);
+  r = std::fma(n, -kLn2Lo, r);
+  float p = kPoly[0];
+  for (int i = 1; i < 6; ++i) p = std::fma(p, r, kPoly[i]);
+  float y = std::fma(p, r * r, r) + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &y, 4);
+  bits += int32_t(n) << 23;
+  std::memcpy(&y, &bits, 4);
+  return y;
+}
+
+#if EXACT_ATTENTION_AVX512
+inline __m512 exp16(__m512 x) {  // the same operations as `exp_portable`, on 16 lanes
+  x = _mm512_max_ps(x, _mm512_set1_ps(kFloor));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Hi), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kPoly[i]));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(y), _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23)));
+}
+#endif
+
+// e[j] = exp(e[j] − max e) for j < count, in place; returns Σ e[j] (with AVX-512: 16 running sums, lane
+// j mod 16, then one fixed reduction; a fixed order for a given count either way)
+inline float normalize_weights(float* e, int64_t count) {
+#if EXACT_ATTENTION_AVX512
+  auto lanes = [count](int64_t j) { return count - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (count - j)) - 1); };
+  __m512 most = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < count; j += 16) most = _mm512_mask_max_ps(most, lanes(j), most, _mm512_maskz_loadu_ps(lanes(j), e + j));
+  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(most));  // a maximum is exact in any order
+  __m512 sums = _mm512_setzero_ps();
+  for (int64_t j = 0; j < count; j += 16) {  // the tail through a mask, so every value takes the vector path
+    const __m512 x = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes(j), e + j), shift));
+    _mm512_mask_storeu_ps(e + j, lanes(j), x);
+    sums = _mm512_mask_add_ps(sums, lanes(j), sums, x);
+  }
+  return _mm512_reduce_add_ps(sums);
+#else
+  const float top = *std::max_element(e, e + count);
+  float total = 0.0f;
+  for (int64_t j = 0; j < count; ++j) total += (e[j] = exp_portable(e[j] - top));
+  return total;
+#endif
+}
+
+// The work of one (KV head, position): `heads` query heads q[g] (rows of d, `q_stride` apart) over the
+// `count` slots `seen` of k and v (rows of d); out[g] (rows `out_stride` apart) = softmax(q[g] · k / √d) · v.
+// `scores` holds heads × count floats, `totals` heads.
+struct Group {
+  const float* q;
+  int64_t q_stride, heads;
+  const float *k, *v;
+  const int64_t* seen;
+  int64_t count, d;
+  float scale;
+  float* out;
+  int64_t out_stride;
+};
+
+#if EXACT_ATTENTION_AVX512
+// The vector code for d = 16·C (C ≤ 8): a key row is loaded once into C registers and scored against
+// every head of the group; a value row is loaded once per 2 heads, whose sums stay in registers.
+template <int C>
+void attend_group(const Group& w, float* scores, float* totals) {
+  for (int64_t j = 0; j < w.count; ++j) {
+    const float* key = w.k + w.seen[j] * w.d;
+    __m512 row[C];
+    for (int u = 0; u < C; ++u) row[u] = _mm512_loadu_ps(key + 16 * u);
+    for (int64_t g = 0; g < w.heads; ++g) {
+      const float* q = w.q + g * w.q_stride;
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), row[0]);
+      for (int u = 1; u < C; ++u) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * u), row[u], acc);
+      scores[g * w.count + j] = _mm512_reduce_add_ps(acc) * w.scale;
+    }
+  }
+  for (int64_t g = 0; g < w.heads; ++g) totals[g] = normalize_weights(scores + g * w.count, w.count);
+  for (int64_t g0 = 0; g0 < w.heads; g0 += 2) {
+    const int pair = w.heads - g0 >= 2 ? 2 : 1;
+    __m512 acc[2][C];
+    for (int b = 0; b < 2; ++b)
+      for (int u = 0; u < C; ++u) acc[b][u] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < w.count; ++j) {
+      const float* value = w.v + w.seen[j] * w.d;
+      const __m512 w0 = _mm512_set1_ps(scores[g0 * w.count + j]);
+      const __m512 w1 = _mm512_set1_ps(pair == 2 ? scores[(g0 + 1) * w.count + j] : 0.0f);
+      for (int u = 0; u < C; ++u) {
+        const __m512 x = _mm512_loadu_ps(value + 16 * u);
+        acc[0][u] = _mm512_fmadd_ps(w0, x, acc[0][u]);
+        acc[1][u] = _mm512_fmadd_ps(w1, x, acc[1][u]);  // unused for a lone last head
+      }
+    }
+    for (int b = 0; b < pair; ++b) {
+      const __m512 total = _mm512_set1_ps(totals[g0 + b]);
+      for (int u = 0; u < C; ++u) _mm512_storeu_ps(w.out + (g0 + b) * w.out_stride + 16 * u, _mm512_div_ps(acc[b][u], total));
+    }
+  }
+}
+#endif
+
+// The same for any d, one head at a time, in plain C++ (on CPUs without AVX-512 and for odd head sizes).
+inline void attend_group_portable(const Group& w, float* scores, float* totals) {
+  for (int64_t g = 0; g < w.heads; ++g) {
+    const float* q = w.q + g * w.q_stride;
+    for (int64_t j = 0; j < w.count; ++j) {
+      const float* key = w.k + w.seen[j] * w.d;
+      float sum = 0.0f;
+      for (int64_t i = 0; i < w.d; ++i) sum = std::fma(q[i], key[i], sum);
+      scores[g * w.count + j] = sum * w.scale;
+    }
+    totals[g] = normalize_weights(scores + g * w.count, w.count);
+    float* out = w.out + g * w.out_stride;
+    for (int64_t c = 0; c < w.d; ++c) {
+      float acc = 0.0f;
+      for (int64_t j = 0; j < w.count; ++j) acc = std::fma(scores[g * w.count + j], w.v[w.seen[j] * w.d + c], acc);
+      out[c] = acc / totals[g];
+    }
+  }
+}
+
+// q [heads, n, head_dim] (the new positions' rotated queries), keys/values [kv_heads, capacity, head_dim]
+// (one layer's cache, the new positions' keys and values already stored at slots start … start+n−1),
+// mask: none for a chain (position i sees slots 0 … start+i), else bool [n, start+n] (a token tree:
+// what each node sees). Returns [heads, n, head_dim].
+inline at::Tensor attend(const at::Tensor& q_in, const at::Tensor& keys, const at::Tensor& values, int64_t start,
+                         const c10::optional<at::Tensor>& mask_in, double scale) {
+  TORCH_CHECK(q_in.dim() == 3 && keys.dim() == 3 && values.sizes() == keys.sizes(), "attend: q [heads, n, d], keys/values [kv_heads, capacity, d]");
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat, "attend: float32 only");
+  TORCH_CHECK(keys.stride(2) == 1 && values.stride(2) == 1 && keys.stride(1) == keys.size(2) && values.stride(1) == values.size(2),
+              "attend: each slot's key and value must be contiguous rows");
+  const int64_t heads = q_in.size(0), n = q_in.size(1), d = q_in.size(2), kv_heads = keys.size(0), slots = start + n;
+  TORCH_CHECK(keys.size(2) == d && heads % kv_heads == 0 && slots <= keys.size(1), "attend: shapes do not match the cache");
+  at::Tensor mask;
+  if (mask_in.has_value()) {
+    mask = mask_in->to(at::kBool).contiguous();
+    TORCH_CHECK(mask.dim() == 2 && mask.size(0) == n && mask.size(1) == slots, "attend: the mask is [n, start + n]");
+  }
+  const at::Tensor q = q_in.contiguous();
+  at::Tensor out = at::empty({heads, n, d}, q.options());
+  const bool* visible = mask.defined() ? mask.data_ptr<bool>() : nullptr;
+  const int64_t group = heads / kv_heads;
+  at::parallel_for(0, kv_heads * n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> seen(slots);
+    std::vector<float> scores(group * slots), totals(group);  // the group's weights [group, slots] and their sums
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t kv = task / n, i = task % n;
+      int64_t count = 0;  // the slots position i sees, in slot order
+      for (int64_t j = 0; j < slots; ++j)
+        if (visible ? visible[i * slots + j] : j <= start + i) seen[count++] = j;
+      const Group w{q.data_ptr<float>() + (kv * group * n + i) * d, n * d, group,
+                    keys.data_ptr<float>() + kv * keys.stride(0), values.data_ptr<float>() + kv * values.stride(0),
+                    seen.data(), count, d, float(scale), out.data_ptr<float>() + (kv * group * n + i) * d, n * d};
+#if EXACT_ATTENTION_AVX512
+      if (d == 128) { attend_group<8>(w, scores.data(), totals.data()); continue; }
+      if (d == 64) { attend_group<4>(w, scores.data(), totals.data()); continue; }
+#endif
+      attend_group_portable(w, scores.data(), totals.data());
+    }
+  });
+  return out;
+}
+
+}  // namespace exact_attention
