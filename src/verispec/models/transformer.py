@@ -51,6 +51,7 @@ QUANTIZATIONS = ("int8", "kquant")
 # A quantized runner attends chains of up to this many new positions one query at a time, so that
 # verifying γ+1 positions computes each exactly as decoding it alone would (see `Transformer`).
 ROW_INVARIANT_POSITIONS = 32
+PREFILL_PIECE = 256  # the most positions of one chain a forward pass runs at once (longer ones: in pieces)
 
 
 @dataclass(frozen=True)
@@ -369,8 +370,17 @@ class Transformer:
         positions: [n] absolute positions (default: consecutive after the cache);
         tree_mask: [n, n] bool, True where new token i may attend to new token j (default causal);
         logits: "all" -> [n, vocab], "last" -> [1, vocab], "none" -> None. Logits are float32.
+        A long chain (a prompt) runs in pieces of `PREFILL_PIECE` positions: the activations of a piece
+        stay in the CPU's caches (1,024 prompt tokens of the 1.5B target in kquant: 6.65 s whole,
+        5.60 s in pieces of 256).
         """
-        row = self._row(cache, tokens.shape[0], positions, tree_mask)
+        n = tokens.shape[0]
+        if positions is None and tree_mask is None and n > PREFILL_PIECE and logits != "all":
+            for first in range(0, n - PREFILL_PIECE, PREFILL_PIECE):
+                self.forward(cache, tokens[first : first + PREFILL_PIECE], logits="none")
+            rest = (n - 1) % PREFILL_PIECE + 1
+            return self.forward(cache, tokens[n - rest :], logits=logits)
+        row = self._row(cache, n, positions, tree_mask)
         x = self._run(tokens.to(self.device), [row])  # [n, hidden]
         if logits == "none":
             return None
@@ -548,8 +558,10 @@ class Transformer:
                 offset += row.n
                 continue
             keys, values = row.cache.keys[layer, :, :end], row.cache.values[layer, :, :end]  # [kv_heads, end, hd]
+            causal = row.chain and row.start == 0 and row.n > 1  # a whole prompt: SDPA's own causal blocking, no mask
             outputs.append(F.scaled_dot_product_attention(
-                q[None, :, offset : offset + row.n], keys[None], values[None], attn_mask=row.mask, scale=scale, enable_gqa=True
+                q[None, :, offset : offset + row.n], keys[None], values[None], attn_mask=None if causal else row.mask,
+                is_causal=causal, scale=scale, enable_gqa=True,
             )[0])  # [heads, n, head_dim]
             offset += row.n
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
