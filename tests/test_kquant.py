@@ -137,6 +137,13 @@ def test_the_exact_attention_is_attention_and_each_position_is_computed_alone(he
     path_keys[:, start + 1], path_values[:, start + 1] = keys[:, start + 3], values[:, start + 3]
     node = attend(q, keys, values, start, tree, scale)[:, 3:4]
     assert torch.equal(node, attend(q[:, 3:4], path_keys, path_values, start + 1, None, scale))
+    kernels = kquant_kernels()
+    try:  # the portable code (CPUs without AVX-512) gives the vector code's bits
+        kernels.set_portable(True)
+        assert torch.equal(attend(q, keys, values, start, tree, scale)[:, 3:4], node)
+        assert torch.equal(attend(q, keys, values, start, None, scale), chain)
+    finally:
+        kernels.set_portable(False)
     with pytest.raises(RuntimeError, match="mask is"):
         attend(q, keys, values, start, causal[:, 1:], scale)
     with pytest.raises(RuntimeError, match="do not match the cache"):
@@ -329,15 +336,18 @@ def test_a_file_with_other_block_types_is_a_clear_error(tmp_path):
 
 
 def test_the_compiled_decoder_stack_gives_the_same_bits_as_the_python_loop(tiny, monkeypatch):
-    """Decode steps and chain verifications run `KQuantLayers` (C++, `kernels/decoder.h`); prefill,
-    trees and server batches the Python loop: the same model."""
+    """Decode steps, chain verifications and token trees run `KQuantLayers` (C++, `kernels/decoder.h`);
+    prefill and server batches the Python loop: the same model."""
     runner = tiny[0].runner
     assert runner._compiled_layers() is not None and runner.compiled
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)  # [4, 4]: two branches
 
     def decode(feeds: list[list[int]]) -> list[torch.Tensor]:
         cache = runner.new_cache()
         runner.forward(cache, torch.tensor(PROMPTS[1]), logits="none")
-        return [runner.forward(cache, torch.tensor(feed)) for feed in feeds]
+        out = [runner.forward(cache, torch.tensor(feed)) for feed in feeds]
+        positions = cache.length + torch.tensor([0, 1, 1, 2])
+        return out + [runner.forward(cache, torch.tensor([3, 4, 5, 6]), positions=positions, tree_mask=tree)]
 
     feeds = [[5], [7, 9, 11, 13], [17], list(range(1, 9))]
     compiled = decode(feeds)

@@ -434,10 +434,11 @@ class Transformer:
         cos, sin = self._rope(torch.cat([row.positions for row in rows]), max(row.top for row in rows) + 1)
         cos, sin = cos[None], sin[None]  # [1, N, head_dim]
         x = self.embed(tokens) if isinstance(self.embed, KQuantEmbedding) else F.embedding(tokens, self.embed)  # [N, hidden]
-        one_chain = len(rows) == 1 and rows[0].chain and rows[0].n <= ROW_INVARIANT_POSITIONS
-        compiled = self._compiled_layers() if one_chain else None
+        row = rows[0]  # one chain (any compiled stack) or token tree (kquant's, whose attention takes a mask)
+        one_row = len(rows) == 1 and row.n <= ROW_INVARIANT_POSITIONS and (row.chain or self.quant == "kquant")
+        compiled = self._compiled_layers() if one_row else None
         if compiled is not None:  # the same operations as `_layers`, in one C++ call
-            x = compiled.forward(x, rows[0].cache.keys, rows[0].cache.values, rows[0].start, cos, sin)
+            x = compiled.forward(x, row.cache.keys, row.cache.values, row.start, cos, sin, None if row.chain else row.mask)
         else:
             x = self._layers(x, rows, cos, sin)
         for row in rows:

@@ -12,8 +12,9 @@
 // Exactness: for each (position, head) the arithmetic is a fixed sequence that depends only on the
 // position's visible slots: a dot product per slot (16-lane fused multiply-adds over the head dimension,
 // then one fixed reduction), e^x by Cody–Waite reduction and a polynomial, the softmax sum in a fixed
-// order for the number of slots, and the weighted values accumulated in slot order. So a position gets the same bits alone, in a chain
-// of verification or as a node of a token tree whose visible slots are the same.
+// order for the number of slots, and the weighted values accumulated in slot order. So a position gets
+// the same bits alone, in a chain of verification or as a node of a token tree whose visible slots are
+// the same; and the portable code performs the same operations, so every CPU gets those bits.
 
 #pragma once
 
@@ -68,27 +69,50 @@ inline __m512 exp16(__m512 x) {  // the same operations as `exp_portable`, on 16
 }
 #endif
 
-// e[j] = exp(e[j] − max e) for j < count, in place; returns Σ e[j] (with AVX-512: 16 running sums, lane
-// j mod 16, then one fixed reduction; a fixed order for a given count either way)
+// The sum of 16 partial sums, halves added pairwise: (a[l] + a[l+8]), then (+4), (+2), (+1).
+inline float reduce16(const float* a) {
+  float b[8], c[4], d[2];
+  for (int l = 0; l < 8; ++l) b[l] = a[l] + a[l + 8];
+  for (int l = 0; l < 4; ++l) c[l] = b[l] + b[l + 4];
+  for (int l = 0; l < 2; ++l) d[l] = c[l] + c[l + 2];
+  return d[0] + d[1];
+}
+
+#if EXACT_ATTENTION_AVX512
+inline float reduce16(__m512 a) {  // the same additions as `reduce16(const float*)`
+  const __m256 b = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+  const __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+  const __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));
+  return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));
+}
+#endif
+
+// Whether `attend` runs the portable code even where the vector code is built (`set_portable`: the
+// tests compare the two, which give the same bits for head sizes that are multiples of 16).
+inline bool portable = !EXACT_ATTENTION_AVX512;
+
+// e[j] = exp(e[j] − max e) for j < count, in place; returns Σ e[j]: 16 running sums (lane j mod 16),
+// then `reduce16`
 inline float normalize_weights(float* e, int64_t count) {
 #if EXACT_ATTENTION_AVX512
-  auto lanes = [count](int64_t j) { return count - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (count - j)) - 1); };
-  __m512 most = _mm512_set1_ps(-INFINITY);
-  for (int64_t j = 0; j < count; j += 16) most = _mm512_mask_max_ps(most, lanes(j), most, _mm512_maskz_loadu_ps(lanes(j), e + j));
-  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(most));  // a maximum is exact in any order
-  __m512 sums = _mm512_setzero_ps();
-  for (int64_t j = 0; j < count; j += 16) {  // the tail through a mask, so every value takes the vector path
-    const __m512 x = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes(j), e + j), shift));
-    _mm512_mask_storeu_ps(e + j, lanes(j), x);
-    sums = _mm512_mask_add_ps(sums, lanes(j), sums, x);
+  if (!portable) {
+    auto lanes = [count](int64_t j) { return count - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (count - j)) - 1); };
+    __m512 most = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < count; j += 16) most = _mm512_mask_max_ps(most, lanes(j), most, _mm512_maskz_loadu_ps(lanes(j), e + j));
+    const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(most));  // a maximum is exact in any order
+    __m512 sums = _mm512_setzero_ps();
+    for (int64_t j = 0; j < count; j += 16) {  // the tail through a mask, so every value takes the vector path
+      const __m512 x = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes(j), e + j), shift));
+      _mm512_mask_storeu_ps(e + j, lanes(j), x);
+      sums = _mm512_mask_add_ps(sums, lanes(j), sums, x);
+    }
+    return reduce16(sums);
   }
-  return _mm512_reduce_add_ps(sums);
-#else
-  const float top = *std::max_element(e, e + count);
-  float total = 0.0f;
-  for (int64_t j = 0; j < count; ++j) total += (e[j] = exp_portable(e[j] - top));
-  return total;
 #endif
+  const float top = *std::max_element(e, e + count);
+  float sums[16] = {};
+  for (int64_t j = 0; j < count; ++j) sums[j % 16] += (e[j] = exp_portable(e[j] - top));
+  return reduce16(sums);
 }
 
 // The work of one (KV head, position): `heads` query heads q[g] (rows of d, `q_stride` apart) over the
@@ -118,7 +142,7 @@ void attend_group(const Group& w, float* scores, float* totals) {
       const float* q = w.q + g * w.q_stride;
       __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), row[0]);
       for (int u = 1; u < C; ++u) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * u), row[u], acc);
-      scores[g * w.count + j] = _mm512_reduce_add_ps(acc) * w.scale;
+      scores[g * w.count + j] = reduce16(acc) * w.scale;
     }
   }
   for (int64_t g = 0; g < w.heads; ++g) totals[g] = normalize_weights(scores + g * w.count, w.count);
@@ -145,14 +169,24 @@ void attend_group(const Group& w, float* scores, float* totals) {
 }
 #endif
 
-// The same for any d, one head at a time, in plain C++ (on CPUs without AVX-512 and for odd head sizes).
+// The same for any d, one head at a time, in plain C++ (CPUs without AVX-512, odd head sizes): for d a
+// multiple of 16 the vector code's operations (16 lanes of d / 16 multiply-adds, `reduce16`), so the
+// same bits; otherwise one running sum over d.
 inline void attend_group_portable(const Group& w, float* scores, float* totals) {
   for (int64_t g = 0; g < w.heads; ++g) {
     const float* q = w.q + g * w.q_stride;
     for (int64_t j = 0; j < w.count; ++j) {
       const float* key = w.k + w.seen[j] * w.d;
       float sum = 0.0f;
-      for (int64_t i = 0; i < w.d; ++i) sum = std::fma(q[i], key[i], sum);
+      if (w.d % 16 == 0) {
+        float lanes[16];
+        for (int l = 0; l < 16; ++l) lanes[l] = q[l] * key[l];
+        for (int64_t i = 16; i < w.d; i += 16)
+          for (int l = 0; l < 16; ++l) lanes[l] = std::fma(q[i + l], key[i + l], lanes[l]);
+        sum = reduce16(lanes);
+      } else {
+        for (int64_t i = 0; i < w.d; ++i) sum = std::fma(q[i], key[i], sum);
+      }
       scores[g * w.count + j] = sum * w.scale;
     }
     totals[g] = normalize_weights(scores + g * w.count, w.count);
@@ -198,8 +232,8 @@ inline at::Tensor attend(const at::Tensor& q_in, const at::Tensor& keys, const a
                     keys.data_ptr<float>() + kv * keys.stride(0), values.data_ptr<float>() + kv * values.stride(0),
                     seen.data(), count, d, float(scale), out.data_ptr<float>() + (kv * group * n + i) * d, n * d};
 #if EXACT_ATTENTION_AVX512
-      if (d == 128) { attend_group<8>(w, scores.data(), totals.data()); continue; }
-      if (d == 64) { attend_group<4>(w, scores.data(), totals.data()); continue; }
+      if (!portable && d == 128) { attend_group<8>(w, scores.data(), totals.data()); continue; }
+      if (!portable && d == 64) { attend_group<4>(w, scores.data(), totals.data()); continue; }
 #endif
       attend_group_portable(w, scores.data(), totals.data());
     }

@@ -1,11 +1,12 @@
 // The decoder stack of verispec's runner as one C++ call, shared by the quantized precisions' extensions
 // (`int8.cpp`, `kquant.cpp`), each with its own linear layer.
 //
-// `DecoderLayers<Linear, Attention>::forward` runs one chain of n ≤ 32 new positions (decoding and
-// verification) through every layer with the same operations, in the same order, as `Transformer._layers`
-// and `_attend_rows` (so the same bits), without the Python interpreter between them. `Linear` is any
-// type with `at::Tensor operator()(const at::Tensor& x) const` (x [n, in] -> [n, out]); `Attention`
-// attends the new positions over the cache they were just stored in (`SdpaAttention` by default).
+// `DecoderLayers<Linear, Attention>::forward` runs one row of n ≤ 32 new positions (decoding and
+// verification: a chain, or a token tree where `Attention` takes a mask) through every layer with the
+// same operations, in the same order, as `Transformer._layers` and `_attend_rows` (so the same bits),
+// without the Python interpreter between them. `Linear` is any type with
+// `at::Tensor operator()(const at::Tensor& x) const` (x [n, in] -> [n, out]); `Attention` attends the
+// new positions over the cache they were just stored in (`SdpaAttention` by default: chains only).
 
 #pragma once
 
@@ -25,7 +26,9 @@ struct DecoderLayer {
 // Each position on its own through `scaled_dot_product_attention` (what `_attend_rows` does for a runner
 // without its own attention): q [heads, n, hd], keys/values [kv_heads, capacity, hd] -> [heads, n, hd].
 struct SdpaAttention {
-  at::Tensor operator()(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start, double scale) const {
+  at::Tensor operator()(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start,
+                        const c10::optional<at::Tensor>& mask, double scale) const {
+    TORCH_CHECK(!mask.has_value(), "this decoder stack runs chains only (token trees take the Python loop)");
     const int64_t n = q.size(1);
     auto one = [&](int64_t position, int64_t seen) {  // one query over the first `seen` slots
       return at::scaled_dot_product_attention(q.unsqueeze(0).slice(2, position, position + 1),
@@ -47,7 +50,9 @@ class DecoderLayers {
         scale_(1.0 / std::sqrt(double(head_dim))) {}
 
   // x [n, hidden] -> [n, hidden]; writes the new keys/values to slots start … start+n−1 of every layer.
-  at::Tensor forward(at::Tensor x, at::Tensor keys, at::Tensor values, int64_t start, at::Tensor cos, at::Tensor sin) const {
+  // mask: none for a chain, else bool [n, start + n] (a token tree: what each node sees).
+  at::Tensor forward(at::Tensor x, at::Tensor keys, at::Tensor values, int64_t start, at::Tensor cos, at::Tensor sin,
+                     c10::optional<at::Tensor> mask) const {
     const int64_t n = x.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const DecoderLayer<Linear>& layer = layers_[i];
@@ -57,7 +62,7 @@ class DecoderLayers {
       at::Tensor v = qkv.slice(1, q_size + kv_size).view({n, kv_heads_, head_dim_}).transpose(0, 1);
       q = rotate(q, cos, sin);
       k = rotate(k, cos, sin);
-      at::Tensor attn = attend(keys.select(0, i), values.select(0, i), q, k, v, start);
+      at::Tensor attn = attend(keys.select(0, i), values.select(0, i), q, k, v, start, mask);
       x = x + layer.o(attn.transpose(0, 1).reshape({n, q_size}));
       auto halves = layer.gate_up(rms_norm(x, layer.post_norm)).chunk(2, -1);
       x = x + layer.down(at::silu(halves[0]) * halves[1]);
@@ -78,10 +83,10 @@ class DecoderLayers {
 
   // keys/values [kv_heads, capacity, head_dim] of one layer; q [heads, n, hd], k/v [kv_heads, n, hd].
   at::Tensor attend(at::Tensor keys, at::Tensor values, const at::Tensor& q, const at::Tensor& k,
-                    const at::Tensor& v, int64_t start) const {
+                    const at::Tensor& v, int64_t start, const c10::optional<at::Tensor>& mask) const {
     keys.slice(1, start, start + q.size(1)).copy_(k);
     values.slice(1, start, start + q.size(1)).copy_(v);
-    return attention_(q, keys, values, start, scale_);
+    return attention_(q, keys, values, start, mask, scale_);
   }
 
   std::vector<DecoderLayer<Linear>> layers_;
@@ -117,6 +122,7 @@ void bind_decoder_layers(py::module& m, const char* name, Read read) {
         for (const auto& layer : layers) read_layers.push_back(read(layer));
         return Layers(std::move(read_layers), heads, kv_heads, head_dim, eps);
       }))
-      .def("forward", &Layers::forward, py::call_guard<py::gil_scoped_release>());
+      .def("forward", &Layers::forward, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("keys"),
+           py::arg("values"), py::arg("start"), py::arg("cos"), py::arg("sin"), py::arg("mask") = py::none());
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for uses for `items` long tasks", py::arg("items"));
 }

@@ -558,10 +558,11 @@ Linear to_linear(const py::tuple& t) {  // (packed parts, kinds, columns, bias o
 
 }  // namespace
 
-// The decoder stack's attention: the exact attention of `attention.h` (chains: no mask).
+// The decoder stack's attention: the exact attention of `attention.h` (chains and token trees).
 struct ExactAttention {
-  at::Tensor operator()(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start, double scale) const {
-    return exact_attention::attend(q, keys, values, start, c10::nullopt, scale);
+  at::Tensor operator()(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start,
+                        const c10::optional<at::Tensor>& mask, double scale) const {
+    return exact_attention::attend(q, keys, values, start, mask, scale);
   }
 };
 
@@ -571,10 +572,11 @@ DecoderLayer<Linear> kquant_layer(const py::tuple& t) {
   return {t[0].cast<at::Tensor>(), t[1].cast<at::Tensor>(), to_linear(t[2]), to_linear(t[3]), to_linear(t[4]), to_linear(t[5])};
 }
 
-// Which tile code runs: the AVX-512 VNNI kernels when built for them, else the portable code.
+// Which code runs (tiles and attention): the AVX-512 kernels when built for them, else the portable code.
 // `set_portable(true)` forces the portable code (the tests compare the two).
 bool set_portable(bool portable) {
   use_portable = portable || !KQ_AVX512;
+  exact_attention::portable = use_portable;
   return use_portable;
 }
 
