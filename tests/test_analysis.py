@@ -148,3 +148,17 @@ def test_the_profile_accounts_for_every_step(tiny_target):
     assert spec.steps < spec.tokens and spec.alpha == 1.0 and spec.phases["draft"] > 0
     table = format_profile([plain, spec], [0.01, 0.012, 0.013, 0.015], {"model": 0.002})
     assert [line.split("|")[1].strip() for line in table.splitlines()[2:]] == ["none", "model"]
+
+
+def test_the_profile_command_runs_every_method_on_every_prompt(tiny_target, tmp_path, capsys):
+    """`analyze --profile` end to end: plain decoding first, each method over the same prompts
+    (interleaved per prompt), and the curve the predictions use."""
+    questions = tmp_path / "q.jsonl"
+    questions.write_text('{"question_id": 1, "category": "writing", "turns": ["t3 t4 t5"]}\n'
+                         '{"question_id": 2, "category": "coding", "turns": ["t7 t8"]}\n')
+    assert cli_main(["analyze", "--profile", "--target", str(tiny_target), "--dtype", "float32", "--methods", "ngram",
+                     "--questions", str(questions), "--per-category", "2", "--max-new-tokens", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "2 prompts" in out and "target T(n)/T(1)" in out
+    rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "method" not in line]
+    assert rows == ["none", "ngram"]

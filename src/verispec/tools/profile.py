@@ -3,8 +3,9 @@
     verispec analyze --profile --target qwen2.5-coder-1.5b-instruct --dtype gguf --methods none,ngram,model
     verispec analyze --profile --dtype int8 --methods none,model --questions humaneval,mt_bench.jsonl --per-category 2
 
-Each method (a drafter spec over the chosen target and backend) decodes the prompts greedily, one
-after the other, and each step's time is split into the phases the engine records
+Each method (a drafter spec over the chosen target and backend) decodes the prompts greedily,
+interleaved (every method on a prompt before the next prompt, the order rotating, so a drift in the
+machine's speed reaches every method alike), and each step's time is split into the phases the engine records
 (`GenerationStats.PHASES`: the draft, the target's forward, verification with its processors, the
 cache and drafter commit, statistics and the γ policy, detokenization with stop strings) and what is
 left (the loop around them). The table gives milliseconds per step, then per token, τ, and the
@@ -69,11 +70,13 @@ class MethodProfile:
         return self.tokens / self.steps if self.steps else 0.0
 
 
-def profile_method(engine, method: str, prompts: list[list[int]], max_new_tokens: int) -> MethodProfile:
-    """Decode each prompt greedily with `engine` and account for every step's time."""
+def profile_method(engine, method: str, prompts: list[list[int]], max_new_tokens: int,
+                   into: MethodProfile | None = None) -> MethodProfile:
+    """Decode each prompt greedily with `engine` and account for every step's time (added to `into`
+    when given)."""
     from verispec.engine import GenerationConfig
 
-    profile = MethodProfile(method)
+    profile = into or MethodProfile(method)
     for ids in prompts:
         generation = engine.start(ids, GenerationConfig(max_new_tokens=max_new_tokens, chat=False))
         before = dict(generation.stats.phases)
@@ -133,16 +136,21 @@ def run_profile(args: argparse.Namespace) -> int:
     target = builder.target()
     prompts = [target.encode_prompt(p.text, chat=True) for p in select(load_sources(args.questions), None, args.per_category)]
     print(f"{cpu_summary()} · {target.name} · {target.precision} · {len(prompts)} prompts · {args.max_new_tokens} new tokens, greedy")
-    rows, draft_seconds, curve = [], {}, None
+    engines, draft_seconds, curve = {}, {}, None
     for method in methods:
-        engine = builder.engine(method, args.gamma, args.gamma_policy)
+        engine = engines[method] = builder.engine(method, args.gamma, args.gamma_policy)
         costs = engine.costs_for(engine.drafter, "analytic") if engine.drafter is not None else CostModel()
         if costs.target_seconds:
             curve = curve or costs.target_seconds
             draft_seconds[method] = costs.draft_token_seconds or 0.0
         profile_method(engine, method, prompts[:1], min(8, args.max_new_tokens))  # warm-up: first-call costs stay out
-        rows.append(profile_method(engine, method, prompts, args.max_new_tokens))
-        print(f"  {method}: {rows[-1].tokens} tokens in {rows[-1].seconds:.2f} s", flush=True)
+    rows = [MethodProfile(method) for method in methods]
+    for index, prompt in enumerate(prompts):
+        for k in range(len(rows)):  # every method on this prompt, the order rotating from prompt to prompt
+            row = rows[(index + k) % len(rows)]
+            profile_method(engines[row.method], row.method, [prompt], args.max_new_tokens, into=row)
+    for row in rows:
+        print(f"  {row.method}: {row.tokens} tokens in {row.seconds:.2f} s", flush=True)
     if curve is None:  # plain decoding only: the curve is still what the prediction needs
         curve = CostModel.calibrated(target, builder.engine("none").max_gamma + 1).target_seconds
     print(f"target T(n)/T(1), n = 1…{len(curve)}: " + " ".join(f"{t / curve[0]:.2f}" for t in curve)
