@@ -57,13 +57,15 @@ def measure_verify_curve(runner: Runner, max_positions: int, context: int = 64, 
     return times
 
 
-def _cached(key: str, needed: int, measure: Callable[[], list[float]]) -> list[float]:
-    """The timings stored under `key` in the cache directory, measured now when missing or too short."""
+def _cached(key: str, needed: int, measure: Callable[[], list[float]], what: str = "verification costs") -> list[float]:
+    """The timings stored under `key` in the cache directory, measured now (with a spinner saying `what`)
+    when missing or too short."""
     file = cache_dir() / "verify_costs.json"
     table = json.loads(file.read_text()) if file.exists() else {}
     times = table.get(key)
     if times is None or len(times) < needed:
-        times = measure()
+        with status(f"measuring {what} (once per model, dtype and thread count)"):
+            times = measure()
         table[key] = times
         file.parent.mkdir(parents=True, exist_ok=True)
         file.write_text(json.dumps(table, indent=1))
@@ -95,8 +97,7 @@ def measure_prefill(runner: Runner, chunk: int, repeats: int = 2) -> float:
 def prefill_seconds_per_token(model: LoadedModel, chunk: int = 64) -> float:
     """The target's prefill time per prompt token in chunks of `chunk`, from the cache or measured now."""
     key = f"prefill{chunk}|{_runner_key(model.runner, str(model.folder))}"
-    with status("measuring prefill speed (once per model, dtype and thread count)"):
-        return _cached(key, 1, lambda: [measure_prefill(model.runner, chunk) / chunk])[0]
+    return _cached(key, 1, lambda: [measure_prefill(model.runner, chunk) / chunk], "prefill speed")[0]
 
 
 class CostModel:
@@ -108,11 +109,10 @@ class CostModel:
     def calibrated(cls, target: LoadedModel, max_positions: int, draft: LoadedModel | None = None) -> CostModel:
         """T(n) of the target and the draft model's seconds per token, from the cache or measured now;
         a model-free drafter's is 0."""
-        with status("measuring verification costs (once per model, dtype and thread count)"):
-            target_seconds = _cached_curve(target.runner, str(target.folder), max_positions)
-            draft_seconds = 0.0
-            if draft is not None:
-                draft_seconds = _cached_curve(draft.runner, str(draft.folder), 1)[0]
+        target_seconds = _cached_curve(target.runner, str(target.folder), max_positions)
+        draft_seconds = 0.0
+        if draft is not None:
+            draft_seconds = _cached_curve(draft.runner, str(draft.folder), 1)[0]
         return cls(target_seconds, draft_seconds)
 
     def verify_cost(self, gamma: int) -> float:

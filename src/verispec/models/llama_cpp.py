@@ -51,6 +51,7 @@ import torch
 from verispec.errors import InvalidParameterError, PromptError, VerispecError
 from verispec.models.runner import RunnerConfig
 from verispec.paths import cache_dir, cpu_flags
+from verispec.progress import status
 
 __all__ = ["WINDOW", "LlamaCppCache", "LlamaCppRunner", "context_size", "exact_width", "require_llama_cpp"]
 
@@ -498,6 +499,15 @@ def exact_width(runner: LlamaCppRunner, widest: int = 16, context: int = 32) -> 
     table = json.loads(file.read_text()) if file.exists() else {}
     if key in table:
         return table[key]
+    with status("measuring which verification widths are exact (once per file, threads and CPU)"):
+        exact = _measure_exact_width(runner, widest, context)
+    table[key] = exact
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(json.dumps(table, indent=1))
+    return exact
+
+
+def _measure_exact_width(runner: LlamaCppRunner, widest: int, context: int) -> int:
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, runner.config.vocab_size, (context + widest,), generator=generator)  # [context + widest]
     prefix, fed = tokens[:context].tolist(), tokens[context:]
@@ -516,7 +526,4 @@ def exact_width(runner: LlamaCppRunner, widest: int = 16, context: int = 32) -> 
         if not torch.equal(fed_at_once(width), single[:width]):
             break
         exact = width
-    table[key] = exact
-    file.parent.mkdir(parents=True, exist_ok=True)
-    file.write_text(json.dumps(table, indent=1))
     return exact

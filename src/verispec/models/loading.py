@@ -243,8 +243,7 @@ def _load_gguf(spec: str | Path, exact: bool) -> LoadedModel:
     with status(f"loading {spec} into llama.cpp"):
         runner = LlamaCppRunner(gguf, exact=exact)
         tokenizer = load_tokenizer(folder)
-    with status("measuring which verification widths are exact (once per file, threads and CPU)"):
-        runner.measure_exact_widths()  # here, never inside a request
+    runner.measure_exact_widths()  # here, never inside a request (a spinner while it measures)
     return LoadedModel(str(spec), gguf, runner, tokenizer, _eos_ids(folder, tokenizer) | runner.eos_ids)
 
 
