@@ -256,6 +256,20 @@ def test_forward_rows_equal_single_position_decoding(tiny):
     assert torch.equal(batched[0], together)
 
 
+def test_a_prompt_fed_in_chunks_leaves_the_cache_it_leaves_whole(tiny):
+    """kquant's attention is row-invariant at every width, prefill included: a server's chunked prefill
+    gives the bits of a whole one (so the request's output cannot depend on how it was chunked)."""
+    runner = tiny[0].runner
+    prompt = torch.randint(0, runner.config.vocab_size, (90,), generator=torch.Generator().manual_seed(3))  # [90]
+    whole = runner.new_cache()
+    whole_logits = runner.forward(whole, prompt, logits="last")
+    chunked = runner.new_cache()
+    for first, last in [(0, 7), (7, 47), (47, 48), (48, 90)]:  # 7, 40 (wider than the compiled stack), 1, 42
+        chunked_logits = runner.forward(chunked, prompt[first:last], logits="last")
+    assert torch.equal(chunked_logits, whole_logits)
+    assert torch.equal(chunked.keys[:, :, :90], whole.keys[:, :, :90]) and torch.equal(chunked.values[:, :, :90], whole.values[:, :, :90])
+
+
 @pytest.mark.parametrize("gamma", [1, 4])
 @pytest.mark.parametrize("kind", ["model", "self", "ngram", "tree", "stand"])
 def test_greedy_speculative_equals_greedy_plain(tiny, tiny_draft48, kind, gamma):

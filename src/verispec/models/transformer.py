@@ -250,10 +250,12 @@ class Transformer:
     `scaled_dot_product_attention` is not (its blocking changes with the number of queries), so feeds
     of 2..ROW_INVARIANT_POSITIONS positions, chains or token trees, attend one query at a time over
     exactly the keys, in the order, that a single-token step on that path would see (int8: one SDPA call
-    per layer and position, a tree node's keys gathered from its ancestors' slots; kquant: the
-    kquant extension's own attention, `kernels/attention.h`, every position of a layer in one call that
-    reads each cached key once per group of query heads). Longer feeds (prompt prefill) use one batched
-    SDPA call: prefill is shared by speculative and plain decoding. Float runners batch everything
+    per layer and position, a tree node's keys gathered from its ancestors' slots). Longer int8 feeds
+    (prompt prefill) use one batched SDPA call: prefill is shared by speculative and plain decoding.
+    kquant attends every feed, prompts included, with its extension's own attention (`kernels/attention.h`:
+    every position of a layer in one call, each cached key read once per group of query heads, faster than
+    SDPA here), so its prefill is row-invariant too: a prompt fed in chunks (a server's) or whole
+    leaves the same cache, bit for bit. Float runners batch everything
     and are exact up to float rounding.
 
     A row's company in `forward_ragged` does not matter (float32, int8, and bfloat16 where oneDNN
@@ -543,7 +545,7 @@ class Transformer:
             end = row.start + row.n
             row.cache.keys[layer, :, row.start : end] = k[:, offset : offset + row.n]
             row.cache.values[layer, :, row.start : end] = v[:, offset : offset + row.n]
-            if exact is not None and row.n <= ROW_INVARIANT_POSITIONS:  # every position on its own, in one call
+            if exact is not None:  # every position on its own, in one call (a prompt's too: as fast as SDPA)
                 mask = None if row.chain else row.mask
                 outputs.append(exact(q[:, offset : offset + row.n], row.cache.keys[layer], row.cache.values[layer], row.start, mask, scale))
                 offset += row.n
