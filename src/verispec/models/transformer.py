@@ -373,8 +373,7 @@ class Transformer:
         tree_mask: [n, n] bool, True where new token i may attend to new token j (default causal);
         logits: "all" -> [n, vocab], "last" -> [1, vocab], "none" -> None. Logits are float32.
         A long chain (a prompt) runs in pieces of `PREFILL_PIECE` positions: the activations of a piece
-        stay in the CPU's caches (1,024 prompt tokens of the 1.5B target in kquant: 6.65 s whole,
-        5.60 s in pieces of 256).
+        stay in the CPU's caches (faster: BENCHMARKS.md, "What made kquant fast").
         """
         n = tokens.shape[0]
         if positions is None and tree_mask is None and n > PREFILL_PIECE and logits != "all":

@@ -4,10 +4,10 @@
 //
 // Why not `scaled_dot_product_attention`: to keep a position's bits independent of the call, the runner
 // called it once per position and layer, and each call read the layer's whole cache again, so verifying
-// n positions cost n times the attention of a decode step (at 700 cached tokens, 4 ms a step and 20 ms
-// for 5 positions on 2 cores). Here one parallel call per layer takes every new position, a task per
-// (KV head, position): each key and value row is read once for the query heads that share it (grouped-
-// query attention: 6 in Qwen2.5-1.5B) rather than once per head.
+// n positions cost n times the attention of a decode step, which at long contexts is a large part of the
+// step (BENCHMARKS.md, "What made kquant fast"). Here one parallel call per layer takes every new
+// position, a task per (KV head, position): each key and value row is read once for the query heads that
+// share it (grouped-query attention: 6 in Qwen2.5-1.5B) rather than once per head.
 //
 // Exactness: for each (position, head) the arithmetic is a fixed sequence that depends only on the
 // position's visible slots: a dot product per slot (16-lane fused multiply-adds over the head dimension,
