@@ -39,7 +39,6 @@ where the wide kernels pay, and equals plain decoding except where a near-tie fl
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import json
 import threading
 from collections import deque
@@ -50,7 +49,7 @@ import torch
 
 from verispec.errors import InvalidParameterError, PromptError, VerispecError
 from verispec.models.runner import RunnerConfig
-from verispec.paths import cache_dir, cpu_flags
+from verispec.paths import cache_dir, cpu_key
 from verispec.progress import status
 
 __all__ = ["WINDOW", "LlamaCppCache", "LlamaCppRunner", "context_size", "exact_width", "require_llama_cpp"]
@@ -494,7 +493,7 @@ def exact_width(runner: LlamaCppRunner, widest: int = 16, context: int = 32) -> 
     every narrower width too: measured on fixed pseudo-random tokens after a `context`-token prefix,
     then cached per file, thread count and CPU kind (`cache_dir()/exact_widths.json`)."""
     key = (f"{runner.path.resolve()}|threads={runner.threads}|context={context}"
-           f"|cpu={hashlib.sha256(cpu_flags().encode()).hexdigest()[:12]}")
+           f"|cpu={cpu_key()}")
     file = cache_dir() / "exact_widths.json"
     table = json.loads(file.read_text()) if file.exists() else {}
     if key in table:

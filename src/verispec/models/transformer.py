@@ -40,7 +40,7 @@ from verispec.models import kernels
 from verispec.models.device import CPU
 from verispec.models.int8 import Int8Linear
 from verispec.models.int8_store import Int8Store
-from verispec.models.kquant import KQuantEmbedding, KQuantLinear, KQuantWeight, concat_rows
+from verispec.models.kquant import KQuantEmbedding, KQuantLinear, KQuantWeight, concat_rows, kquant_kernels
 from verispec.models.linear import PackedLinear
 from verispec.models.runner import RunnerConfig, ragged_rows
 
@@ -282,6 +282,8 @@ class Transformer:
         if quant == "kquant":  # its costs are the kernels' own: a new kernel build is measured anew
             self.variant += f",kernels={kernels.build_key('kquant')}"
         self.row_invariant = quant is not None
+        # kquant's own attention (`kernels/attention.h`): every feed's positions each on its own, chains and trees
+        self._exact_attend = kquant_kernels().attend if quant == "kquant" else None
         self._compiled: tuple = (None, None)  # (the layers it was built from, `Int8Layers`/`KQuantLayers` or None)
         linear = _linear_factory(pack, quant, pack_rows, int8_store)
         weights = _Weights(weights, dtype, device)
@@ -435,8 +437,8 @@ class Transformer:
         cos, sin = self._rope(torch.cat([row.positions for row in rows]), max(row.top for row in rows) + 1)
         cos, sin = cos[None], sin[None]  # [1, N, head_dim]
         x = self.embed(tokens) if isinstance(self.embed, KQuantEmbedding) else F.embedding(tokens, self.embed)  # [N, hidden]
-        row = rows[0]  # one chain (any compiled stack) or token tree (kquant's, whose attention takes a mask)
-        one_row = len(rows) == 1 and row.n <= ROW_INVARIANT_POSITIONS and (row.chain or self.quant == "kquant")
+        row = rows[0]  # one chain (any compiled stack) or token tree (a stack on the exact attention, which takes a mask)
+        one_row = len(rows) == 1 and row.n <= ROW_INVARIANT_POSITIONS and (row.chain or self._exact_attend is not None)
         compiled = self._compiled_layers() if one_row else None
         if compiled is not None:  # the same operations as `_layers`, in one C++ call
             x = compiled.forward(x, row.cache.keys, row.cache.values, row.start, cos, sin, None if row.chain else row.mask)
@@ -539,14 +541,14 @@ class Transformer:
         """Store each row's keys/values in its cache and attend over it: q [heads, N, hd] -> [heads, N, hd]."""
         scale = 1.0 / math.sqrt(self.config.head_dim)
         outputs, offset = [], 0
-        exact = kernels.extension("kquant").attend if self.quant == "kquant" else None  # `kernels/attention.h`
         for row in rows:
             end = row.start + row.n
             row.cache.keys[layer, :, row.start : end] = k[:, offset : offset + row.n]
             row.cache.values[layer, :, row.start : end] = v[:, offset : offset + row.n]
-            if exact is not None:  # every position on its own, in one call (a prompt's too: as fast as SDPA)
+            if self._exact_attend is not None:  # every position on its own, in one call (a prompt's too: as fast as SDPA)
                 mask = None if row.chain else row.mask
-                outputs.append(exact(q[:, offset : offset + row.n], row.cache.keys[layer], row.cache.values[layer], row.start, mask, scale))
+                outputs.append(self._exact_attend(q[:, offset : offset + row.n], row.cache.keys[layer], row.cache.values[layer],
+                                                  row.start, mask, scale))
                 offset += row.n
                 continue
             if self.row_invariant and 1 < row.n <= ROW_INVARIANT_POSITIONS:

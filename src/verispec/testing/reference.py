@@ -24,8 +24,8 @@ __all__ = ["WholeSequenceOracle", "next_token_probs", "reference_generate", "seq
 @torch.inference_mode()
 class WholeSequenceOracle:
     """`model(ids).logits` like a transformers model (the interface of the functions below), computed by a
-    verispec runner over the whole sequence in ONE forward pass with a fresh cache: for a row-invariant
-    runner (int8, kquant) the oracle of its own decoding, bit for bit."""
+    verispec runner over the whole sequence in ONE forward pass with a fresh cache: the oracle of a
+    row-invariant runner's own decoding, bit for bit (kquant at any length, int8 up to 32 positions)."""
 
     def __init__(self, runner):
         self.runner = runner
