@@ -25,6 +25,7 @@ from verispec.engine.build import auto_backends
 from verispec.models.kquant import KQUANT_TYPES, KQuantLinear, KQuantWeight, kquant_kernels, kquant_suits
 from verispec.models.gguf_weights import kquant_runs
 from verispec.models.loading import load_model, parse_precision
+from verispec.models.requantize import quantize_q4_k, quantize_q6_k
 from verispec.models.runner import LoadedModel
 from verispec.models.transformer import ModelConfig, Transformer
 from verispec.testing.reference import WholeSequenceOracle, reference_generate, sequence_distribution
@@ -102,10 +103,12 @@ def test_bad_shapes_are_clear_errors():
     kernels = kquant_kernels()
     blocks = torch.from_numpy(random_blocks(Q4_K, 16, 256, np.random.default_rng(0)))
     layer = KQuantLinear(KQuantWeight(Q4_K, blocks, 256))
-    with pytest.raises(RuntimeError, match="multiple of 256"):
+    with pytest.raises(ValueError, match="takes 256 inputs, not 200"):
         layer(torch.randn(2, 200))
     with pytest.raises(RuntimeError, match="another input width"):
-        layer(torch.randn(2, 512))
+        kernels.linear(torch.randn(2, 512), layer.packed, layer.kinds, layer.columns, None)
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        kernels.quantize_rows(torch.randn(2, 200))
     with pytest.raises(RuntimeError, match="Q4_K"):
         kernels.repack(2, blocks)
     with pytest.raises(ValueError, match="one input width"):
@@ -385,3 +388,89 @@ def test_a_derived_draft_shares_the_files_head_tiles(tiny):
     config = GenerationConfig(max_new_tokens=16)
     expected = Engine(model, None).generate(PROMPTS[1], config).token_ids
     assert Engine(model, drafter, gamma=3, gamma_policy="constant").generate(PROMPTS[1], config).token_ids == expected
+
+
+# --- requantized drafts: a file of other block types (`models/requantize.py`) ---------------------
+
+
+@pytest.mark.parametrize("quantize, kind, error", [(quantize_q4_k, "Q4_K", 0.1), (quantize_q6_k, "Q6_K", 0.03)])
+def test_the_quantizers_write_blocks_the_gguf_package_reads_back(quantize, kind, error):
+    rng = np.random.default_rng(0)
+    weights = (rng.standard_normal((24, 512)) * 0.05).astype(np.float32)  # [rows, K]
+    weights[:, 320:] = 0.0  # a padded row's tail: whole sub-blocks of zeros (896 = 28 × 32)
+    weights[5] = 0.0  # a row of zeros (scales 0: no division by zero)
+    weights[6, :320] += 0.2  # a row of positive weights (Q4_K's min is then 0)
+    blocks = quantize(weights)
+    back = dequantize(blocks, gguf.GGMLQuantizationType[kind]).reshape(weights.shape)
+    assert blocks.shape == (24, 2 * (144 if kind == "Q4_K" else 210)) and np.isfinite(back).all()
+    assert np.linalg.norm(back - weights) / np.linalg.norm(weights) < error  # 7.8 % and 1.9 % measured
+    assert not back[:, 320:].any() and not back[5].any()  # zeros stay exact zeros
+    shuffled = quantize(weights[::-1].copy())[::-1]  # each row's blocks are its own
+    assert np.array_equal(shuffled, blocks)
+
+
+def write_legacy_gguf(path, vocab: int, seed: int, hidden: int = 96) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """A random qwen2 model as the shipped 0.5B draft is stored: widths that are not multiples of 256,
+    Q5_0 and Q8_0 blocks (the `gguf` package's own quantizers); and its weights as the file means them."""
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(seed)
+    config = ModelConfig(model_type="qwen2", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=hidden // 4, rms_norm_eps=1e-6,
+                         rope_theta=10000.0, max_position_embeddings=256, attention_bias=True, tie_word_embeddings=False)
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    floats: dict[str, torch.Tensor] = {}
+
+    def blocks(hf: str, name: str, rows: int, cols: int, kind: str, scale: float):
+        kind = gguf.GGMLQuantizationType[kind]
+        raw = quantize((rng.standard_normal((rows, cols)) * scale).astype(np.float32), kind)
+        floats[hf] = torch.from_numpy(dequantize(raw, kind).astype(np.float32))
+        writer.add_tensor(name, raw, raw_dtype=kind)
+
+    def plain(hf: str, name: str, values: np.ndarray):
+        floats[hf] = torch.from_numpy(values)
+        writer.add_tensor(name, values)
+
+    kv = 2 * config.head_dim
+    blocks("model.embed_tokens.weight", "token_embd.weight", vocab, hidden, "Q5_0", 1.0)
+    for i in range(2):
+        hf, blk = f"model.layers.{i}.", f"blk.{i}."
+        plain(hf + "input_layernorm.weight", blk + "attn_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+        plain(hf + "post_attention_layernorm.weight", blk + "ffn_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+        for p, rows, kind in (("q", hidden, "Q5_0"), ("k", kv, "Q5_0"), ("v", kv, "Q8_0")):
+            blocks(hf + f"self_attn.{p}_proj.weight", blk + f"attn_{p}.weight", rows, hidden, kind, 0.1)
+            plain(hf + f"self_attn.{p}_proj.bias", blk + f"attn_{p}.bias", (0.1 * rng.standard_normal(rows)).astype(np.float32))
+        blocks(hf + "self_attn.o_proj.weight", blk + "attn_output.weight", hidden, hidden, "Q5_0", 0.1)
+        blocks(hf + "mlp.gate_proj.weight", blk + "ffn_gate.weight", 2 * hidden, hidden, "Q5_0", 0.1)
+        blocks(hf + "mlp.up_proj.weight", blk + "ffn_up.weight", 2 * hidden, hidden, "Q5_0", 0.1)
+        blocks(hf + "mlp.down_proj.weight", blk + "ffn_down.weight", hidden, 2 * hidden, "Q8_0", 0.1)
+    plain("model.norm.weight", "output_norm.weight", np.ones(hidden, dtype=np.float32))
+    blocks("lm_head.weight", "output.weight", vocab, hidden, "Q8_0", 0.3)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    return config, floats
+
+
+def test_a_draft_of_other_blocks_runs_requantized_and_speculation_stays_exact(tiny, tmp_path, monkeypatch):
+    """The shipped 0.5B's case: Q5_0/Q8_0 blocks 96 wide run requantized (padded to 256), close to the
+    file's own weights; the copy is made once and cached; and as a draft it leaves greedy speculative
+    output equal to plain decoding of the kquant target."""
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "legacy.gguf"
+    config, floats = write_legacy_gguf(path, vocab=48, seed=5)
+    with pytest.raises(ModelNotFoundError, match="Q5_0, Q8_0"):
+        Transformer.from_gguf(path, config)
+    runner = Transformer.from_gguf(path, config, requantize=True)
+    assert runner.variant.endswith(",requantized") and len(list((tmp_path / "cache" / "kquant").glob("*.safetensors"))) == 1
+    reference = Transformer(config, floats, torch.float32, pack=False)
+    ids = torch.tensor(PROMPTS[1])
+    got, want = runner.forward(runner.new_cache(), ids), reference.forward(reference.new_cache(), ids)
+    assert float((got - want).norm() / want.norm()) < 0.25
+    again = Transformer.from_gguf(path, config, requantize=True)  # from the cache: the same blocks
+    assert torch.equal(again.forward(again.new_cache(), ids), got)
+    target = tiny[0]
+    draft = LoadedModel("legacy", path, runner, target.tokenizer, frozenset({0}))
+    engine, plain = Engine(target, DraftModelDrafter(draft, target.vocab_size), gamma=3, gamma_policy="constant"), Engine(target, None)
+    settings = GenerationConfig(max_new_tokens=20)
+    assert engine.generate(PROMPTS[0], settings).stats.proposed_tokens > 0  # the draft takes part
+    for prompt in PROMPTS:
+        assert engine.generate(prompt, settings).token_ids == plain.generate(prompt, settings).token_ids

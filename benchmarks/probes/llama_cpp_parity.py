@@ -78,6 +78,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=1, help="times through the prompts")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     print(cpu_summary())
@@ -87,17 +88,21 @@ def main() -> None:
     llm = require_llama_cpp().Llama(model_path=str(target.runner.path), n_ctx=WINDOW, n_threads=threads,
                                     n_threads_batch=threads, flash_attn=True, verbose=False)
     same, ours_rate, theirs_rate = 0, [], []
-    for prompt in PROMPTS:
+    for i, prompt in enumerate(PROMPTS * args.rounds):
         ids = engine.prompt_ids(prompt)
-        ours, ours_s = timed(lambda: engine.generate(ids, GenerationConfig(max_new_tokens=args.max_new_tokens)).token_ids)
-        theirs, theirs_s = timed(lambda: llama_cpp_tokens(llm, ids, target.eos_ids, args.max_new_tokens))
+        run_ours = lambda: timed(lambda: engine.generate(ids, GenerationConfig(max_new_tokens=args.max_new_tokens)).token_ids)
+        run_theirs = lambda: timed(lambda: llama_cpp_tokens(llm, ids, target.eos_ids, args.max_new_tokens))
+        if i % 2:  # each goes first on every other prompt
+            (theirs, theirs_s), (ours, ours_s) = run_theirs(), run_ours()
+        else:
+            (ours, ours_s), (theirs, theirs_s) = run_ours(), run_theirs()
         differ = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
         same += list(ours) == theirs
         ours_rate.append(len(ours) / ours_s)
         theirs_rate.append(len(theirs) / theirs_s)
         print(f"{'same' if list(ours) == theirs else f'differs at {differ}'}: {len(ours)}/{len(theirs)} tokens, "
               f"{ours_rate[-1]:.2f} / {theirs_rate[-1]:.2f} tok/s · {prompt[:40]!r}")
-    print(f"{same}/{len(PROMPTS)} identical; verispec {sum(ours_rate) / len(ours_rate):.2f} tok/s, llama.cpp "
+    print(f"{same}/{len(PROMPTS) * args.rounds} identical; verispec {sum(ours_rate) / len(ours_rate):.2f} tok/s, llama.cpp "
           f"{sum(theirs_rate) / len(theirs_rate):.2f} tok/s (× {sum(ours_rate) / sum(theirs_rate):.3f})")
     if args.profile:
         profile(engine, engine.prompt_ids(PROMPTS[0]), 128)

@@ -150,8 +150,11 @@ def _models(args: argparse.Namespace) -> int:
             by_backend: dict[str, list[str]] = {}
             gguf = cache_dir() / "gguf" / f"{name}.gguf"
             for precision, backend in precisions_for(model_type, gguf=True).items():
-                if precision != "kquant" or (gguf.exists() and kquant_runs(gguf)):  # kquant: Q4_K/Q6_K files only
-                    by_backend.setdefault(backend, []).append(precision)
+                if precision == "kquant" and not gguf.exists():
+                    continue
+                if precision == "kquant" and not kquant_runs(gguf):  # its other blocks requantized: another model
+                    precision = "kquant (a requantized copy: another rounding, for drafts)"
+                by_backend.setdefault(backend, []).append(precision)
             runs = " · ".join(f"{', '.join(names)} ({backend})" for backend, names in by_backend.items())
         print(f"{name:30s} {model_type or '?':12s} {state:40s} {runs}")
         if folder in families:

@@ -24,6 +24,7 @@ import torch
 
 from verispec.errors import ModelNotFoundError
 from verispec.models.kquant import KQUANT_TYPES, KQuantWeight
+from verispec.models.requantize import Requantized
 
 __all__ = ["GGUFWeights", "GGUF_ARCHITECTURES", "gguf_architecture", "kquant_runs", "tensor_index"]
 
@@ -140,25 +141,33 @@ def kquant_runs(path: str | Path) -> bool:
 class GGUFWeights:
     """A read-only mapping from Hugging Face weight names to a GGUF file's tensors (see the module docstring)."""
 
-    def __init__(self, path: str | Path, num_heads: int, num_kv_heads: int):
+    def __init__(self, path: str | Path, num_heads: int, num_kv_heads: int, requantize: bool = False):
+        """requantize: serve the tensors kquant cannot run (Q5_0, Q8_0, …) requantized to Q4_K/Q6_K
+        (`models/requantize.py`: another model than the file, for drafts); else such a file is an error."""
         self.path = Path(path)
         self.architecture, self.tensors = tensor_index(self.path)
         if self.architecture not in GGUF_ARCHITECTURES:
             raise ModelNotFoundError(f"{self.path.name} is a {self.architecture!r} GGUF file; kquant runs "
                                      f"{', '.join(GGUF_ARCHITECTURES)} files (use --dtype gguf for llama.cpp)")
         self.heads = {"q": num_heads, "k": num_kv_heads}
-        unsupported = sorted({t.type_name for t in self.tensors.values() if t.type_name not in (*KQUANT_TYPES, *_FLOAT_TYPES)})
-        if unsupported:
+        others = {name: t for name, t in self.tensors.items() if t.type_name not in (*KQUANT_TYPES, *_FLOAT_TYPES)}
+        if others and not requantize:
             raise ModelNotFoundError(
-                f"{self.path.name} holds {', '.join(unsupported)} tensors; kquant runs Q4_K and Q6_K blocks "
-                "(Q4_K_M and Q4_K_S files of qwen2/llama models); use --dtype gguf to run this file with llama.cpp"
+                f"{self.path.name} holds {', '.join(sorted({t.type_name for t in others.values()}))} tensors; kquant "
+                "runs Q4_K and Q6_K blocks (Q4_K_M and Q4_K_S files of qwen2/llama models); use --dtype gguf to run "
+                "this file with llama.cpp"
             )
+        self.requantized = Requantized(self.path, others) if others else {}  # GGUF name -> (type, blocks)
 
     def __contains__(self, name: str) -> bool:
         return gguf_name(name) in self.tensors
 
     def __getitem__(self, name: str) -> torch.Tensor | KQuantWeight:
         tensor = self.tensors[gguf_name(name)]
+        if gguf_name(name) in self.requantized:
+            kind, blocks = self.requantized[gguf_name(name)]
+            raw = self._hf_row_order(name, blocks.numpy())
+            return KQuantWeight(KQUANT_TYPES[kind], torch.from_numpy(np.ascontiguousarray(raw)), int(tensor.shape[0]))
         data = np.empty(tensor.nbytes, dtype=np.uint8)
         with open(self.path, "rb") as f:
             f.seek(tensor.offset)

@@ -59,7 +59,8 @@ def kquant_suits(path) -> bool:
 @dataclass(frozen=True)
 class KQuantWeight:
     """One GGUF tensor's blocks: `raw` uint8 [rows, blocks × block bytes] (a row per output feature),
-    of ggml type `kind` (12 Q4_K, 14 Q6_K), each row `cols` weights wide."""
+    of ggml type `kind` (12 Q4_K, 14 Q6_K), each row `cols` weights wide (a requantized row's blocks
+    may hold zeros past `cols`, up to whole super-blocks: `models/requantize.py`)."""
 
     kind: int
     raw: torch.Tensor
@@ -102,6 +103,8 @@ class KQuantLinear:
         self._linear = kernels.linear
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [rows, in] -> [rows, out]
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"this k-quant layer takes {self.in_features} inputs, not {x.shape[-1]}")
         return self._linear(x, self.packed, self.kinds, self.columns, self.bias)
 
     def first_columns(self, n: int) -> KQuantLinear:
@@ -130,7 +133,8 @@ class KQuantEmbedding:
         self._dequantize = kquant_kernels().dequantize
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:  # tokens [N] -> [N, hidden] float32
-        return self._dequantize(self.weight.kind, self.weight.raw[tokens.cpu()])
+        rows = self._dequantize(self.weight.kind, self.weight.raw[tokens.cpu()])  # [N, whole super-blocks]
+        return rows if rows.shape[1] == self.weight.cols else rows[:, : self.weight.cols].contiguous()
 
     @property
     def device(self) -> torch.device:

@@ -193,7 +193,7 @@ class _Context:
             if wanted:
                 pointer = lib.llama_get_logits(self.ctx)  # float* [wanted, vocab], rows in batch order
                 outputs.append(torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(wanted, vocab)).copy()))
-        return torch.cat(outputs) if outputs else torch.zeros(0, vocab)
+        return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)) if outputs else torch.zeros(0, vocab)
 
 
 class LlamaCppCache:

@@ -18,7 +18,9 @@ Precisions (the `dtype` argument everywhere: API, CLI, server, benchmark):
                     runner and k-quant kernels (`models/kquant.py`): the file's weights as they are,
                     int8 activations, row-invariant at every width (greedy speculative output equals
                     greedy plain decoding of this path), verification of n positions for little more
-                    than one on CPUs with AVX-512 VNNI; a shipped name or a .gguf path;
+                    than one on CPUs with AVX-512 VNNI; a shipped name or a .gguf path; a file with
+                    other blocks (the 0.5B draft's Q5_0/Q8_0) has them requantized once to Q4_K/Q6_K
+                    (`models/requantize.py`): another rounding, so another model (meant for drafts);
   gguf-wide         the same as gguf, verifying any width (faster where ggml's multi-row kernels pay; greedy
                     output equals plain decoding except at rare near-ties: `analyze --flips`);
   int8              int8 weights (per output channel), quantized when loading from the float32
@@ -53,6 +55,7 @@ import torch
 
 from verispec.errors import IncompatibleModelsError, InvalidParameterError, ModelNotFoundError
 from verispec.models.device import CPU, check_device, resolve_device
+from verispec.models.gguf_weights import kquant_runs
 from verispec.models.int8 import int8_available
 from verispec.models.linear import VERIFY_ROWS
 from verispec.models.registry import (
@@ -254,8 +257,9 @@ def _load_kquant(spec: str | Path, pack_rows: int) -> LoadedModel:
     if not (folder / "config.json").exists():
         raise ModelNotFoundError(f"{gguf.name}: transformers cannot describe this architecture; use --dtype gguf")
     config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
-    with status(f"loading {spec} (kquant: the file's Q4_K/Q6_K blocks)"):
-        runner = Transformer.from_gguf(gguf, config, pack_rows)
+    own = kquant_runs(gguf)  # else its other blocks are requantized: another rounding of the weights (fine for a draft)
+    with status(f"loading {spec} (kquant: {'the file' if own else 'requantized'}'s Q4_K/Q6_K blocks)"):
+        runner = Transformer.from_gguf(gguf, config, pack_rows, requantize=not own)
         tokenizer = load_tokenizer(folder)
     return LoadedModel(str(spec), gguf, runner, tokenizer, _eos_ids(folder, tokenizer))
 

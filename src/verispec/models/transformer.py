@@ -319,14 +319,18 @@ class Transformer:
         return runner
 
     @classmethod
-    def from_gguf(cls, path: str | Path, config: ModelConfig, pack_rows: int = 1) -> Transformer:
+    def from_gguf(cls, path: str | Path, config: ModelConfig, pack_rows: int = 1, requantize: bool = False) -> Transformer:
         """The `kquant` runner of a GGUF file: its k-quant blocks as they are (`gguf_weights.py`), with
-        the file's own output head where it has one (llama.cpp uses it over a tied embedding)."""
+        the file's own output head where it has one (llama.cpp uses it over a tied embedding).
+        requantize: the tensors of other block types requantized (`models/requantize.py`), else an error."""
         from verispec.models.gguf_weights import GGUFWeights
 
-        weights = GGUFWeights(path, config.num_heads, config.num_kv_heads)
+        weights = GGUFWeights(path, config.num_heads, config.num_kv_heads, requantize)
         config = dataclasses.replace(config, tie_word_embeddings=not weights.has_output)
-        return cls(config, weights, torch.float32, quant="kquant", pack_rows=pack_rows)
+        runner = cls(config, weights, torch.float32, quant="kquant", pack_rows=pack_rows)
+        if weights.requantized:
+            runner.variant += ",requantized"
+        return runner
 
     def new_cache(self, capacity: int = 1024) -> KVCache:
         return KVCache(self.config, capacity, self.dtype, self.device)

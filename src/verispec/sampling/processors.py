@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from verispec.errors import InvalidParameterError
+from verispec.sampling.samplers import argmax
 from verispec.tokentree import ancestor_mask
 from verispec.types import TokenLogprobs
 
@@ -173,7 +174,7 @@ def greedy_tokens(logits: torch.Tensor, params: SamplingParams, seen: torch.Tens
     """Argmax per row after the repetition penalty: logits [n, vocab] -> token ids [n]."""
     if seen is not None:
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
-    return logits.argmax(dim=-1)
+    return argmax(logits)
 
 
 @dataclass(frozen=True)

@@ -512,9 +512,14 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> quantize_
 
 // x [rows, K] float32 -> y [rows, Σ columns]: the parts' outputs side by side (plus bias [Σ columns]).
 // parts: packed tiles, one per GGUF tensor of the layer (e.g. q, k and v), with their kinds and columns.
+// A K that is not a multiple of 256 takes weights whose rows were padded with zeros to whole super-blocks
+// (`models/requantize.py`): x is padded with zeros to match, which adds exact zeros to every sum.
 torch::Tensor linear(torch::Tensor x, std::vector<torch::Tensor> packed, std::vector<int64_t> kinds,
                      std::vector<int64_t> columns, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(packed.size() == kinds.size() && kinds.size() == columns.size() && !packed.empty(), "linear: one kind and width per part");
+  TORCH_CHECK(x.dim() == 2, "linear wants x [rows, K]");
+  if (x.size(1) % kBlock != 0)  // weights padded with zeros to whole super-blocks: the activations too
+    x = at::constant_pad_nd(x, {0, (x.size(1) + kBlock - 1) / kBlock * kBlock - x.size(1)});
   auto [q, d, sums, pair_sums] = quantize_rows(x);
   const int64_t rows = x.size(0);
   int64_t total = 0;
