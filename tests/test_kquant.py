@@ -23,7 +23,7 @@ from verispec.drafters import DraftModelDrafter, ExpansionDrafter, NgramDrafter,
 from verispec.errors import ModelNotFoundError
 from verispec.engine.build import auto_backends
 from verispec.models.kquant import KQUANT_TYPES, KQuantLinear, KQuantWeight, kquant_kernels, kquant_suits
-from verispec.models.gguf_weights import kquant_runs
+from verispec.models.gguf_weights import kquant_requantizes, kquant_runs
 from verispec.models.loading import load_model, parse_precision
 from verispec.models.requantize import quantize_q4_k, quantize_q6_k
 from verispec.models.runner import LoadedModel
@@ -343,6 +343,7 @@ def test_a_file_with_other_block_types_is_a_clear_error(tmp_path):
     with pytest.raises(ModelNotFoundError, match="Q8_0.*--dtype gguf"):
         Transformer.from_gguf(path, config)
     assert not kquant_suits(path) and not kquant_runs(path)  # so `--dtype auto` plans llama.cpp alone for it
+    assert kquant_requantizes(path) and not kquant_requantizes(tmp_path / "ok.gguf")  # as a draft: requantized
     assert kquant_runs(tmp_path / "ok.gguf")
     fast = kquant_kernels().has_avx512()
     assert kquant_suits(tmp_path / "ok.gguf") == fast
@@ -474,3 +475,73 @@ def test_a_draft_of_other_blocks_runs_requantized_and_speculation_stays_exact(ti
     assert engine.generate(PROMPTS[0], settings).stats.proposed_tokens > 0  # the draft takes part
     for prompt in PROMPTS:
         assert engine.generate(prompt, settings).token_ids == plain.generate(prompt, settings).token_ids
+
+
+# --- prompt caching: exact on a prefix-invariant runner (`engine/prefixes.py`) --------------------
+
+
+def test_a_shared_prefix_is_reused_and_the_output_is_what_a_fresh_engine_gives(tiny):
+    model, floats = tiny
+    assert model.runner.prefix_invariant and not floats.runner.prefix_invariant
+    assert Engine(floats, None).prefixes is None  # float32 prefills a prompt in other roundings than its chunks
+    head = list(range(3, 23))  # 20 tokens, as a chat template's system prompt
+    first, second = head + [30, 31, 32], head + [40, 41]
+    greedy, sampled = GenerationConfig(max_new_tokens=12), GenerationConfig(max_new_tokens=12, seed=4,
+                                                                         sampling=SamplingParams(temperature=0.9))
+    for drafter in (None, NgramDrafter(max_n=3)):
+        for config in (greedy, sampled):
+            engine = Engine(model, drafter, gamma=3, gamma_policy="constant")
+            engine.generate(first, config)
+            again = engine.generate(second, config)
+            fresh = Engine(model, drafter, gamma=3, gamma_policy="constant").generate(second, config)
+            assert again.stats.cached_tokens == 20 and fresh.stats.cached_tokens == 0
+            assert again.token_ids == fresh.token_ids
+            turn = second + again.token_ids + [44, 45]  # the conversation's next turn: all of it cached but the new tokens
+            assert engine.generate(turn, config).stats.cached_tokens == len(second) + len(again.token_ids) - 1
+
+
+def test_a_prefill_in_chunks_continues_a_cached_prefix_exactly(tiny):
+    """The server's path: a request prefilled a chunk at a time after the cached tokens."""
+    from verispec.engine.loop import Generation
+
+    model = tiny[0]
+    engine = Engine(model, None)
+    prompt = list(range(5, 40))
+    engine.generate(prompt[:30] + [2, 2], GenerationConfig(max_new_tokens=4))
+    generation = Generation(engine, prompt, GenerationConfig(max_new_tokens=10), prefill=False)
+    assert generation.cache.length == 30
+    while not generation.prefill_step(2):
+        pass
+    while not generation.done:
+        generation.step()
+    assert generation.result().token_ids == Engine(model, None).generate(prompt, GenerationConfig(max_new_tokens=10)).token_ids
+
+
+def test_the_prefix_store_keeps_its_budget_and_drops_the_oldest(tiny):
+    from verispec.engine.prefixes import MIN_REUSE, PrefixStore
+
+    runner = tiny[0].runner
+    per_position = runner.cache_bytes_per_position
+    store = PrefixStore(runner, budget=100 * per_position)
+
+    def cache_of(tokens):
+        cache = runner.new_cache(len(tokens) + 4)
+        runner.forward(cache, torch.tensor(tokens), logits="none")
+        return cache
+
+    a, b, c = [1] * 40, [2] * 40, [3] * 40
+    for tokens in (a, b):
+        store.keep(tokens, cache_of(tokens))
+    assert store.positions == 80
+    store.keep(a[:30], cache_of(a[:30]))  # already held (a prefix of an entry): nothing new
+    assert store.positions == 80
+    store.keep(c, cache_of(c))  # 120 > 100 positions: the oldest (a) goes
+    assert store.positions == 80 and store.take(a + [5], 64) is None
+    taken = store.take(b + [5], 64)
+    assert taken.length == 40 and taken.capacity == 64
+    assert store.take(b[:20], 64).length == 19  # the last prompt token is always fed
+    assert store.take(b[: MIN_REUSE - 1] + [9, 9], 64) is None  # too short a match to copy
+    store.keep(b + [6] * 20, cache_of(b + [6] * 20))  # extends b: replaces it
+    assert store.positions == 100
+    store.keep([7] * 120, cache_of([7] * 120))  # larger than the whole budget: never stored
+    assert store.positions == 100

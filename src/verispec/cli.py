@@ -102,7 +102,8 @@ def _generate(args: argparse.Namespace) -> int:
     err.print(
         f"[dim]{s.new_tokens} tokens in {s.wall_seconds:.2f}s ({s.tokens_per_second:.2f} tok/s) · "
         f"{s.steps} steps · τ {s.mean_accepted_length:.2f} · α {s.acceptance_rate:.2f} · c {s.cost_ratio:.2f} · "
-        f"prefill {s.prefill_seconds:.2f}s · finish: {generation.finish_reason} ·[/dim]",
+        f"prefill {s.prefill_seconds:.2f}s{f' ({s.cached_tokens} cached)' if s.cached_tokens else ''} · "
+        f"finish: {generation.finish_reason} ·[/dim]",
         legend,
     )
     return 130 if interrupted else 0
@@ -129,7 +130,7 @@ def _beam(args: argparse.Namespace, config) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from verispec.models.gguf_weights import kquant_runs
+    from verispec.models.gguf_weights import kquant_requantizes, kquant_runs
     from verispec.models.loading import precisions_for
     from verispec.models.registry import SHIPPED_MODELS, prepare_shipped_model
     from verispec.models.vocabulary import vocabulary_difference
@@ -150,9 +151,9 @@ def _models(args: argparse.Namespace) -> int:
             by_backend: dict[str, list[str]] = {}
             gguf = cache_dir() / "gguf" / f"{name}.gguf"
             for precision, backend in precisions_for(model_type, gguf=True).items():
-                if precision == "kquant" and not gguf.exists():
-                    continue
-                if precision == "kquant" and not kquant_runs(gguf):  # its other blocks requantized: another model
+                if precision == "kquant" and not (gguf.exists() and kquant_runs(gguf)):  # the file's own Q4_K/Q6_K
+                    if not (gguf.exists() and kquant_requantizes(gguf)):
+                        continue
                     precision = "kquant (a requantized copy: another rounding, for drafts)"
                 by_backend.setdefault(backend, []).append(precision)
             runs = " · ".join(f"{', '.join(names)} ({backend})" for backend, names in by_backend.items())

@@ -181,6 +181,7 @@ class GenerationStats:
     target_seconds: float = 0.0
     prefill_seconds: float = 0.0
     wall_seconds: float = 0.0
+    cached_tokens: int = 0  # prompt tokens whose keys/values came from an earlier request (prompt caching)
     records: list[StepRecord] = field(default_factory=list)
     acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
     phases: dict[str, float] = field(default_factory=dict)  # seconds per step phase (`PHASES`), summed over steps
@@ -258,6 +259,7 @@ class GenerationStats:
             "draft_seconds": round(self.draft_seconds, 4),
             "target_seconds": round(self.target_seconds, 4),
             "prefill_seconds": round(self.prefill_seconds, 4),
+            "cached_tokens": self.cached_tokens,
             "cost_ratio": round(self.cost_ratio, 4),
             "tokens_per_second": round(self.tokens_per_second, 3),
             "wall_seconds": round(self.wall_seconds, 4),

@@ -56,6 +56,7 @@ from verispec.control import CostModel, make_gamma_policy
 from verispec.control.gamma import check_gamma_policy
 from verispec.control.plan import Plan
 from verispec.drafters.base import Drafter
+from verispec.engine.prefixes import PrefixStore
 from verispec.engine.shapes import Chain, shape_of
 from verispec.errors import InvalidParameterError, VerispecError
 from verispec.models.loading import ModelCache
@@ -144,6 +145,8 @@ class Engine:
         self._drafters: dict[str, Drafter | None] = {}
         self._preparing = threading.Lock()  # a server prepares requests' drafters on worker threads
         self._prepared: dict[tuple[str | None, str], Drafter | None] = {}  # (drafter spec, γ policy) → built, measured
+        # prompt caching where it is exact (`engine/prefixes.py`): a request's output never depends on it
+        self.prefixes = PrefixStore(target.runner) if target.runner.prefix_invariant else None
 
     @property
     def costs(self) -> CostModel:
@@ -338,7 +341,9 @@ class Generation:
         self.initial_capacity, self.max_capacity = self.capacities(engine, self.prompt_len, config)
         self.session, self.prefilled, self._session_opened = None, False, False
         self._held: list[TokenEvent] = []  # the first token's events, from the prefill, until step() gives them
-        self.cache = self.target.runner.new_cache(self.initial_capacity)
+        reused = engine.prefixes.take(self.ids, self.initial_capacity) if engine.prefixes is not None else None
+        self.cache = reused if reused is not None else self.target.runner.new_cache(self.initial_capacity)
+        self.stats.cached_tokens = self.cache.length  # the prompt's first tokens, already in the cache
         self._cap_growth()
         if prefill:  # otherwise the caller feeds the prompt with prefill_step(), a chunk at a time
             self.prefill_step()
@@ -560,6 +565,8 @@ class Generation:
         self._closed = True
         if self.session is not None:
             self.session.finish()
+        if self.engine.prefixes is not None and self.finish_reason in ("stop", "length"):  # the cache holds self.ids[:length]
+            self.engine.prefixes.keep(self.ids, self.cache)
         self.cache.release()
 
     def result(self) -> GenerationResult:

@@ -26,7 +26,7 @@ from verispec.errors import ModelNotFoundError
 from verispec.models.kquant import KQUANT_TYPES, KQuantWeight
 from verispec.models.requantize import Requantized
 
-__all__ = ["GGUFWeights", "GGUF_ARCHITECTURES", "gguf_architecture", "kquant_runs", "tensor_index"]
+__all__ = ["GGUFWeights", "GGUF_ARCHITECTURES", "gguf_architecture", "kquant_requantizes", "kquant_runs", "tensor_index"]
 
 GGUF_ARCHITECTURES = ("qwen2", "llama")
 
@@ -136,6 +136,16 @@ def kquant_runs(path: str | Path) -> bool:
         return False
     known = (*KQUANT_TYPES, *_FLOAT_TYPES)
     return architecture in GGUF_ARCHITECTURES and bool(tensors) and all(t.type_name in known for t in tensors.values())
+
+
+def kquant_requantizes(path: str | Path) -> bool:
+    """Whether kquant runs the GGUF file at `path` only through a requantized copy (a qwen2/llama file
+    with tensors of other block types, as the shipped 0.5B draft: `models/requantize.py`)."""
+    try:
+        architecture, tensors = tensor_index(Path(path))
+    except (ModelNotFoundError, OSError, ValueError, struct.error):
+        return False
+    return architecture in GGUF_ARCHITECTURES and bool(tensors) and not kquant_runs(path)
 
 
 class GGUFWeights:

@@ -170,6 +170,8 @@ class HFRunner:
         """Bytes of the module's parameters and buffers (a tied head counted once)."""
         return tensor_bytes([*self.model.parameters(), *self.model.buffers()])
 
+    prefix_invariant = False  # HF's batched attention rounds a chunk differently from a whole prompt
+
     @property
     def exact_positions(self) -> int | None:
         """No bound: HF's batched attention rounds a multi-position forward differently from one position."""

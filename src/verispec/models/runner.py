@@ -56,6 +56,10 @@ class Cache(Protocol):
     def clone(self) -> Cache:
         """An independent copy of the valid positions (a beam's second child continues from it)."""
 
+    def copied(self, length: int, capacity: int) -> Cache:
+        """A new cache of `capacity` positions holding a copy of the first `length` (prompt caching,
+        `engine/prefixes.py`; only a `prefix_invariant` runner's caches are asked)."""
+
     def release(self) -> None:
         """The sequence is over: give back what it holds."""
 
@@ -64,7 +68,7 @@ class Runner(Protocol):
     """A model that scores new positions after a cache, for one sequence or several at once.
 
     Besides its config and dtype a runner declares what it can do, so that callers never probe:
-    `precision`, `variant`, `supports_trees`, `compiled`, the exact width (`exact_positions`,
+    `precision`, `variant`, `supports_trees`, `prefix_invariant`, `compiled`, the exact width (`exact_positions`,
     `exact_positions_after`) and its bytes (`weight_bytes`, `linear_bytes`, `cache_bytes_per_position`).
     """
 
@@ -84,6 +88,11 @@ class Runner(Protocol):
     @property
     def supports_trees(self) -> bool:
         """Whether `forward` scores a token tree (positions + tree mask); False: chains only."""
+
+    @property
+    def prefix_invariant(self) -> bool:
+        """Whether a position's keys/values depend only on the tokens up to it, not on how they were fed
+        (whole, in chunks, in verification passes): a cached prefix is then exact to reuse."""
 
     @property
     def compiled(self) -> bool:

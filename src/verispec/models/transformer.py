@@ -127,6 +127,16 @@ class KVCache:
         return grown
 
     @torch.inference_mode()
+    def copied(self, length: int, capacity: int) -> KVCache:
+        """A new cache of `capacity` slots (no ceiling) holding a copy of the first `length`."""
+        twin = copy.copy(self)
+        shape = (*self.keys.shape[:2], capacity, self.keys.shape[3])  # [layers, kv_heads, capacity, head_dim]
+        twin.keys, twin.values = self.keys.new_zeros(shape), self.values.new_zeros(shape)
+        twin.keys[:, :, :length], twin.values[:, :, :length] = self.keys[:, :, :length], self.values[:, :, :length]
+        twin.length, twin.ceiling = length, None
+        return twin
+
+    @torch.inference_mode()
     def clone(self) -> KVCache:
         """An independent copy, of the same capacity and ceiling."""
         twin = copy.copy(self)  # length, ceiling
@@ -483,6 +493,11 @@ class Transformer:
 
     # -- declared capabilities (the runner protocol, `models/runner.py`) ---------------------------
     supports_trees = True  # a token tree is a tree mask over the same static cache
+
+    @property
+    def prefix_invariant(self) -> bool:
+        """kquant: its linears and its own attention compute every position alone (prompts included)."""
+        return self._exact_attend is not None
 
     @property
     def precision(self) -> str:

@@ -32,6 +32,7 @@ def usage(stats: GenerationStats) -> dict:
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.new_tokens,
         "total_tokens": stats.prompt_tokens + stats.new_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},  # OpenAI's field: prompt caching
         "steps": stats.steps,
         "mean_accepted_length": round(stats.mean_accepted_length, 4),
         "acceptance_rate": round(stats.acceptance_rate, 4),
