@@ -45,12 +45,15 @@ def _plausible(times: list[float]) -> bool:
 def measure_verify_curve(runner: Runner, max_positions: int, context: int = 64, repeats: int = 3,
                          attempts: int = 3) -> list[float]:
     """Seconds of one forward over n = 1..max_positions new positions after `context` cached tokens:
-    the best of `repeats` each, measured again (keeping each n's best) while the curve is implausible."""
+    the best of `repeats` rounds over every n (so a drift of the machine's speed, which on a shared CPU
+    lasts seconds, touches every n alike), measured again (keeping each n's best) while the curve is
+    implausible."""
     cache = runner.new_cache(context + max_positions + 1)
     runner.forward(cache, torch.zeros(context, dtype=torch.long), logits="none")
     times = [float("inf")] * max_positions
     for _ in range(attempts):
-        times = [min(best, _best_seconds(runner, cache, n, "all", repeats)) for n, best in enumerate(times, 1)]
+        for _ in range(repeats):
+            times = [min(best, _best_seconds(runner, cache, n, "all", 1)) for n, best in enumerate(times, 1)]
         if _plausible(times):
             break
     cache.release()
