@@ -36,7 +36,7 @@ class PrefixStore:
     """Finished requests' caches, keyed by the tokens they hold (see the module docstring)."""
 
     def __init__(self, runner: Runner, budget: int = PREFIX_BUDGET):
-        self.runner, self.budget = runner, budget
+        self.budget = budget
         self.position_bytes = runner.cache_bytes_per_position or 1
         self._entries: OrderedDict[int, tuple[tuple[int, ...], Cache]] = OrderedDict()  # id -> (tokens, cache); oldest first
         self._serial = 0
@@ -77,7 +77,3 @@ class PrefixStore:
             self._entries[self._serial] = (tokens, cache.copied(length, length))
             while self.positions * self.position_bytes > self.budget:
                 self._entries.popitem(last=False)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
