@@ -191,7 +191,7 @@ class _Context:
             wanted = sum(row[3] for row in chunk)
             if wanted:
                 logits = torch.empty(wanted, vocab)  # [wanted, vocab], rows in batch order
-                # one copy out of llama.cpp's buffer (numpy's as_array costs ~100 µs a call: a new ctypes type)
+                # one copy out of llama.cpp's buffer (numpy's as_array builds a new ctypes type every call)
                 ctypes.memmove(logits.data_ptr(), lib.llama_get_logits(self.ctx), logits.numel() * 4)
                 outputs.append(logits)
         return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)) if outputs else torch.zeros(0, vocab)

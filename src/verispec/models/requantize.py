@@ -7,8 +7,7 @@ zeros to whole super-blocks (896 → 1024 inputs; the kernels pad the activation
 weights times zero activations add nothing) and quantizes it: the output head and the token embedding
 to Q6_K, the rest to Q4_K. The result is another rounding of the same weights, so another model: fine
 for a draft (speculation stays exact whatever the draft computes), and said wherever it is loaded. The
-blocks are cached per file (`~/.cache/verispec/kquant/`), so the work (about half a minute for the
-0.5B) runs once.
+blocks are cached per file (`~/.cache/verispec/kquant/`), so the work runs once.
 
 The quantizers are plain ones, not llama.cpp's searched scales: per 32 (Q4_K) or 16 (Q6_K) weights a
 scale (and a min) that spans the values, the super-block's float16 scales the largest of them.

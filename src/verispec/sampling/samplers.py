@@ -17,8 +17,9 @@ __all__ = ["argmax", "multinomial", "uniform", "gumbel_noise", "gumbel_max", "gu
 
 def argmax(scores: torch.Tensor) -> torch.Tensor:
     """[n, vocab] -> [n] (or [vocab] -> []): the first index of each row's largest value (a NaN counts as
-    largest, as in torch). A float32 row on the CPU goes through numpy: torch's argmax spends ~200 µs on
-    one 152k-word row on 2 cores, numpy ~30, and greedy decoding takes one per token."""
+    largest, as in torch). A float32 row on the CPU goes through numpy, several times faster than torch's
+    argmax over one long vocabulary row on few cores (BENCHMARKS.md, llama.cpp parity); greedy decoding
+    takes one per token."""
     if scores.device.type == "cpu" and scores.dtype == torch.float32 and not scores.requires_grad:
         return torch.from_numpy(np.asarray(np.argmax(scores.numpy(), axis=-1), dtype=np.int64))
     return scores.argmax(dim=-1)
