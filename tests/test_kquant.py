@@ -545,3 +545,40 @@ def test_the_prefix_store_keeps_its_budget_and_drops_the_oldest(tiny):
     assert store.positions == 100
     store.keep([7] * 120, cache_of([7] * 120))  # larger than the whole budget: never stored
     assert store.positions == 100
+
+
+@pytest.mark.parametrize("ngram", [False, True], ids=["plain", "ngram"])
+def test_a_server_with_prompt_caching_gives_each_request_its_answer_alone(tiny, ngram):
+    """Requests sharing a system-prompt-like head, all at once through the real scheduler (chunked
+    prefill after the cached head, shared passes): each answer equals a fresh engine's answer alone."""
+    import asyncio
+
+    from verispec.serving.http.scheduler import Scheduler
+
+    model = LoadedModel("kq", tiny[0].folder, tiny[0].runner, tiny[0].tokenizer, frozenset())  # no eos: full lengths
+    head = list(range(3, 23))  # 20 tokens
+    prompts = [head + [30 + i] * (i + 1) for i in range(4)]
+    config = GenerationConfig(max_new_tokens=12)
+    alone = [Engine(model, None).generate(prompt, config).token_ids for prompt in prompts]
+    engine = Engine(model, NgramDrafter(max_n=3) if ngram else None, gamma=3, gamma_policy="constant")
+    engine.generate(head + [44, 45], config)  # leaves the head in the store
+    scheduler = Scheduler(engine, max_batch=8, prefill_chunk=4)
+
+    async def run():
+        jobs = [scheduler.submit(list(prompt), config) for prompt in prompts]
+        scheduler.start()
+        try:
+            answers = []
+            for job in jobs:
+                ids = []
+                while (update := await job.next()).kind != "finished":
+                    ids += [event.token_id for event in update.events]
+                answers.append(ids)
+            return jobs, answers
+        finally:
+            scheduler.stop()
+
+    jobs, answers = asyncio.run(run())
+    assert [job.generation.stats.cached_tokens for job in jobs] == [20] * 4
+    assert max(len(turn.stepped) for turn in scheduler.turns) == 4  # they shared passes
+    assert answers == alone
