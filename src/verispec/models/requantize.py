@@ -15,6 +15,7 @@ scale (and a min) that spans the values, the super-block's float16 scales the la
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -123,7 +124,7 @@ class Requantized:
         self.file = _cache_file(path)
         if self.file.exists():
             with safe_open(str(self.file), "pt") as stored:
-                self.kinds = stored.metadata()
+                self.kinds = stored.metadata() or {}
         if not self.file.exists() or not set(self.kinds) >= set(tensors):
             self.kinds = _store(path, tensors, self.file)
 
@@ -149,7 +150,7 @@ def _store(path: Path, tensors: dict, file: Path) -> dict[str, str]:
             values, kinds[name] = _requantize(data, info.type_name, info.shape, name in SIX_BIT_TENSORS)
             blocks[name] = torch.from_numpy(values)
     file.parent.mkdir(parents=True, exist_ok=True)
-    partial = file.with_suffix(".partial")
+    partial = file.with_suffix(f".{os.getpid()}.partial")  # two processes at once: each writes its own, one wins
     save_file(blocks, str(partial), metadata=kinds)
     partial.replace(file)
     return kinds
