@@ -1,5 +1,5 @@
 """Helpers for the server tests: a tiny engine with a chat template (also as a picklable loader for Ray
-workers), the engine's own answer to compare with, uvicorn on a free local port, and a headless
+workers), the engine's own answer to compare with, the token ids of scheduler jobs, uvicorn on a free local port, and a headless
 Chromium for the playground."""
 
 from __future__ import annotations
@@ -24,6 +24,17 @@ from verispec.serving.http.schemas import ChatMessage
 
 MODEL = "tiny"
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # words are tokens "t0".."t47"
+
+
+async def token_ids(jobs) -> list[list[int]]:
+    """Each scheduler job's emitted token ids, once it has finished (in the jobs' order)."""
+    answers = []
+    for job in jobs:
+        ids = []
+        while (update := await job.next()).kind != "finished":
+            ids += [event.token_id for event in update.events]
+        answers.append(ids)
+    return answers
 
 
 def tiny_engine(target_dir: Path, draft: Path | str = "ngram", gamma: int = 3) -> Engine:

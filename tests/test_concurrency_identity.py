@@ -19,6 +19,7 @@ import asyncio
 
 import pytest
 import torch
+from server_helpers import token_ids
 
 from verispec import Engine, GenerationConfig, SamplingParams
 from verispec.drafters import DraftModelDrafter, NgramDrafter
@@ -73,13 +74,7 @@ def serve(engine: Engine, indices: list[int], passes: dict[int, list[torch.Tenso
         jobs = {i: scheduler.submit(list(PROMPTS[i]), CONFIGS[i]) for i in indices}  # all queued before the worker starts
         scheduler.start()
         try:
-            tokens = {}
-            for i, job in jobs.items():
-                ids = []
-                while (update := await job.next()).kind != "finished":
-                    ids += [event.token_id for event in update.events]
-                tokens[i] = ids
-            return jobs, tokens
+            return jobs, dict(zip(jobs, await token_ids(list(jobs.values()))))
         finally:
             scheduler.stop()
 

@@ -11,12 +11,14 @@ exact distribution (chi-square, stated power, with a positive control).
 
 from __future__ import annotations
 
+import asyncio
 
 import numpy as np
 import pytest
 import torch
 from conftest import make_tiny_model
 from distribution import assert_rejected, assert_same_distribution, bonus_from_the_wrong_row, sample_sequences
+from server_helpers import token_ids
 
 from verispec import Engine, GenerationConfig, SamplingParams
 from verispec.drafters import DraftModelDrafter, ExpansionDrafter, NgramDrafter, StandDrafter
@@ -551,8 +553,6 @@ def test_the_prefix_store_keeps_its_budget_and_drops_the_oldest(tiny):
 def test_a_server_with_prompt_caching_gives_each_request_its_answer_alone(tiny, ngram):
     """Requests sharing a system-prompt-like head, all at once through the real scheduler (chunked
     prefill after the cached head, shared passes): each answer equals a fresh engine's answer alone."""
-    import asyncio
-
     from verispec.serving.http.scheduler import Scheduler
 
     model = LoadedModel("kq", tiny[0].folder, tiny[0].runner, tiny[0].tokenizer, frozenset())  # no eos: full lengths
@@ -568,13 +568,7 @@ def test_a_server_with_prompt_caching_gives_each_request_its_answer_alone(tiny, 
         jobs = [scheduler.submit(list(prompt), config) for prompt in prompts]
         scheduler.start()
         try:
-            answers = []
-            for job in jobs:
-                ids = []
-                while (update := await job.next()).kind != "finished":
-                    ids += [event.token_id for event in update.events]
-                answers.append(ids)
-            return jobs, answers
+            return jobs, await token_ids(jobs)
         finally:
             scheduler.stop()
 

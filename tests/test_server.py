@@ -15,7 +15,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_helpers import MODEL, LocalServer, chromium, expected_text, slow, tiny_engine
+from server_helpers import MODEL, LocalServer, chromium, expected_text, slow, tiny_engine, token_ids
 
 from verispec import GenerationConfig, SamplingParams
 from verispec.serving.http import create_app
@@ -156,13 +156,7 @@ def test_scheduler_batches_ragged_rows_identically_to_solo(tiny_target, tiny_dra
         scheduler.start()
         try:
             jobs = [scheduler.submit(lambda e, ids=ids: ids, configs[i % 2]) for i, ids in enumerate(prompts)]
-            outputs = []
-            for job in jobs:
-                ids = []
-                while (update := await job.next()).kind != "finished":
-                    ids += [event.token_id for event in update.events]
-                outputs.append(ids)
-            return outputs
+            return await token_ids(jobs)
         finally:
             scheduler.stop()
 

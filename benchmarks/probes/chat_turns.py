@@ -3,7 +3,9 @@ engine's prefix store (`engine/prefixes.py`) and without it.
 
 Each turn's prompt is the whole conversation so far (the chat template applied, earlier answers
 included), so all but the new user message is what the previous turn left in the store. Prints, per
-turn: prompt tokens, tokens taken from the store, and the prefill's seconds (the time to the first token).
+turn: prompt tokens, tokens taken from the store, and the prefill's seconds (the time to the first token);
+then each cached turn's time against the prediction from the fresh run: its seconds × the share of the
+prompt left to prefill (the cached part's attention is not in it, so the ratio sits a little above 1).
 
     .venv/bin/python benchmarks/probes/chat_turns.py [--dtype kquant] [--max-new-tokens 96] [--rounds 2]
 """
@@ -25,8 +27,8 @@ TURNS = [
 ]
 
 
-def conversation(engine: Engine, tokenizer, max_new_tokens: int) -> list[str]:
-    """One chat through TURNS; per turn 'prompt tokens:cached tokens:seconds to the first token'."""
+def conversation(engine: Engine, tokenizer, max_new_tokens: int) -> list[tuple[int, int, float]]:
+    """One chat through TURNS; per turn (prompt tokens, cached tokens, seconds to the first token)."""
     messages, rows = [], []
     for turn in TURNS:
         messages.append({"role": "user", "content": turn})
@@ -38,7 +40,7 @@ def conversation(engine: Engine, tokenizer, max_new_tokens: int) -> list[str]:
             generation.step()
         result = generation.result()
         messages.append({"role": "assistant", "content": result.text})
-        rows.append(f"{len(ids)}:{result.stats.cached_tokens}:{first_token:.2f}s")
+        rows.append((len(ids), result.stats.cached_tokens, first_token))
     return rows
 
 
@@ -52,11 +54,15 @@ def main() -> None:
     target = load_model(args.target, args.dtype, pack_rows=8)
     print(f"{cpu_summary()} · {args.target} · {args.dtype} · per turn prompt tokens:cached:seconds to the first token")
     for _ in range(args.rounds):  # interleaved: with the store, then without
+        runs = {}
         for cached in (True, False):
             engine = Engine(target, None)
             if not cached:
                 engine.prefixes = None
-            print("cached" if cached else "fresh ", " ".join(conversation(engine, target.tokenizer, args.max_new_tokens)), flush=True)
+            runs[cached] = conversation(engine, target.tokenizer, args.max_new_tokens)
+            print("cached" if cached else "fresh ", " ".join(f"{n}:{hit}:{s:.2f}s" for n, hit, s in runs[cached]), flush=True)
+        ratios = [s / (fresh * (n - hit) / n) for (n, hit, s), (_, _, fresh) in zip(runs[True], runs[False]) if hit]
+        print("cached turns, measured / predicted:", " ".join(f"{r:.2f}" for r in ratios), flush=True)
 
 
 if __name__ == "__main__":

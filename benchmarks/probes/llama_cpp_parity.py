@@ -4,7 +4,8 @@ For each prompt (the chat template applied), greedy decoding of the same GGUF by
 (`Engine(target, None)`, precision gguf) and by llama-cpp-python's own loop (`Llama.generate`, a fresh
 state per prompt, flash attention as llama.cpp's CPU default), interleaved: identical tokens or the
 first position where they differ, then tok/s of both and their ratio. With --profile, one verispec
-generation under cProfile: time inside `llama_decode` against everything around it.
+generation under cProfile: time inside `llama_decode` against everything around it, and what one greedy
+argmax over a vocabulary row costs in torch and in numpy (`sampling.samplers.argmax` takes numpy's).
 
     .venv/bin/python benchmarks/probes/llama_cpp_parity.py [--target NAME] [--max-new-tokens 64] [--profile]
 """
@@ -16,6 +17,7 @@ import cProfile
 import pstats
 import time
 
+import numpy as np
 import torch
 
 from verispec import Engine, GenerationConfig
@@ -74,6 +76,17 @@ def profile(engine: Engine, ids: list[int], max_new: int) -> None:
     pstats.Stats(profiler).sort_stats("tottime").print_stats(10)
 
 
+def argmax_costs(vocab: int, repeats: int = 2000) -> None:
+    """µs of one argmax over a float32 row [1, vocab]: torch's and numpy's."""
+    row = torch.randn(1, vocab)
+    for name, argmax in (("torch", lambda: row.argmax(-1)), ("numpy", lambda: np.argmax(row.numpy(), axis=-1))):
+        argmax()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            argmax()
+        print(f"argmax over {vocab} logits, {name}: {(time.perf_counter() - start) / repeats * 1e6:.0f} µs")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=DEFAULT_TARGET)
@@ -106,6 +119,7 @@ def main() -> None:
           f"{sum(theirs_rate) / len(theirs_rate):.2f} tok/s (× {sum(ours_rate) / sum(theirs_rate):.3f})")
     if args.profile:
         profile(engine, engine.prompt_ids(PROMPTS[0]), 128)
+        argmax_costs(target.vocab_size)
 
 
 if __name__ == "__main__":

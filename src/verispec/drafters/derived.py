@@ -39,8 +39,8 @@ def draft_precision(target: LoadedModel) -> str:
     """The precision a draft model is loaded in unless a spec says otherwise: int8 for a float32 target
     (an int8 draft costs about half a float32 one per token and is accepted as often:
     BENCHMARKS.md#avx2-which-draft-model) on the CPU; else the target's own (int8 is CPU-only). A kquant
-    draft of a file with other blocks (the shipped 0.5B) is requantized once (`models/requantize.py`): on
-    kquant's flat curve it costs about half what the file costs on llama.cpp."""
+    draft of a file with other blocks (the shipped 0.5B) is requantized once (`models/requantize.py`) and
+    drafts on kquant's flat curve (its cost: BENCHMARKS.md, "A draft model on the kquant kernels")."""
     cpu_int8 = target.precision == "float32" and target.device.type == "cpu" and int8_available()
     return "int8" if cpu_int8 else target.precision
 

@@ -130,10 +130,8 @@ class KVCache:
     def copied(self, length: int, capacity: int) -> KVCache:
         """A new cache of `capacity` slots (no ceiling) holding a copy of the first `length`."""
         twin = copy.copy(self)
-        shape = (*self.keys.shape[:2], capacity, self.keys.shape[3])  # [layers, kv_heads, capacity, head_dim]
-        twin.keys, twin.values = self.keys.new_zeros(shape), self.values.new_zeros(shape)
-        twin.keys[:, :, :length], twin.values[:, :, :length] = self.keys[:, :, :length], self.values[:, :, :length]
         twin.length, twin.ceiling = length, None
+        twin.keys, twin.values = (twin._grown(old, capacity) for old in (self.keys, self.values))  # its `length` slots copied
         return twin
 
     @torch.inference_mode()
