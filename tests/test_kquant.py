@@ -12,6 +12,7 @@ exact distribution (chi-square, stated power, with a positive control).
 from __future__ import annotations
 
 import asyncio
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -75,30 +76,39 @@ def test_the_kernel_multiplies_the_files_weights(kind, columns):
     assert torch.allclose(y.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max())
 
 
-def test_the_vector_code_gives_the_portable_codes_bits_for_each_row_alone():
+@contextmanager
+def kernels_of(name: str):
+    """Run the kquant kernels `name` ("avx512", "avx2", "portable") inside the block, the fastest after."""
     kernels = kquant_kernels()
-    if not kernels.has_avx512():
-        pytest.skip("this CPU runs the portable code only")
+    if name not in kernels.kernels_built():
+        pytest.skip(f"the {name} kernels are not built on this CPU")
+    try:
+        yield kernels.use_kernels(name)
+    finally:
+        kernels.use_kernels(kernels.kernels_built()[0])
+
+
+@pytest.mark.parametrize("name", ["avx512", "avx2"])
+def test_the_vector_code_gives_the_portable_codes_bits_for_each_row_alone(name):
     rng = np.random.default_rng(3)
     layer = KQuantLinear([KQuantWeight(Q4_K, torch.from_numpy(random_blocks(Q4_K, 64, 768, rng)), 768),
                           KQuantWeight(Q6_K, torch.from_numpy(random_blocks(Q6_K, 24, 768, rng)), 768)])
     x = torch.randn(20, 768) * torch.logspace(-3, 3, 20)[:, None]  # rows of very different sizes
-    fast = layer(x)  # [20, 88]
-    try:
-        kernels.set_portable(True)
-        portable = layer(x)
-    finally:
-        kernels.set_portable(False)
+    x[3] = torch.where(torch.arange(768) % 2 == 0, 1.0, -1.0) * 50  # activations at ±127 (the int16 sums' worst case)
+    with kernels_of("portable"):
+        portable = layer(x)  # [20, 88]
+    with kernels_of(name):
+        fast = layer(x)
+        for rows in (1, 2, 3, 7, 8, 9, 16):  # every tile size and a second pass over the tile
+            assert torch.equal(layer(x[:rows]), fast[:rows])
+        assert all(torch.equal(layer(x[i : i + 1]), fast[i : i + 1]) for i in range(20))
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            assert torch.equal(layer(x), fast)
+        finally:
+            torch.set_num_threads(threads)
     assert torch.equal(fast, portable)
-    for rows in (1, 2, 3, 7, 8, 9, 16):  # every tile size and a second pass over the tile
-        assert torch.equal(layer(x[:rows]), fast[:rows])
-    assert all(torch.equal(layer(x[i : i + 1]), fast[i : i + 1]) for i in range(20))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        assert torch.equal(layer(x), fast)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_bad_shapes_are_clear_errors():
@@ -142,13 +152,10 @@ def test_the_exact_attention_is_attention_and_each_position_is_computed_alone(he
     path_keys[:, start + 1], path_values[:, start + 1] = keys[:, start + 3], values[:, start + 3]
     node = attend(q, keys, values, start, tree, scale)[:, 3:4]
     assert torch.equal(node, attend(q[:, 3:4], path_keys, path_values, start + 1, None, scale))
-    kernels = kquant_kernels()
-    try:  # the portable code (CPUs without AVX-512) gives the vector code's bits
-        kernels.set_portable(True)
-        assert torch.equal(attend(q, keys, values, start, tree, scale)[:, 3:4], node)
-        assert torch.equal(attend(q, keys, values, start, None, scale), chain)
-    finally:
-        kernels.set_portable(False)
+    for name in kquant_kernels().kernels_built()[1:]:  # the slower code (other CPUs) gives the same bits
+        with kernels_of(name):
+            assert torch.equal(attend(q, keys, values, start, tree, scale)[:, 3:4], node)
+            assert torch.equal(attend(q, keys, values, start, None, scale), chain)
     with pytest.raises(RuntimeError, match="mask is"):
         attend(q, keys, values, start, causal[:, 1:], scale)
     with pytest.raises(RuntimeError, match="do not match the cache"):
@@ -347,7 +354,7 @@ def test_a_file_with_other_block_types_is_a_clear_error(tmp_path):
     assert not kquant_suits(path) and not kquant_runs(path)  # so `--dtype auto` plans llama.cpp alone for it
     assert kquant_requantizes(path) and not kquant_requantizes(tmp_path / "ok.gguf")  # as a draft: requantized
     assert kquant_runs(tmp_path / "ok.gguf")
-    fast = kquant_kernels().has_avx512()
+    fast = kquant_kernels().kernels_built()[0] != "portable"
     assert kquant_suits(tmp_path / "ok.gguf") == fast
     assert auto_backends(str(tmp_path / "ok.gguf")) == (["gguf", "kquant"] if fast else ["gguf"])
     with pytest.raises(ModelNotFoundError, match="kquant run a GGUF file"):

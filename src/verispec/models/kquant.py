@@ -20,7 +20,8 @@ nearly n decode steps on a 2-core CPU, and no library kernel measured (ik_llama.
 MatMulNBits, OpenVINO, torchao) is both as fast as llama.cpp for one row and flat for several
 (BENCHMARKS.md, "4-bit kernels that could verify flat"). `kernels/kquant.cpp` repacks the blocks once
 into tiles of 16 output columns and multiplies a tile with up to 8 rows per pass through AVX-512 VNNI dot
-products; elsewhere it runs portable C++ that gives the same bits, slowly.
+products, or AVX2 multiply-adds (`vpmaddubsw`, `vpmaddwd`) on CPUs without them; elsewhere it runs
+portable C++. All three give the same bits.
 """
 
 from __future__ import annotations
@@ -48,12 +49,12 @@ def kquant_kernels():
 
 
 def kquant_suits(path) -> bool:
-    """Whether kquant runs the GGUF file at `path` fast here: its kernels built with AVX-512 VNNI (the
-    portable code is exact but slow) and a qwen2/llama file of Q4_K/Q6_K (and float) tensors."""
+    """Whether kquant runs the GGUF file at `path` fast here: its kernels built with AVX-512 VNNI or AVX2
+    (the portable code is exact but slow) and a qwen2/llama file of Q4_K/Q6_K (and float) tensors."""
     from verispec.models.gguf_weights import kquant_runs
 
     module = extension("kquant")
-    return module is not None and module.has_avx512() and kquant_runs(path)
+    return module is not None and module.kernels_built()[0] != "portable" and kquant_runs(path)
 
 
 @dataclass(frozen=True)

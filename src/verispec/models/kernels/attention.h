@@ -28,10 +28,17 @@
 #include <vector>
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
 #define EXACT_ATTENTION_AVX512 1
 #else
 #define EXACT_ATTENTION_AVX512 0
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define EXACT_ATTENTION_AVX2 1
+#else
+#define EXACT_ATTENTION_AVX2 0
+#endif
+#if EXACT_ATTENTION_AVX512 || EXACT_ATTENTION_AVX2
+#include <immintrin.h>
 #endif
 
 namespace exact_attention {
@@ -69,6 +76,26 @@ inline __m512 exp16(__m512 x) {  // the same operations as `exp_portable`, on 16
 }
 #endif
 
+#if EXACT_ATTENTION_AVX2
+inline __m256 exp8(__m256 x) {  // the same operations as `exp_portable`, on 8 lanes
+  x = _mm256_max_ps(x, _mm256_set1_ps(kFloor));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Hi), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kPoly[i]));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(y), _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23)));
+}
+
+inline float reduce16(__m256 low, __m256 high) {  // 16 lanes held as two halves: the additions of `reduce16`
+  const __m256 b = _mm256_add_ps(low, high);
+  const __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+  const __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));
+  return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));
+}
+#endif
+
 // The sum of 16 partial sums, halves added pairwise: (a[l] + a[l+8]), then (+4), (+2), (+1).
 inline float reduce16(const float* a) {
   float b[8], c[4], d[2];
@@ -87,15 +114,16 @@ inline float reduce16(__m512 a) {  // the same additions as `reduce16(const floa
 }
 #endif
 
-// Whether `attend` runs the portable code even where the vector code is built (`set_portable`: the
-// tests compare the two, which give the same bits for head sizes that are multiples of 16).
-inline bool portable = !EXACT_ATTENTION_AVX512;
+// Which vector code `attend` runs: the widest built unless told otherwise (`use_kernels`: the tests
+// compare them, which give the same bits for head sizes that are multiples of 16).
+enum class Vectors { none, avx2, avx512 };
+inline Vectors vectors = EXACT_ATTENTION_AVX512 ? Vectors::avx512 : EXACT_ATTENTION_AVX2 ? Vectors::avx2 : Vectors::none;
 
 // e[j] = exp(e[j] − max e) for j < count, in place; returns Σ e[j]: 16 running sums (lane j mod 16),
 // then `reduce16`
 inline float normalize_weights(float* e, int64_t count) {
 #if EXACT_ATTENTION_AVX512
-  if (!portable) {
+  if (vectors == Vectors::avx512) {
     auto lanes = [count](int64_t j) { return count - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (count - j)) - 1); };
     __m512 most = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < count; j += 16) most = _mm512_mask_max_ps(most, lanes(j), most, _mm512_maskz_loadu_ps(lanes(j), e + j));
@@ -111,7 +139,20 @@ inline float normalize_weights(float* e, int64_t count) {
 #endif
   const float top = *std::max_element(e, e + count);
   float sums[16] = {};
-  for (int64_t j = 0; j < count; ++j) sums[j % 16] += (e[j] = exp_portable(e[j] - top));
+  int64_t j = 0;
+#if EXACT_ATTENTION_AVX2
+  if (vectors == Vectors::avx2) {  // whole groups of 16 in two halves, the tail below as the portable code
+    const __m256 shift = _mm256_set1_ps(top);
+    __m256 low = _mm256_setzero_ps(), high = _mm256_setzero_ps();
+    for (; j + 16 <= count; j += 16) {
+      const __m256 x = exp8(_mm256_sub_ps(_mm256_loadu_ps(e + j), shift)), y = exp8(_mm256_sub_ps(_mm256_loadu_ps(e + j + 8), shift));
+      _mm256_storeu_ps(e + j, x), _mm256_storeu_ps(e + j + 8, y);
+      low = _mm256_add_ps(low, x), high = _mm256_add_ps(high, y);
+    }
+    _mm256_storeu_ps(sums, low), _mm256_storeu_ps(sums + 8, high);
+  }
+#endif
+  for (; j < count; ++j) sums[j % 16] += (e[j] = exp_portable(e[j] - top));
   return reduce16(sums);
 }
 
@@ -169,7 +210,44 @@ void attend_group(const Group& w, float* scores, float* totals) {
 }
 #endif
 
-// The same for any d, one head at a time, in plain C++ (CPUs without AVX-512, odd head sizes): for d a
+#if EXACT_ATTENTION_AVX2
+// The AVX2 code for d = 16·C: a head's 16 lanes as two halves; the scores of a (slot, head) as
+// `attend_group` sums them, then each head's weighted values in runs of 64 columns (8 registers).
+template <int C>
+void attend_group_avx2(const Group& w, float* scores, float* totals) {
+  for (int64_t j = 0; j < w.count; ++j) {
+    const float* key = w.k + w.seen[j] * w.d;
+    for (int64_t g = 0; g < w.heads; ++g) {
+      const float* q = w.q + g * w.q_stride;
+      __m256 low = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(key));
+      __m256 high = _mm256_mul_ps(_mm256_loadu_ps(q + 8), _mm256_loadu_ps(key + 8));
+      for (int u = 1; u < C; ++u) {
+        low = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16 * u), _mm256_loadu_ps(key + 16 * u), low);
+        high = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16 * u + 8), _mm256_loadu_ps(key + 16 * u + 8), high);
+      }
+      scores[g * w.count + j] = reduce16(low, high) * w.scale;
+    }
+  }
+  constexpr int kRun = 8;  // registers of 8 columns per run
+  for (int64_t g = 0; g < w.heads; ++g) {
+    totals[g] = normalize_weights(scores + g * w.count, w.count);
+    for (int64_t c0 = 0; c0 < w.d; c0 += 8 * kRun) {
+      const int units = int(std::min<int64_t>(kRun, (w.d - c0) / 8));
+      __m256 acc[kRun];
+      for (int u = 0; u < kRun; ++u) acc[u] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < w.count; ++j) {
+        const float* value = w.v + w.seen[j] * w.d + c0;
+        const __m256 weight = _mm256_set1_ps(scores[g * w.count + j]);
+        for (int u = 0; u < units; ++u) acc[u] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value + 8 * u), acc[u]);
+      }
+      const __m256 total = _mm256_set1_ps(totals[g]);
+      for (int u = 0; u < units; ++u) _mm256_storeu_ps(w.out + g * w.out_stride + c0 + 8 * u, _mm256_div_ps(acc[u], total));
+    }
+  }
+}
+#endif
+
+// The same for any d, one head at a time, in plain C++ (CPUs without AVX2, odd head sizes): for d a
 // multiple of 16 the vector code's operations (16 lanes of d / 16 multiply-adds, `reduce16`), so the
 // same bits; otherwise one running sum over d.
 inline void attend_group_portable(const Group& w, float* scores, float* totals) {
@@ -232,8 +310,12 @@ inline at::Tensor attend(const at::Tensor& q_in, const at::Tensor& keys, const a
                     keys.data_ptr<float>() + kv * keys.stride(0), values.data_ptr<float>() + kv * values.stride(0),
                     seen.data(), count, d, float(scale), out.data_ptr<float>() + (kv * group * n + i) * d, n * d};
 #if EXACT_ATTENTION_AVX512
-      if (!portable && d == 128) { attend_group<8>(w, scores.data(), totals.data()); continue; }
-      if (!portable && d == 64) { attend_group<4>(w, scores.data(), totals.data()); continue; }
+      if (vectors == Vectors::avx512 && d == 128) { attend_group<8>(w, scores.data(), totals.data()); continue; }
+      if (vectors == Vectors::avx512 && d == 64) { attend_group<4>(w, scores.data(), totals.data()); continue; }
+#endif
+#if EXACT_ATTENTION_AVX2
+      if (vectors == Vectors::avx2 && d == 128) { attend_group_avx2<8>(w, scores.data(), totals.data()); continue; }
+      if (vectors == Vectors::avx2 && d == 64) { attend_group_avx2<4>(w, scores.data(), totals.data()); continue; }
 #endif
       attend_group_portable(w, scores.data(), totals.data());
     }

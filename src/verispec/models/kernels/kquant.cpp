@@ -7,13 +7,14 @@
 // multiplies them with four activation bytes broadcast to every lane, and the 16 lanes of the result
 // are the 16 columns' sums: no horizontal reduction, and the sub-block scales multiply whole lanes.
 // A tile's weights are unpacked once and reused for up to 8 activation rows, so verifying up to 8
-// positions reads the weights once (more: once per 8 rows, from cache).
+// positions reads the weights once (more: once per 8 rows, from cache). CPUs without AVX-512 VNNI run
+// AVX2 tile kernels (`dot_tile_avx2`: two halves of 8 columns, `vpmaddubsw` and `vpmaddwd`).
 //
 // Exactness: every row is computed the same way whatever else the call holds. The products of a
 // sub-block are summed in int32 (exact in any order), and the float work per super-block is a fixed
 // sequence (convert, multiply, fused multiply-add) applied to each row on its own, in block order. The
-// portable code (`dot_tile_portable`) performs the same float operations with std::fma, so it gives the
-// same bits as the AVX-512 code: the tests compare them.
+// AVX2 and portable code (`dot_tile_portable`) perform the same integer sums and float operations, so
+// they give the same bits as the AVX-512 code: the tests compare them.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -22,16 +23,24 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "attention.h"
 #include "decoder.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#include <immintrin.h>
 #define KQ_AVX512 1
 #else
 #define KQ_AVX512 0
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KQ_AVX2 1
+#else
+#define KQ_AVX2 0
+#endif
+#if KQ_AVX512 || KQ_AVX2
+#include <immintrin.h>
 #endif
 
 namespace {
@@ -374,7 +383,150 @@ void dot_tile_avx512(int64_t kind, const uint8_t* tile, const Activations& a, in
 }
 #endif
 
-bool use_portable = !KQ_AVX512;
+#if KQ_AVX2
+// ---------------------------------------------------------------------------------------------------
+// The AVX2 tile kernels (CPUs without AVX-512 VNNI): a tile's 16 columns as two halves of 8 (a 256-bit
+// register holds four weights of each of 8 columns). Without VNNI, `vpmaddubsw` multiplies the unsigned
+// weights with the signed activation bytes into 16-bit sums of two products: at most 2 · 63 · 128 = 16,128,
+// so no saturation, and the int16 sums of a Q4_K sub-block (8 of them, each ≤ 2 · 15 · 128) or of half a
+// Q6_K sub-block (2, each ≤ 16,128) stay below 32,767. `vpmaddwd` with the sub-block scale in both 16-bit
+// halves of a column's lane then gives the column's scaled sum in int32. Every integer is the AVX-512
+// code's, and the float work per super-block is the same sequence, so the bits are the same.
+
+// a column's scale (int32 lanes, |s| < 2^15) in both 16-bit halves of its lane, for `vpmaddwd`
+inline __m256i twice16(__m256i scale) { return _mm256_or_si256(_mm256_and_si256(scale, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(scale, 16)); }
+
+inline __m256i broadcast4_avx2(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
+
+template <int R>
+void dot_tile_q4k_avx2(const uint8_t* tile, const Activations& a, int64_t row0, float* acc) {
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  __m256 y[R][2];
+  for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const uint8_t* t = tile + b * kQ4KTile;
+    const uint8_t* nibbles = t + 2 * 32 + 2 * 8 * 16;
+    __m256i dot[R][2];
+    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j)
+      for (int h = 0; h < 2; ++h) {  // a half's 32 weights per column unpacked once, then used by every row
+        const __m256i scale = twice16(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + 64 + 16 * j + 8 * h))));
+        __m256i w[8];  // w[tt]: weights 4tt … 4tt + 3 of each column
+        for (int tt = 0; tt < 4; ++tt) {
+          const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + 256 * j + 64 * tt + 32 * h));
+          w[tt] = _mm256_and_si256(packed, low);
+          w[tt + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+        }
+        for (int r = 0; r < R; ++r) {
+          const int8_t* q = a.q + (row0 + r) * a.k + b * kBlock + 32 * j;
+          __m256i sub[2] = {_mm256_maddubs_epi16(w[0], broadcast4_avx2(q)), _mm256_maddubs_epi16(w[1], broadcast4_avx2(q + 4))};
+          for (int tt = 2; tt < 8; ++tt) sub[tt % 2] = _mm256_add_epi16(sub[tt % 2], _mm256_maddubs_epi16(w[tt], broadcast4_avx2(q + 4 * tt)));
+          dot[r][h] = _mm256_add_epi32(dot[r][h], _mm256_madd_epi16(_mm256_add_epi16(sub[0], sub[1]), scale));
+        }
+      }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16 * h)));
+      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * h)));
+      __m256i min_pairs[4];  // [8 columns × (m of sub-block 2i, m of 2i + 1)] int16
+      for (int i = 0; i < 4; ++i) min_pairs[i] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 192 + 32 * i + 16 * h)));
+      for (int r = 0; r < R; ++r) {
+        const int16_t* pairs = a.pair_sums + (row0 + r) * (a.k / 32) + b * 8;
+        __m256i mins = _mm256_setzero_si256();
+        for (int i = 0; i < 4; ++i) {
+          int32_t pair;
+          std::memcpy(&pair, pairs + 2 * i, 4);
+          mins = _mm256_add_epi32(mins, _mm256_madd_epi16(min_pairs[i], _mm256_set1_epi32(pair)));
+        }
+        const __m256 xd = _mm256_set1_ps(a.d[(row0 + r) * a.blocks + b]);
+        y[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_mul_ps(d, xd), y[r][h]);
+        y[r][h] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dmin, xd), y[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc + r * kCols + 8 * h, y[r][h]);
+}
+
+template <int R>
+void dot_tile_q6k_avx2(const uint8_t* tile, const Activations& a, int64_t row0, float* acc) {
+  const __m256i nibble = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
+  __m256 y[R][2];
+  for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const uint8_t* t = tile + b * kQ6KTile;
+    const uint8_t* values = t + 32 + 16 * 16;
+    __m256i dot[R][2];
+    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    for (int j = 0; j < 16; ++j) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256i scale = twice16(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + 32 + 16 * j + 8 * h))));
+        const uint8_t* packed = values + 192 * j + 32 * h;
+        const __m256i low0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed));
+        const __m256i low1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + 64));
+        const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + 128));
+        const __m256i w0 = _mm256_or_si256(_mm256_and_si256(low0, nibble), _mm256_and_si256(_mm256_slli_epi16(high, 4), top));
+        const __m256i w1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low0, 4), nibble), _mm256_and_si256(_mm256_slli_epi16(high, 2), top));
+        const __m256i w2 = _mm256_or_si256(_mm256_and_si256(low1, nibble), _mm256_and_si256(high, top));
+        const __m256i w3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low1, 4), nibble), _mm256_and_si256(_mm256_srli_epi16(high, 2), top));
+        for (int r = 0; r < R; ++r) {
+          const int8_t* q = a.q + (row0 + r) * a.k + b * kBlock + 16 * j;
+          const __m256i first = _mm256_add_epi16(_mm256_maddubs_epi16(w0, broadcast4_avx2(q)), _mm256_maddubs_epi16(w1, broadcast4_avx2(q + 4)));
+          const __m256i second = _mm256_add_epi16(_mm256_maddubs_epi16(w2, broadcast4_avx2(q + 8)), _mm256_maddubs_epi16(w3, broadcast4_avx2(q + 12)));
+          // the weights are stored as value + 32: minus scale · 32 · (the activations' sum), |sum| ≤ 16 · 128
+          const int32_t sum = a.sums[(row0 + r) * (a.k / 16) + b * 16 + j];
+          const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(scale, _mm256_set1_epi32(sum & 0xffff)), 5);
+          const __m256i scaled = _mm256_add_epi32(_mm256_madd_epi16(first, scale), _mm256_madd_epi16(second, scale));
+          dot[r][h] = _mm256_add_epi32(dot[r][h], _mm256_sub_epi32(scaled, offset));
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16 * h)));
+      for (int r = 0; r < R; ++r) {
+        const __m256 xd = _mm256_set1_ps(a.d[(row0 + r) * a.blocks + b]);
+        y[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_mul_ps(d, xd), y[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc + r * kCols + 8 * h, y[r][h]);
+}
+
+template <int R>
+void dot_tile_avx2_rows(int64_t kind, const uint8_t* tile, const Activations& a, int64_t row0, float* acc) {
+  if (kind == Q4_K) dot_tile_q4k_avx2<R>(tile, a, row0, acc);
+  else dot_tile_q6k_avx2<R>(tile, a, row0, acc);
+}
+
+void dot_tile_avx2(int64_t kind, const uint8_t* tile, const Activations& a, int64_t row0, int rows, float* acc) {
+  switch (rows) {
+    case 1: return dot_tile_avx2_rows<1>(kind, tile, a, row0, acc);
+    case 2: return dot_tile_avx2_rows<2>(kind, tile, a, row0, acc);
+    case 3: return dot_tile_avx2_rows<3>(kind, tile, a, row0, acc);
+    case 4: return dot_tile_avx2_rows<4>(kind, tile, a, row0, acc);
+    case 5: return dot_tile_avx2_rows<5>(kind, tile, a, row0, acc);
+    case 6: return dot_tile_avx2_rows<6>(kind, tile, a, row0, acc);
+    case 7: return dot_tile_avx2_rows<7>(kind, tile, a, row0, acc);
+    default: return dot_tile_avx2_rows<8>(kind, tile, a, row0, acc);
+  }
+}
+#endif
+
+// Which tile code runs: the fastest built, unless `use_kernels` says otherwise (the tests compare them).
+enum class Kernels { portable, avx2, avx512 };
+Kernels kernels = KQ_AVX512 ? Kernels::avx512 : KQ_AVX2 ? Kernels::avx2 : Kernels::portable;
+
+void dot_tile(int64_t kind, const uint8_t* tile, const Activations& a, int64_t row0, int rows, float* acc) {
+  switch (kernels) {
+#if KQ_AVX512
+    case Kernels::avx512: return dot_tile_avx512(kind, tile, a, row0, rows, acc);
+#endif
+#if KQ_AVX2
+    case Kernels::avx2: return dot_tile_avx2(kind, tile, a, row0, rows, acc);
+#endif
+    default: return dot_tile_portable(kind, tile, a, row0, rows, acc);
+  }
+}
 
 // One weight of a layer: its packed tiles, block type, output columns and first column in the output.
 struct Part {
@@ -402,11 +554,7 @@ void gemm(const std::vector<Part>& parts, const Activations& a, int64_t rows, fl
       const int64_t width = std::min<int64_t>(kCols, part.columns - tile * kCols), column = part.offset + tile * kCols;
       for (int64_t row0 = 0; row0 < rows; row0 += kRows) {
         const int n = int(std::min<int64_t>(kRows, rows - row0));
-#if KQ_AVX512
-        if (!use_portable) dot_tile_avx512(part.kind, weights, a, row0, n, acc);
-        else
-#endif
-          dot_tile_portable(part.kind, weights, a, row0, n, acc);
+        dot_tile(part.kind, weights, a, row0, n, acc);
         for (int r = 0; r < n; ++r) {
           float* out = y + (row0 + r) * y_stride + column;
           for (int64_t c = 0; c < width; ++c) out[c] = bias ? acc[r * kCols + c] + bias[column + c] : acc[r * kCols + c];
@@ -577,24 +725,36 @@ DecoderLayer<Linear> kquant_layer(const py::tuple& t) {
   return {t[0].cast<at::Tensor>(), t[1].cast<at::Tensor>(), to_linear(t[2]), to_linear(t[3]), to_linear(t[4]), to_linear(t[5])};
 }
 
-// Which code runs (tiles and attention): the AVX-512 kernels when built for them, else the portable code.
-// `set_portable(true)` forces the portable code (the tests compare the two).
-bool set_portable(bool portable) {
-  use_portable = portable || !KQ_AVX512;
-  exact_attention::portable = use_portable;
-  return use_portable;
+// The kernels built here, fastest first ("avx512": AVX-512 VNNI, "avx2": AVX2 with FMA and F16C,
+// "portable": plain C++); they give the same bits.
+std::vector<std::string> kernels_built() {
+  std::vector<std::string> names;
+  if (KQ_AVX512) names.push_back("avx512");
+  if (KQ_AVX2) names.push_back("avx2");
+  names.push_back("portable");
+  return names;
 }
 
-bool has_avx512() { return KQ_AVX512; }
+// Run `name`'s code (tiles and attention) from now on; returns it. The tests and probes compare them.
+std::string use_kernels(const std::string& name) {
+  const auto built = kernels_built();
+  TORCH_CHECK(std::find(built.begin(), built.end(), name) != built.end(), "kquant kernels '", name, "' are not built here");
+  kernels = name == "avx512" ? Kernels::avx512 : name == "avx2" ? Kernels::avx2 : Kernels::portable;
+  exact_attention::vectors = name == "avx512" ? exact_attention::Vectors::avx512
+                             : name == "avx2" ? exact_attention::Vectors::avx2 : exact_attention::Vectors::none;
+  return name;
+}
 
+std::string kernels_in_use() { return kernels == Kernels::avx512 ? "avx512" : kernels == Kernels::avx2 ? "avx2" : "portable"; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("repack", &repack, "raw GGUF blocks [columns, bytes] -> tiles of 16 columns");
   m.def("dequantize", &dequantize, "raw GGUF blocks [rows, bytes] -> float32 weights");
   m.def("quantize_rows", &quantize_rows, "float32 [rows, K] -> (int8 values, scales per 256, sums per 16 and per 32)");
   m.def("linear", &linear, "x [rows, K] -> [rows, Σ columns] through k-quant weights");
-  m.def("set_portable", &set_portable, "force the portable kernels (true) or use the fastest built (false)");
-  m.def("has_avx512", &has_avx512, "whether the AVX-512 VNNI kernels were built");
+  m.def("kernels_built", &kernels_built, "the kernels built here, fastest first (avx512, avx2, portable)");
+  m.def("use_kernels", &use_kernels, "run these kernels from now on (one of kernels_built())");
+  m.def("kernels_in_use", &kernels_in_use, "the kernels that run");
   m.def("attend", &exact_attention::attend, "q [heads, n, d] over one layer's cache [kv_heads, capacity, d] from slot `start` "
         "(mask: None for a chain, else bool [n, start + n]) -> [heads, n, d], each position on its own",
         py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("start"), py::arg("mask"), py::arg("scale"));
