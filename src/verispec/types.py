@@ -36,6 +36,11 @@ class Draft:
     probs: torch.Tensor | None = None
     parents: torch.Tensor | None = None
 
+    @staticmethod
+    def empty() -> Draft:
+        """No proposal: the step scores the last committed token alone."""
+        return Draft(torch.zeros(0, dtype=torch.long))
+
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 

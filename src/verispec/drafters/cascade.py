@@ -31,7 +31,7 @@ __all__ = ["VerticalCascadeDrafter", "HorizontalCascadeDrafter"]
 
 
 def _empty_draft() -> Draft:
-    return Draft(torch.zeros(0, dtype=torch.long))
+    return Draft.empty()
 
 
 def _widen(probs: torch.Tensor, width: int) -> torch.Tensor:

@@ -205,7 +205,7 @@ class _CrossVocabSession(ModelSession):
         context = self.context.ids(ids)
         model = self.drafter.model
         if gamma <= 0 or not context or len(context) + gamma >= model.context_length:
-            return Draft(torch.zeros(0, dtype=torch.long))
+            return Draft.empty()
         logits = self._sync(context)  # [1, draft vocab]
         if params.greedy:
             return self._greedy(ids, context, logits, gamma, params)
@@ -250,6 +250,6 @@ class _CrossVocabSession(ModelSession):
             if i + 1 < gamma:
                 logits = self._feed([draft_token])
         if not tokens:
-            return Draft(torch.zeros(0, dtype=torch.long))
+            return Draft.empty()
         return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(rows))
 

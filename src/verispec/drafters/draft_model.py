@@ -76,7 +76,7 @@ class _DraftModelSession(ModelSession):
 
     def propose(self, ids, gamma, params, generator):
         if gamma == 0:
-            return Draft(torch.zeros(0, dtype=torch.long))
+            return Draft.empty()
         logits = self._catch_up(ids)  # [1, vocab]
         step = lambda token: self._feed([token])  # noqa: E731
         return sample_chain(logits, step, ids, gamma, params, generator, self.target_vocab_size)

@@ -183,7 +183,7 @@ class StandSession(DraftSession):
     def propose(self, ids, gamma, params, generator):
         builder, _ = self.grow(ids, gamma, params, generator)
         if not len(builder):
-            return Draft(torch.zeros(0, dtype=torch.long))
+            return Draft.empty()
         return builder.build(self.drafter.vocab_size)
 
     def observe(self, ids, target_probs):

@@ -66,7 +66,7 @@ class _ExpansionSession(ModelSession):
     def propose(self, ids, gamma, params, generator):
         shape = self.drafter.shape[:gamma]
         if not shape:
-            return Draft(torch.zeros(0, dtype=torch.long))
+            return Draft.empty()
         committed = len(ids)
         root_logits = self._catch_up(ids)  # [1, vocab]
         builder = TreeBuilder()

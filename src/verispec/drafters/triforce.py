@@ -83,7 +83,7 @@ class StreamingDraft:
 
     def propose(self, ids, gamma, params, generator, target_vocab_size) -> Draft:
         if gamma == 0:
-            return Draft(torch.zeros(0, dtype=torch.long))
+            return Draft.empty()
         logits = self.state.feed(ids[self.state.covered :], logits="last")  # [1, vocab]
         step = lambda token: self.state.feed([token], logits="last")  # noqa: E731
         return sample_chain(logits, step, ids, gamma, params, generator, target_vocab_size)

@@ -396,7 +396,7 @@ class Generation:
             logits = self.target.runner.forward(self.cache, torch.tensor(self.ids[done:end]), logits="last" if last else "none")
             if last:  # [1, vocab]: the first token, a step without a draft (its forward is the prefill's)
                 self._open_session(chunked=max_tokens is not None)
-                first = StepPlan(Chain(Draft(torch.zeros(0, dtype=torch.long))), torch.tensor(self.ids[-1:]), 0.0)
+                first = StepPlan(Chain(Draft.empty()), torch.tensor(self.ids[-1:]), 0.0)
                 self._held = self.commit(first, logits, 0.0)
         else:
             self.prefilled = self.session.prefill_step(max_tokens)
@@ -419,7 +419,7 @@ class Generation:
         most = exact - 1 if exact is not None else None  # draft tokens one pass may hold beside the last committed one
         gamma = gamma if most is None else min(gamma, most)
         if self.session is None or gamma <= 0:
-            return Chain(Draft(torch.zeros(0, dtype=torch.long)))
+            return Chain(Draft.empty())
         draft = self.session.propose(self.ids, gamma, self.params, self.generator).to(self.device)
         return shape_of(draft).cut(gamma, most)
 
@@ -431,7 +431,8 @@ class Generation:
         gamma = min(self.policy.next_gamma(), remaining - 1) if self.session is not None else 0
         start = time.perf_counter()
         shape = self._draft(gamma)
-        feed = torch.cat([torch.tensor(self.ids[-1:], device=self.device), shape.draft.tokens])  # [n+1] on the device
+        last = torch.tensor(self.ids[-1:], device=self.device)
+        feed = torch.cat([last, shape.draft.tokens]) if len(shape.draft) else last  # [n+1] on the device
         return StepPlan(shape, feed, time.perf_counter() - start, *shape.layout(len(self.ids) - 1))
 
     def step(self) -> list[TokenEvent]:
@@ -460,7 +461,7 @@ class Generation:
         laps.mark("verify")
         path = list(verdict.path) if verdict.path is not None else list(range(verdict.accepted))
         rows = torch.tensor([0] + [node + 1 for node in path])  # [accepted+1] block rows on the committed path (host)
-        new_tokens = draft.tokens[path].tolist() + [verdict.next_token]
+        new_tokens = (draft.tokens[path].tolist() if path else []) + [verdict.next_token]
         self._commit_tokens(shape, rows, new_tokens, scores)
         laps.mark("commit")
         self.stats.record(StepRecord(shape.depth, verdict.accepted, plan.draft_seconds, target_seconds + laps.since_target))

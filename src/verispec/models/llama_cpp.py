@@ -452,20 +452,20 @@ class LlamaCppRunner:
             self.forward(cache, torch.tensor(prompt_ids[:-1]), logits="none")
         return cache
 
-    @torch.inference_mode()
     def forward(self, cache: LlamaCppCache, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 tree_mask: torch.Tensor | None = None, logits: str = "all") -> torch.Tensor | None:
         """Feed `tokens` [n] after the cache's `length` tokens; logits "all" [n, vocab], "last" [1, vocab]
         or "none". positions [n] and tree_mask [n, n] (node i sees node j) make it a token tree."""
         return self.forward_ragged([cache], [tokens], [positions], [tree_mask], logits)[0]
 
-    @torch.inference_mode()
     def forward_ragged(self, caches: list[LlamaCppCache], feeds: list[torch.Tensor],
                        positions: list[torch.Tensor | None] | None = None,
                        tree_masks: list[torch.Tensor | None] | None = None, logits: str = "all") -> list[torch.Tensor | None]:
         """Several requests' feeds; per request the logits of its fed positions (as `forward` with the
         same `logits`). Exact: a pass per request, in its own context; wide: as few `llama_decode`
-        calls over the shared context as the batch size allows."""
+        calls over the shared context as the batch size allows. No torch.inference_mode here: nothing
+        records gradients, and entering the mode costs tens of µs a step once a decode has evicted the
+        caches (as does every tensor operation: this path keeps to a few)."""
         positions = positions or [None] * len(caches)
         tree_masks = tree_masks or [None] * len(caches)
         if self.exact and len(caches) > 1:  # one request per pass: its rows alone decide the kernels

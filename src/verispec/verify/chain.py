@@ -27,6 +27,8 @@ def _first_false(mask: torch.Tensor) -> int:
 def verify_greedy(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> Verdict:
     """draft_tokens [γ]; target_tokens [γ+1] = the target's choice after each prefix."""
     gamma = draft_tokens.shape[0]
+    if gamma == 0:  # plain decoding: the target's token (no tensor work: each op costs after a forward)
+        return Verdict(0, int(target_tokens[0]), Origin.BONUS)
     accepted = _first_false(draft_tokens.to(target_tokens.device) == target_tokens[:gamma])
     origin = Origin.BONUS if accepted == gamma else Origin.RECOVERED
     return Verdict(accepted, int(target_tokens[accepted]), origin)
