@@ -45,6 +45,25 @@ def test_summary_metrics():
     assert "predicted_speedup" not in summary["hf-plain"]
 
 
+def test_speculative_outputs_are_compared_with_plain_decoding_on_their_own_backend():
+    def rec(method, prompt, ids, backend, plain):
+        return {"method": method, "prompt": prompt, "category": "code", "tokens_per_second": 10.0, "token_ids": ids,
+                "new_tokens": len(ids), "peak_extra_mib": None, "backend": backend, "plain": plain}
+
+    records = [rec("llama-cpp-like", "a", [9], None, False) | {"method": "llama-cpp"},
+               rec("vs:none[kquant]", "a", [1, 2], "kquant", True), rec("vs:none[kquant]", "b", [3], "kquant", True),
+               rec("vs:none[gguf]", "a", [1, 5], "gguf", True),
+               rec("vs:ngram[kquant]", "a", [1, 2], "kquant", False), rec("vs:ngram[kquant]", "b", [4], "kquant", False),
+               rec("vs:auto[auto]", "a", [1, 5], "gguf", False), rec("vs:ngram[int8]", "a", [1, 2], "int8", False)]
+    summary = summarize(records, ["llama-cpp", "vs:none[kquant]", "vs:none[gguf]", "vs:ngram[kquant]", "vs:auto[auto]",
+                                  "vs:ngram[int8]"])
+    assert summary["vs:ngram[kquant]"]["identical_to_plain"] == 0.5  # b differs from kquant's plain output
+    assert summary["vs:auto[auto]"]["identical_to_plain"] == 1.0  # against gguf's plain, the backend it ran
+    assert summary["vs:ngram[int8]"]["identical_to_plain"] is None  # no plain run on int8
+    assert summary["vs:none[kquant]"]["identical_to_plain"] is None and summary["llama-cpp"]["identical_to_plain"] is None
+    assert "| = plain |" in markdown_report(summary, CONFIG)
+
+
 def test_sampled_runs_report_identical_as_na():
     config = CONFIG | {"temperature": 0.7}
     summary = summarize(_records(), ["hf-plain", "vs:model"], sampled=True)

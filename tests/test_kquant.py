@@ -23,7 +23,7 @@ from server_helpers import token_ids
 
 from verispec import Engine, GenerationConfig, SamplingParams
 from verispec.drafters import DraftModelDrafter, ExpansionDrafter, NgramDrafter, StandDrafter
-from verispec.errors import ModelNotFoundError
+from verispec.errors import InvalidParameterError, ModelNotFoundError
 from verispec.engine.build import auto_backends
 from verispec.models.kquant import KQUANT_TYPES, KQuantLinear, KQuantWeight, kquant_kernels, kquant_suits
 from verispec.models.gguf_weights import kquant_requantizes, kquant_runs
@@ -86,6 +86,19 @@ def kernels_of(name: str):
         yield kernels.use_kernels(name)
     finally:
         kernels.use_kernels(kernels.kernels_built()[0])
+
+
+def test_the_kernels_variable_chooses_the_code_and_refuses_what_is_not_built(monkeypatch):
+    built = kquant_kernels().kernels_built()
+    try:
+        monkeypatch.setenv("VERISPEC_KQUANT_KERNELS", "portable")
+        assert kquant_kernels().kernels_in_use() == "portable"
+        monkeypatch.setenv("VERISPEC_KQUANT_KERNELS", "avx1024")
+        with pytest.raises(InvalidParameterError, match="VERISPEC_KQUANT_KERNELS=avx1024.*built on this CPU are"):
+            kquant_kernels()
+    finally:
+        monkeypatch.delenv("VERISPEC_KQUANT_KERNELS")
+        kquant_kernels().use_kernels(built[0])
 
 
 @pytest.mark.parametrize("name", ["avx512", "avx2"])

@@ -26,11 +26,12 @@ portable C++. All three give the same bits.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
-from verispec.errors import ModelNotFoundError
+from verispec.errors import InvalidParameterError, ModelNotFoundError
 from verispec.models.kernels import extension
 
 __all__ = ["KQUANT_TYPES", "KQuantWeight", "KQuantLinear", "KQuantEmbedding", "concat_rows", "kquant_kernels", "kquant_suits"]
@@ -39,12 +40,23 @@ KQUANT_TYPES = {"Q4_K": 12, "Q6_K": 14}  # ggml type name -> type number (what t
 TILE_COLUMNS = 16  # output columns per packed tile (`kCols` in kernels/kquant.cpp)
 
 
+KERNELS_VARIABLE = "VERISPEC_KQUANT_KERNELS"  # avx512, avx2 or portable: run those (the fastest built when unset)
+
+
 def kquant_kernels():
-    """The compiled kernels (`kernels/kquant.cpp`); ModelNotFoundError when they cannot be built (kquant has no torch fallback)."""
+    """The compiled kernels (`kernels/kquant.cpp`), running the code $VERISPEC_KQUANT_KERNELS names (to time
+    what another CPU runs: AVX2 on an AVX-512 machine), else the fastest built. ModelNotFoundError when they
+    cannot be built (kquant has no torch fallback), InvalidParameterError for kernels not built here."""
     module = extension("kquant")
     if module is None:
         raise ModelNotFoundError("the kquant precision needs its C++ kernels, which could not be built here "
                                  "(a C++ compiler and ninja are required); use --dtype gguf")
+    wanted = os.environ.get(KERNELS_VARIABLE)
+    if wanted and wanted != module.kernels_in_use():
+        if wanted not in module.kernels_built():
+            raise InvalidParameterError(f"{KERNELS_VARIABLE}={wanted}: the kquant kernels built on this CPU are "
+                                        f"{', '.join(module.kernels_built())}")
+        module.use_kernels(wanted)
     return module
 
 

@@ -287,8 +287,8 @@ class Transformer:
         self.dtype = dtype
         self.quant = quant
         self.variant = (f",{quant}" if quant else "") + (f",rows={pack_rows}" if pack and pack_rows != 1 else "")
-        if quant == "kquant":  # its costs are the kernels' own: a new kernel build is measured anew
-            self.variant += f",kernels={kernels.build_key('kquant')}"
+        if quant == "kquant":  # its costs are the kernels' own: a new kernel build, or other code of it, is measured anew
+            self.variant += f",kernels={kernels.build_key('kquant')}:{kquant_kernels().kernels_in_use()}"
         self.row_invariant = quant is not None
         # kquant's own attention (`kernels/attention.h`): every feed's positions each on its own, chains and trees
         self._exact_attend = kquant_kernels().attend if quant == "kquant" else None

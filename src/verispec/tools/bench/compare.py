@@ -37,7 +37,8 @@ call, prefill included; new tokens count up to and including the first stop id.
 
 Reported per method, overall and per category (see `verispec.tools.bench.report`): tokens/s, speedup vs
 hf-plain, the speedup the theory predicts from the run's own α, γ̄ and c, the share of outputs
-identical to hf-plain's (n/a when sampled), τ, α per position, c, and memory. A Markdown table goes
+identical to hf-plain's and, for a speculative method, to plain decoding on the same backend (n/a when
+sampled), τ, α per position, c, and memory. A Markdown table goes
 to stdout; --json FILE writes the summary and every generation, rewritten after each one (so an
 interrupted or killed run keeps what finished); --plots DIR draws the figures of
 `verispec.tools.bench.plots` (matplotlib is checked before any model loads). Ctrl-C reports what was
@@ -142,6 +143,8 @@ class Output:
     token_ids: list[int]  # new tokens only, up to and including the first stop id
     seconds: float
     stats: dict | None = None  # verispec GenerationStats.to_dict(); None for HF methods
+    backend: str | None = None  # verispec: the precision its target ran in (kquant, gguf, …)
+    plain: bool = False  # verispec without a drafter: the output speculative methods on `backend` must equal
 
 
 class Method(Protocol):
@@ -243,7 +246,8 @@ class VerispecMethod:
         start = time.perf_counter()
         result = self.engine.generate(prompt_ids, config)
         seconds = time.perf_counter() - start
-        return Output(list(result.token_ids), seconds, result.stats.to_dict())
+        return Output(list(result.token_ids), seconds, result.stats.to_dict(), self.engine.target.precision,
+                      self.engine.drafter is None)
 
     @property
     def context(self) -> int:
@@ -340,6 +344,8 @@ def measure(method: Method, prompt: Prompt, prompt_ids: list[int], max_new_token
     }
     if out.stats is not None:
         record["stats"] = out.stats
+    if out.backend is not None:
+        record["backend"], record["plain"] = out.backend, out.plain
     return record
 
 

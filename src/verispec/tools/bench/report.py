@@ -11,6 +11,10 @@ method, overall and per category:
                            (`baseline_of`);
   identical_to_baseline    share of outputs token-for-token equal to the baseline's (None when sampled:
                            two correct samplers need not agree);
+  identical_to_plain       for a speculative verispec method: share of outputs equal to plain decoding's on
+                           the backend that ran it (a record's `backend`; the plain records are those
+                           of a method without a drafter, `plain`), which exactness promises (100 %);
+                           None when sampled or when no plain method ran on that backend;
   mean_accepted_length τ, acceptance_rate α, per_position_acceptance, mean_gamma γ̄: of the verispec
                            generations' acceptance counts merged (`AcceptanceStats`), as if one long
                            generation; cost_ratio c: mean over the generations;
@@ -90,10 +94,14 @@ def _draft_metrics(stats: list[dict]) -> dict:
     return metrics | {"predicted_speedup": expected_speedup(min(alpha, 1.0), gamma, c) if gamma is not None else None}
 
 
-def group_metrics(records: list[dict], baseline: dict[str, dict], sampled: bool = False) -> dict:
-    """Metrics over one method's `records`; `baseline` maps prompt name → the baseline's record."""
+def group_metrics(records: list[dict], baseline: dict[str, dict], sampled: bool = False,
+                  plain: dict[tuple[str, str], dict] | None = None) -> dict:
+    """Metrics over one method's `records`; `baseline` maps prompt name → the baseline's record, `plain`
+    (prompt, backend) → a plain verispec record."""
     tps = [r["tokens_per_second"] for r in records]
     paired = [(r, baseline[r["prompt"]]) for r in records if r["prompt"] in baseline]
+    with_plain = [(r, (plain or {})[r["prompt"], r["backend"]]) for r in records
+                  if not r.get("plain") and (r["prompt"], r.get("backend")) in (plain or {})]
     base_mean = _mean([b["tokens_per_second"] for _, b in paired])
     extra = [r["peak_extra_mib"] for r in records if r.get("peak_extra_mib") is not None]
     metrics = {
@@ -104,6 +112,7 @@ def group_metrics(records: list[dict], baseline: dict[str, dict], sampled: bool 
         "speedup_median_ratio": _median([r["tokens_per_second"] / b["tokens_per_second"]
                                          for r, b in paired if b["tokens_per_second"]]),
         "identical_to_baseline": None if sampled else _mean([float(r["token_ids"] == b["token_ids"]) for r, b in paired]),
+        "identical_to_plain": None if sampled else _mean([float(r["token_ids"] == p["token_ids"]) for r, p in with_plain]),
         "new_tokens_mean": _mean([r["new_tokens"] for r in records]),
         "peak_extra_mib": max(extra) if extra else None,
     }
@@ -119,17 +128,18 @@ def summarize(records: list[dict], method_names: list[str], sampled: bool = Fals
     records = measured(records)
     baseline_name = baseline_of([name for name in method_names if any(r["method"] == name for r in records)])
     baseline = {r["prompt"]: r for r in records if r["method"] == baseline_name}
+    plain = {(r["prompt"], r["backend"]): r for r in records if r.get("plain")}
     summary = {}
     for name in method_names:
         mine = [r for r in records if r["method"] == name]
         if not mine:
             continue
         categories = dict.fromkeys(r["category"] for r in mine)
-        metrics = group_metrics(mine, baseline, sampled)
+        metrics = group_metrics(mine, baseline, sampled, plain)
         weights = (weights_mib or {}).get(name)
         metrics["weights_mib"] = weights
         metrics["memory_mib"] = weights + (metrics["peak_extra_mib"] or 0.0) if weights is not None else None
-        metrics["per_category"] = {c: group_metrics([r for r in mine if r["category"] == c], baseline, sampled)
+        metrics["per_category"] = {c: group_metrics([r for r in mine if r["category"] == c], baseline, sampled, plain)
                                    for c in categories}
         metrics["baseline"] = baseline_name
         summary[name] = metrics
@@ -146,6 +156,7 @@ COLUMNS = [  # (header, metric key, format)
     ("speedup (median ratio)", "speedup_median_ratio", "{:.2f}×"),
     ("predicted", "predicted_speedup", "{:.2f}×"),
     ("identical", "identical_to_baseline", "{:.0%}"),
+    ("= plain", "identical_to_plain", "{:.0%}"),
     ("τ", "mean_accepted_length", "{:.2f}"),
     ("α", "acceptance_rate", "{:.2f}"),
     ("c", "cost_ratio", "{:.3f}"),
@@ -167,7 +178,7 @@ def _table(rows: list[tuple[list[str], dict]], key_headers: list[str], sampled: 
     headers = key_headers + [h for h, _, _ in COLUMNS]
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     for keys, metrics in rows:
-        cells = keys + [_cell(metrics.get(key), fmt, "n/a" if sampled and key == "identical_to_baseline" else "–")
+        cells = keys + [_cell(metrics.get(key), fmt, "n/a" if sampled and key.startswith("identical") else "–")
                         for _, key, fmt in COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -194,7 +205,7 @@ def markdown_report(summary: dict[str, dict], config: dict, unmeasured_records: 
         head += f", on {config['cpu']}"
     baseline = next((m.get("baseline") for m in summary.values() if m.get("baseline")), None)
     if baseline:
-        head += f"; speedup and identical are against {baseline}"
+        head += f"; speedup and identical are against {baseline}; = plain: against plain decoding on the same backend"
     if config.get("interrupted"):
         head += " — INTERRUPTED: partial results"
     overall = _table([([name], m) for name, m in summary.items()], ["method"], sampled)
