@@ -50,6 +50,20 @@ def _tokens(model, n: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(10, model.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))  # [n]
 
 
+def test_plain_decoding_gives_llama_cpps_own_tokens(target):
+    """Greedy plain decoding on the gguf backend equals llama-cpp-python's own loop from an empty cache
+    (`verispec bench`'s llama-cpp-fresh), prompt after prompt: the same prefill, the same argmax."""
+    from verispec.tools.bench.compare import LlamaCppMethod
+
+    own_loop = LlamaCppMethod.load("llama-cpp-fresh", target.runner.path, target.eos_ids, 0.0)
+    engine = Engine(target, None)
+    prompts = [PROMPT, "Name a prime number above 50.", "List three facts about the sun, one per line."]
+    for prompt in prompts:  # the third shares a long prefix with the first: nothing of it may be reused
+        ids = target.encode_prompt(prompt)
+        ours = engine.generate(ids, GenerationConfig(max_new_tokens=24)).token_ids
+        assert list(ours) == own_loop.generate(ids, 24, seed=0).token_ids
+
+
 def test_exact_width_is_bit_identical_to_single_steps(target):
     """Within the measured exact width, n positions at once give the single-step logits bit for bit."""
     runner, width = target.runner, target.runner.exact_positions

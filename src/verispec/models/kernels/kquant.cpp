@@ -472,19 +472,26 @@ void dot_tile_q6k_avx2(const uint8_t* tile, const Activations& a, int64_t row0, 
           const int8_t* q = a.q + (row0 + r) * a.k + b * kBlock + 16 * j;
           const __m256i first = _mm256_add_epi16(_mm256_maddubs_epi16(w0, broadcast4_avx2(q)), _mm256_maddubs_epi16(w1, broadcast4_avx2(q + 4)));
           const __m256i second = _mm256_add_epi16(_mm256_maddubs_epi16(w2, broadcast4_avx2(q + 8)), _mm256_maddubs_epi16(w3, broadcast4_avx2(q + 12)));
-          // the weights are stored as value + 32: minus scale · 32 · (the activations' sum), |sum| ≤ 16 · 128
-          const int32_t sum = a.sums[(row0 + r) * (a.k / 16) + b * 16 + j];
-          const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(scale, _mm256_set1_epi32(sum & 0xffff)), 5);
-          const __m256i scaled = _mm256_add_epi32(_mm256_madd_epi16(first, scale), _mm256_madd_epi16(second, scale));
-          dot[r][h] = _mm256_add_epi32(dot[r][h], _mm256_sub_epi32(scaled, offset));
+          dot[r][h] = _mm256_add_epi32(dot[r][h], _mm256_add_epi32(_mm256_madd_epi16(first, scale), _mm256_madd_epi16(second, scale)));
         }
       }
     }
     for (int h = 0; h < 2; ++h) {
+      // the weights are stored as value + 32: minus 32 · Σ_j scale_j · (the activations' sum over sub-block j),
+      // two sub-blocks per `vpmaddwd` (|sum| ≤ 16 · 128 fits 16 bits)
+      __m256i pairs[8];  // [8 columns × (scale of sub-block 2i, of 2i + 1)] int16
+      for (int i = 0; i < 8; ++i)
+        pairs[i] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + 32 + 16 * (2 * i) + 8 * h)),
+                                                          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + 32 + 16 * (2 * i + 1) + 8 * h))));
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16 * h)));
       for (int r = 0; r < R; ++r) {
+        const int32_t* sums = a.sums + (row0 + r) * (a.k / 16) + b * 16;
+        __m256i offset = _mm256_setzero_si256();
+        for (int i = 0; i < 8; ++i)
+          offset = _mm256_add_epi32(offset, _mm256_madd_epi16(pairs[i], _mm256_set1_epi32(int32_t((uint32_t(sums[2 * i]) & 0xffffu) | (uint32_t(sums[2 * i + 1]) << 16)))));
+        const __m256i total = _mm256_sub_epi32(dot[r][h], _mm256_slli_epi32(offset, 5));
         const __m256 xd = _mm256_set1_ps(a.d[(row0 + r) * a.blocks + b]);
-        y[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_mul_ps(d, xd), y[r][h]);
+        y[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, xd), y[r][h]);
       }
     }
   }

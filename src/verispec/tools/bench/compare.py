@@ -14,7 +14,12 @@ Methods (comma list for --methods):
   llama-cpp     plain greedy (or sampled) decoding of the target's GGUF file by llama.cpp
                 (llama-cpp-python's own generation loop); the target must be a shipped model name or
                 a .gguf path. Threads: torch's thread count; context: the one verispec's own GGUF
-                runner gives the file. The baseline when hf-plain is absent;
+                runner gives the file. Like any user of llama-cpp-python's `Llama`, it reuses the keys/values of
+                the previous prompt's common prefix (the chat template's system prompt), which changes how
+                ggml batches the prompt and can change its tokens. The baseline when hf-plain is absent;
+  llama-cpp-fresh the same from an empty cache for every prompt: llama.cpp's own loop on one prompt,
+                whose tokens verispec's plain decoding on the gguf backend equals (the baseline when
+                hf-plain and llama-cpp are absent);
   llama-cpp-pld the same with llama.cpp's own prompt-lookup speculation (`LlamaPromptLookupDecoding`,
                 its defaults);
   verispec on llama.cpp: `vs:SPEC[gguf]` (exact widths) or `vs:SPEC[gguf-wide]`.
@@ -90,8 +95,9 @@ HF_METHODS = ("hf-plain", "hf-assisted", "hf-pld")
 WARMUP_PROMPT = "In two sentences, what does a thermostat do?"  # not in any question set
 WARMUP = Prompt("warm-up", "warm-up", WARMUP_PROMPT)
 LLAMA_CPP = "llama-cpp"
+LLAMA_CPP_FRESH = "llama-cpp-fresh"
 LLAMA_CPP_PLD = "llama-cpp-pld"
-LLAMA_CPP_METHODS = (LLAMA_CPP, LLAMA_CPP_PLD)
+LLAMA_CPP_METHODS = (LLAMA_CPP, LLAMA_CPP_FRESH, LLAMA_CPP_PLD)
 PLD_TOKENS = 10
 DEFAULT_METHODS = "hf-plain,hf-assisted,vs:none,vs:model"
 
@@ -207,7 +213,8 @@ class LlamaCppMethod:
 
     @classmethod
     def load(cls, name: str, gguf: Path, eos_ids: frozenset[int], temperature: float) -> LlamaCppMethod:
-        """`name`: llama-cpp (plain) or llama-cpp-pld (llama.cpp's prompt-lookup speculation)."""
+        """`name`: llama-cpp (plain), llama-cpp-fresh (plain, an empty cache per prompt) or llama-cpp-pld
+        (llama.cpp's prompt-lookup speculation)."""
         llama_cpp = require_llama_cpp()
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
@@ -227,6 +234,8 @@ class LlamaCppMethod:
             sampling = {"temp": 0.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0}
         out: list[int] = []
         start = time.perf_counter()
+        if self.name == LLAMA_CPP_FRESH:
+            self.llm.reset()  # nothing of the previous prompt is reused
         for token in self.llm.generate(prompt_ids, reset=True, repeat_penalty=1.0, **sampling):
             out.append(int(token))
             if token in self.eos_ids or len(out) >= max_new_tokens:

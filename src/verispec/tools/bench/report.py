@@ -7,8 +7,8 @@ method, overall and per category:
   tokens_per_second        mean over prompts (median alongside);
   speedup                  mean tokens/s over the prompts the baseline also ran, divided by the
                            baseline's mean over them (Spec-Bench's definition); speedup_median_ratio:
-                           median per prompt. The baseline is hf-plain when it ran, else llama-cpp
-                           (`baseline_of`);
+                           median per prompt. The baseline is hf-plain when it ran, else llama-cpp,
+                           else llama-cpp-fresh (`baseline_of`);
   identical_to_baseline    share of outputs token-for-token equal to the baseline's (None when sampled:
                            two correct samplers need not agree);
   identical_to_plain       for a speculative verispec method: share of outputs equal to plain decoding's on
@@ -37,12 +37,13 @@ __all__ = ["BASELINE", "baseline_of", "measured", "unmeasured", "summarize", "gr
            "write_json"]
 
 BASELINE = "hf-plain"
-LLAMA_CPP_BASELINE = "llama-cpp"
+LLAMA_CPP_BASELINES = ("llama-cpp", "llama-cpp-fresh")
 
 
 def baseline_of(method_names: Sequence[str]) -> str | None:
-    """What speedups are measured against: hf-plain, else llama.cpp's plain decoding (None: neither ran)."""
-    return next((name for name in (BASELINE, LLAMA_CPP_BASELINE) if name in method_names), None)
+    """What speedups are measured against: hf-plain, else llama.cpp's plain decoding (llama-cpp, else
+    llama-cpp-fresh; None: none of them ran)."""
+    return next((name for name in (BASELINE, *LLAMA_CPP_BASELINES) if name in method_names), None)
 
 
 def measured(records: list[dict]) -> list[dict]:
