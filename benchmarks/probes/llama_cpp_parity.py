@@ -3,9 +3,10 @@
 For each prompt (the chat template applied), greedy decoding of the same GGUF by verispec
 (`Engine(target, None)`, precision gguf) and by llama-cpp-python's own loop (`Llama.generate`, a fresh
 state per prompt, flash attention as llama.cpp's CPU default), interleaved: identical tokens or the
-first position where they differ, then tok/s of both and their ratio. With --profile, one verispec
-generation under cProfile: time inside `llama_decode` against everything around it, and what one greedy
-argmax over a vocabulary row costs in torch and in numpy (`sampling.samplers.argmax` takes numpy's).
+first position where they differ, then tok/s of both and their ratio. With --profile: each loop's time
+outside `llama_decode` per token (the C call timed where each loop makes it, 3 alternating rounds), one
+verispec generation under cProfile, and what one greedy argmax over a vocabulary row costs in torch and in
+numpy (`sampling.samplers.argmax` takes numpy's).
 
     .venv/bin/python benchmarks/probes/llama_cpp_parity.py [--target NAME] [--max-new-tokens 64] [--profile]
 """
@@ -53,26 +54,50 @@ def timed(fn):
     return result, time.perf_counter() - start
 
 
-def profile(engine: Engine, ids: list[int], max_new: int) -> None:
-    """Seconds inside llama_decode against the rest of one generation."""
-    lib = engine.target.runner.llama_cpp
-    inside = [0.0]
-    decode = lib.llama_decode
+class DecodeTimer:
+    """Seconds spent inside `module.llama_decode` while installed (the C call each loop makes)."""
 
-    def counted(ctx, batch):
-        start = time.perf_counter()
-        status = decode(ctx, batch)
-        inside[0] += time.perf_counter() - start
-        return status
-    lib.llama_decode = counted
+    def __init__(self, module):
+        self.module, self.decode, self.seconds = module, module.llama_decode, 0.0
+
+    def __enter__(self):
+        def timed_decode(ctx, batch):
+            start = time.perf_counter()
+            status = self.decode(ctx, batch)
+            self.seconds += time.perf_counter() - start
+            return status
+        self.module.llama_decode = timed_decode
+        return self
+
+    def __exit__(self, *exc):
+        self.module.llama_decode = self.decode
+
+
+def outside_decode(engine: Engine, llm, ids: list[int], eos: set[int], max_new: int, rounds: int = 3) -> None:
+    """ms per token each loop spends outside llama_decode on the same prompt, rounds alternating."""
+    from llama_cpp import _internals
+
+    ours, theirs = [], []
+    for _ in range(rounds):
+        with DecodeTimer(engine.target.runner.llama_cpp) as timer:
+            (out, seconds) = timed(lambda: engine.generate(ids, GenerationConfig(max_new_tokens=max_new)).token_ids)
+        ours.append((seconds - timer.seconds) / len(out) * 1000)
+        with DecodeTimer(_internals.llama_cpp) as timer:
+            (out, seconds) = timed(lambda: llama_cpp_tokens(llm, ids, eos, max_new))
+        theirs.append((seconds - timer.seconds) / len(out) * 1000)
+    print(f"outside llama_decode, ms a token (best of {rounds}): verispec {min(ours):.2f}, llama-cpp-python {min(theirs):.2f}")
+
+
+def profile(engine: Engine, ids: list[int], max_new: int) -> None:
+    """Seconds inside llama_decode against the rest of one generation, the rest under cProfile."""
     profiler = cProfile.Profile()
-    profiler.enable()
-    result, seconds = timed(lambda: engine.generate(ids, GenerationConfig(max_new_tokens=max_new)))
-    profiler.disable()
-    lib.llama_decode = decode
-    n = len(result.token_ids)
-    print(f"{n} tokens in {seconds:.2f} s: llama_decode {inside[0]:.2f} s, the rest {seconds - inside[0]:.3f} s "
-          f"= {(seconds - inside[0]) / n * 1000:.2f} ms per token (under cProfile)")
+    with DecodeTimer(engine.target.runner.llama_cpp) as timer:
+        profiler.enable()
+        result, seconds = timed(lambda: engine.generate(ids, GenerationConfig(max_new_tokens=max_new)))
+        profiler.disable()
+    n, rest = len(result.token_ids), seconds - timer.seconds
+    print(f"{n} tokens in {seconds:.2f} s: llama_decode {timer.seconds:.2f} s, the rest {rest:.3f} s "
+          f"= {rest / n * 1000:.2f} ms per token (under cProfile)")
     pstats.Stats(profiler).sort_stats("tottime").print_stats(10)
 
 
@@ -118,6 +143,7 @@ def main() -> None:
     print(f"{same}/{len(PROMPTS) * args.rounds} identical; verispec {sum(ours_rate) / len(ours_rate):.2f} tok/s, llama.cpp "
           f"{sum(theirs_rate) / len(theirs_rate):.2f} tok/s (× {sum(ours_rate) / sum(theirs_rate):.3f})")
     if args.profile:
+        outside_decode(engine, llm, engine.prompt_ids(PROMPTS[3]), target.eos_ids, 128)
         profile(engine, engine.prompt_ids(PROMPTS[0]), 128)
         argmax_costs(target.vocab_size)
 
