@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "attention.h"
@@ -178,6 +179,21 @@ struct Activations {
   const int16_t* pair_sums;   // [rows, K / 32]: the sums over each 32 values (Q4_K's sub-blocks)
   int64_t k, blocks;
 };
+
+// f(std::integral_constant<int, R>{}) for R = rows (1 … kRows): the vector tile kernels are compiled per row count
+template <typename F>
+void with_rows(int rows, F&& f) {
+  switch (rows) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, kRows>{});
+  }
+}
 
 // ---------------------------------------------------------------------------------------------------
 // The portable tile kernel: y[r][c] for `rows` rows and one tile of 16 columns, in the AVX-512 code's
@@ -370,16 +386,7 @@ void dot_tile_fast(int64_t kind, const uint8_t* tile, const Activations& a, int6
 }
 
 void dot_tile_avx512(int64_t kind, const uint8_t* tile, const Activations& a, int64_t row0, int rows, float* acc) {
-  switch (rows) {
-    case 1: return dot_tile_fast<1>(kind, tile, a, row0, acc);
-    case 2: return dot_tile_fast<2>(kind, tile, a, row0, acc);
-    case 3: return dot_tile_fast<3>(kind, tile, a, row0, acc);
-    case 4: return dot_tile_fast<4>(kind, tile, a, row0, acc);
-    case 5: return dot_tile_fast<5>(kind, tile, a, row0, acc);
-    case 6: return dot_tile_fast<6>(kind, tile, a, row0, acc);
-    case 7: return dot_tile_fast<7>(kind, tile, a, row0, acc);
-    default: return dot_tile_fast<8>(kind, tile, a, row0, acc);
-  }
+  with_rows(rows, [&](auto r) { dot_tile_fast<decltype(r)::value>(kind, tile, a, row0, acc); });
 }
 #endif
 
@@ -506,16 +513,7 @@ void dot_tile_avx2_rows(int64_t kind, const uint8_t* tile, const Activations& a,
 }
 
 void dot_tile_avx2(int64_t kind, const uint8_t* tile, const Activations& a, int64_t row0, int rows, float* acc) {
-  switch (rows) {
-    case 1: return dot_tile_avx2_rows<1>(kind, tile, a, row0, acc);
-    case 2: return dot_tile_avx2_rows<2>(kind, tile, a, row0, acc);
-    case 3: return dot_tile_avx2_rows<3>(kind, tile, a, row0, acc);
-    case 4: return dot_tile_avx2_rows<4>(kind, tile, a, row0, acc);
-    case 5: return dot_tile_avx2_rows<5>(kind, tile, a, row0, acc);
-    case 6: return dot_tile_avx2_rows<6>(kind, tile, a, row0, acc);
-    case 7: return dot_tile_avx2_rows<7>(kind, tile, a, row0, acc);
-    default: return dot_tile_avx2_rows<8>(kind, tile, a, row0, acc);
-  }
+  with_rows(rows, [&](auto r) { dot_tile_avx2_rows<decltype(r)::value>(kind, tile, a, row0, acc); });
 }
 #endif
 
