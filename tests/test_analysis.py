@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from verispec.control.theory import (acceptance_rate, curve_verify_cost, expected_speedup, expected_tokens, optimal_gamma,
-                               speedup_table)
+from verispec.control.theory import (acceptance_rate, curve_verify_cost, draft_step_cost, expected_speedup, expected_tokens,
+                                     optimal_gamma, speedup_table)
 from verispec.cli import main as cli_main
 from verispec.errors import InvalidParameterError
 
@@ -21,6 +21,16 @@ def test_expected_speedup_by_hand():
     assert expected_speedup(0.8, 4, 0.1) == pytest.approx(3.3616 / 1.4)
     # with a verification cost T(5)/T(1) = 2: 3.3616 / (0.4 + 2)
     assert expected_speedup(0.8, 4, 0.1, lambda g: 2.0) == pytest.approx(3.3616 / 2.4)
+
+
+def test_a_draft_models_catching_up_costs_more_after_full_acceptance():
+    assert draft_step_cost(0.8, 4, 0.1) == pytest.approx(0.4)  # a flat draft curve: the papers' γ·c
+    assert draft_step_cost(0.8, 0, 0.1, 1.75) == 0.0  # a step that drafts nothing runs no draft forward
+    # γ = 1 after a full acceptance (probability α) feeds two tokens at T_d(2)/T_d(1) = 1.75: 0.6 · (1 + 0.78 · 0.75)
+    assert draft_step_cost(0.78, 1, 0.6, 1.75) == pytest.approx(0.6 * (1 + 0.78 * 0.75))
+    assert expected_speedup(0.78, 1, 0.6, lambda g: 1.65, 1.75) == pytest.approx(1.78 / (0.6 * 1.585 + 1.65))
+    assert expected_speedup(0.8, 4, 0.1, lambda g: 2.0, 1.0) == expected_speedup(0.8, 4, 0.1, lambda g: 2.0)
+    assert optimal_gamma(0.9, 0.3, 8, lambda g: 1.0, catch_up=3.0) >= optimal_gamma(0.9, 0.3, 8, lambda g: 1.0)
 
 
 def test_optimal_gamma_limits():
@@ -145,6 +155,7 @@ def test_the_profile_accounts_for_every_step(tiny_target):
         assert sum(row.phases.values()) + row.other == pytest.approx(row.seconds)
         assert row.other >= 0 and all(seconds >= 0 for seconds in row.phases.values())
     assert plain.steps == plain.tokens and plain.proposed == 0
+    assert len(spec.contexts) == spec.steps and min(plain.contexts) == 4  # each step's context: prompt + tokens so far
     assert spec.steps < spec.tokens and spec.alpha == 1.0 and spec.phases["draft"] > 0
     table = format_profile([plain, spec], [0.01, 0.012, 0.013, 0.015], {"model": 0.002})
     assert [line.split("|")[1].strip() for line in table.splitlines()[2:]] == ["none", "model"]

@@ -104,19 +104,21 @@ def prefill_seconds_per_token(model: LoadedModel, chunk: int = 64) -> float:
 
 
 class CostModel:
-    def __init__(self, target_seconds: list[float] | None = None, draft_token_seconds: float | None = None):
+    def __init__(self, target_seconds: list[float] | None = None, draft_token_seconds: float | None = None,
+                 draft_catch_up: float = 1.0):
         self.target_seconds = target_seconds  # index n-1 -> T(n)
         self.draft_token_seconds = draft_token_seconds
+        self.draft_catch_up = draft_catch_up  # the draft model's T_d(2)/T_d(1) (`theory.draft_step_cost`); 1 model-free
 
     @classmethod
     def calibrated(cls, target: LoadedModel, max_positions: int, draft: LoadedModel | None = None) -> CostModel:
-        """T(n) of the target and the draft model's seconds per token, from the cache or measured now;
-        a model-free drafter's is 0."""
+        """T(n) of the target, the draft model's seconds per token and its T_d(2)/T_d(1), from the cache or
+        measured now; a model-free drafter costs 0."""
         target_seconds = _cached_curve(target.runner, str(target.folder), max_positions)
-        draft_seconds = 0.0
-        if draft is not None:
-            draft_seconds = _cached_curve(draft.runner, str(draft.folder), 1)[0]
-        return cls(target_seconds, draft_seconds)
+        if draft is None:
+            return cls(target_seconds, 0.0)
+        draft_curve = _cached_curve(draft.runner, str(draft.folder), 2)
+        return cls(target_seconds, draft_curve[0], draft_curve[1] / draft_curve[0])
 
     def verify_cost(self, gamma: int) -> float:
         """T(γ+1) / T(1); 1 (free verification) when unmeasured."""

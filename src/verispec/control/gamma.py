@@ -83,8 +83,9 @@ class AnalyticGamma(GammaPolicy):
         c = self.costs.draft_cost_ratio()
         if c is None:
             return
-        gamma = optimal_gamma(self.alpha, c, self.max_gamma, self.costs.verify_cost)
-        loses = expected_speedup(self.alpha, gamma, c, self.costs.verify_cost) < 1.0
+        catch_up = self.costs.draft_catch_up
+        gamma = optimal_gamma(self.alpha, c, self.max_gamma, self.costs.verify_cost, catch_up)
+        loses = expected_speedup(self.alpha, gamma, c, self.costs.verify_cost, catch_up) < 1.0
         self.gamma = 0 if self.may_pause and loses else gamma
 
 

@@ -29,10 +29,11 @@ ALPHA_PRIORS = {"ngram": 0.4, "model": 0.7}
 MARGIN = 1.1  # a predicted speedup must reach this to be worth a drafter's memory and per-step work
 
 
-def best_gamma(alpha: float, c: float, curve: Sequence[float], max_gamma: int) -> tuple[int, float]:
-    """(γ in 1…max_gamma with the highest expected speedup, that speedup) on the measured curve."""
+def best_gamma(alpha: float, c: float, curve: Sequence[float], max_gamma: int, catch_up: float = 1.0) -> tuple[int, float]:
+    """(γ in 1…max_gamma with the highest expected speedup, that speedup) on the measured curve, a draft
+    model catching up at `catch_up` = T_d(2)/T_d(1)."""
     verify = curve_verify_cost(curve)
-    return max(((g, expected_speedup(alpha, g, c, verify)) for g in range(1, max_gamma + 1)), key=lambda pair: pair[1])
+    return max(((g, expected_speedup(alpha, g, c, verify, catch_up)) for g in range(1, max_gamma + 1)), key=lambda pair: pair[1])
 
 
 @dataclass(frozen=True)
@@ -65,15 +66,17 @@ class Plan:
 
 
 def choose_plan(precision: str, curve: Sequence[float], costs: dict[str, float], max_gamma: int,
-                alphas: dict[str, float] | None = None) -> Plan:
+                alphas: dict[str, float] | None = None, catch_ups: dict[str, float] | None = None) -> Plan:
     """The plan for a target whose verification curve is `curve` (T(1), T(2), … in seconds), given
-    each candidate drafter's cost ratio c (`costs`: spec → c) and α prior; `max_gamma` is the longest
-    draft the backend verifies exactly."""
+    each candidate drafter's cost ratio c (`costs`: spec → c), α prior and draft model's catch-up cost
+    (`catch_ups`: spec → T_d(2)/T_d(1), 1 where absent); `max_gamma` is the longest draft the backend
+    verifies exactly."""
     alphas = ALPHA_PRIORS if alphas is None else alphas
+    catch_ups = catch_ups or {}
     predicted: dict[str, tuple[float, int]] = {}
     if max_gamma >= 1 and curve:
         for spec, c in costs.items():
-            gamma, speedup = best_gamma(alphas[spec.split(":")[0]], c, curve, max_gamma)
+            gamma, speedup = best_gamma(alphas[spec.split(":")[0]], c, curve, max_gamma, catch_ups.get(spec, 1.0))
             predicted[spec] = (speedup, gamma)
     best = max(predicted, key=lambda spec: predicted[spec][0], default=None)
     token_seconds = curve[0] if curve else None

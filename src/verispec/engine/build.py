@@ -115,7 +115,7 @@ class EngineBuilder:
         max_gamma = exact - 1 if exact is not None else Engine.MAX_GAMMA
         curve = costs[candidates[0]].target_seconds
         return choose_plan(target.precision, curve, {spec: cost.draft_cost_ratio() or 0.0 for spec, cost in costs.items()},
-                           max_gamma)
+                           max_gamma, catch_ups={spec: cost.draft_catch_up for spec, cost in costs.items()})
 
     def planned_engine(self, gamma: int = 4, gamma_policy: str | None = None, precision: str | None = None,
                        backends: list[str] | None = None, settle: bool = False) -> Engine:

@@ -9,8 +9,10 @@ machine's speed reaches every method alike), and each step's time is split into 
 (`GenerationStats.PHASES`: the draft, the target's forward, verification with its processors, the
 cache and drafter commit, statistics and the γ policy, detokenization with stop strings) and what is
 left (the loop around them). The table gives milliseconds per step, then per token, τ, and the
-speedup over the plain row: measured, and predicted by the cost model from the measured α, c and
-T(n), with and without the per-step work outside the forwards (`theory.expected_speedup`'s overhead).
+speedup over the plain row: measured, and predicted by the cost model from the measured α, c, T(n) (measured
+after the steps' mean context: verifying n positions attends n times the context, so a curve taken after 64
+tokens understates long prompts) and a draft model's T_d(2)/T_d(1) (its catching-up forward:
+`theory.draft_step_cost`), with and without the per-step work outside the forwards.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class MethodProfile:
     accepted: int = 0
     judged: int = 0
     widths: list[int] = field(default_factory=list)  # draft tokens proposed at each step
+    contexts: list[int] = field(default_factory=list)  # tokens before each step (the verification's context)
 
     def add(self, stats: GenerationStats, seconds: float, before: dict[str, float]) -> None:
         """A request's steps: its statistics, their wall time and the phases recorded before the steps
@@ -50,6 +53,10 @@ class MethodProfile:
         self.accepted += stats.accepted_tokens
         self.judged += stats.judged_tokens
         self.widths += [record.proposed for record in stats.records[1:]]  # records[0]: the prefill's first token
+        context = stats.prompt_tokens + 1  # each step's context: the prompt, the prefill's token, then each step's
+        for record in stats.records[1:]:
+            self.contexts.append(context)
+            context += record.accepted + 1
 
     @property
     def other(self) -> float:
@@ -87,10 +94,12 @@ def profile_method(engine, method: str, prompts: list[list[int]], max_new_tokens
     return profile
 
 
-def format_profile(rows: list[MethodProfile], curve: list[float], draft_seconds: dict[str, float]) -> str:
+def format_profile(rows: list[MethodProfile], curve: list[float], draft_seconds: dict[str, float],
+                   catch_ups: dict[str, float] | None = None) -> str:
     """A Markdown table: ms per step for each phase, ms per token, τ, α, measured and predicted speedup
-    over the first row (plain decoding), from the target's curve T(n) and each method's draft cost."""
-    from verispec.control.theory import curve_verify_cost, expected_tokens
+    over the first row (plain decoding), from the target's curve T(n) and each method's draft cost
+    (seconds per token, and its draft model's T_d(2)/T_d(1) in `catch_ups`: `theory.draft_step_cost`)."""
+    from verispec.control.theory import curve_verify_cost, draft_step_cost, expected_tokens
 
     verify = curve_verify_cost(curve)
     plain = rows[0]
@@ -101,9 +110,9 @@ def format_profile(rows: list[MethodProfile], curve: list[float], draft_seconds:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for row in rows:
         per_step = [1e3 * row.phases.get(phase, 0.0) / max(row.steps, 1) for phase in GenerationStats.PHASES]
-        c = draft_seconds.get(row.method, 0.0) / curve[0]
+        c, catch_up = draft_seconds.get(row.method, 0.0) / curve[0], (catch_ups or {}).get(row.method, 1.0)
         widths = row.widths or [0]  # each step's draft length: the model's terms averaged over the steps taken
-        step_cost = sum(g * c + verify(g) for g in widths) / len(widths)  # the forwards of a step, in T(1)
+        step_cost = sum(draft_step_cost(row.alpha, g, c, catch_up) + verify(g) for g in widths) / len(widths)  # in T(1)
         tokens = sum(expected_tokens(row.alpha, g) for g in widths) / len(widths)
         forwards = tokens / step_cost
         honest = tokens * (1 + plain_overhead) / (step_cost + row.overhead / curve[0])
@@ -117,7 +126,7 @@ def format_profile(rows: list[MethodProfile], curve: list[float], draft_seconds:
 
 def run_profile(args: argparse.Namespace) -> int:
     """`analyze --profile`: load the target once, profile each method in `--methods`, print the table."""
-    from verispec.control.costs import CostModel
+    from verispec.control.costs import CostModel, measure_verify_curve
     from verispec.engine.build import EngineBuilder, auto_precision
     from verispec.engine.spec import AUTO
     from verispec.errors import InvalidParameterError
@@ -136,13 +145,13 @@ def run_profile(args: argparse.Namespace) -> int:
     target = builder.target()
     prompts = [target.encode_prompt(p.text, chat=True) for p in select(load_sources(args.questions), None, args.per_category)]
     print(f"{cpu_summary()} · {target.name} · {target.precision} · {len(prompts)} prompts · {args.max_new_tokens} new tokens, greedy")
-    engines, draft_seconds, curve = {}, {}, None
+    engines, draft_seconds, catch_ups, curve = {}, {}, {}, None
     for method in methods:
         engine = engines[method] = builder.engine(method, args.gamma, args.gamma_policy)
         costs = engine.costs_for(engine.drafter, "analytic") if engine.drafter is not None else CostModel()
         if costs.target_seconds:
             curve = curve or costs.target_seconds
-            draft_seconds[method] = costs.draft_token_seconds or 0.0
+            draft_seconds[method], catch_ups[method] = costs.draft_token_seconds or 0.0, costs.draft_catch_up
         profile_method(engine, method, prompts[:1], min(8, args.max_new_tokens))  # warm-up: first-call costs stay out
     rows = [MethodProfile(method) for method in methods]
     for index, prompt in enumerate(prompts):
@@ -153,8 +162,18 @@ def run_profile(args: argparse.Namespace) -> int:
         print(f"  {row.method}: {row.tokens} tokens in {row.seconds:.2f} s", flush=True)
     if curve is None:  # plain decoding only: the curve is still what the prediction needs
         curve = CostModel.calibrated(target, builder.engine("none").max_gamma + 1).target_seconds
-    print(f"target T(n)/T(1), n = 1…{len(curve)}: " + " ".join(f"{t / curve[0]:.2f}" for t in curve)
-          + f" (T(1) {1e3 * curve[0]:.1f} ms)")
+    print(f"target T(n)/T(1), n = 1…{len(curve)}, as the plan measured it after 64 tokens: "
+          + " ".join(f"{t / curve[0]:.2f}" for t in curve) + f" (T(1) {1e3 * curve[0]:.1f} ms)")
+    # verifying n positions attends n times the context: the prediction takes the curve at the steps' mean context
+    contexts = [n for row in rows for n in row.contexts]
+    context = round(sum(contexts) / len(contexts)) if contexts else 64
+    cached, curve = curve, measure_verify_curve(target.runner, len(curve), context=context, repeats=5)
+    draft_seconds = {method: seconds * curve[0] / cached[0] for method, seconds in draft_seconds.items()}  # c as cached
+    print(f"… and now after {context} tokens (the steps' mean context; the predictions use it): "
+          + " ".join(f"{t / curve[0]:.2f}" for t in curve) + f" (T(1) {1e3 * curve[0]:.1f} ms)")
+    drafts = ", ".join(f"{method} {catch_up:.2f}" for method, catch_up in catch_ups.items() if draft_seconds[method])
+    if drafts:
+        print(f"draft models' T_d(2)/T_d(1) (the catching-up forward): {drafts}")
     print("milliseconds per step (phases of `GenerationStats.phases`; other: the loop around them):\n")
-    print(format_profile(rows, curve, draft_seconds))
+    print(format_profile(rows, curve, draft_seconds, catch_ups))
     return 0
