@@ -39,47 +39,58 @@ TOP = 10
 SEARCHED_SHAPE = Path(__file__).with_name("stand_shape.json")
 
 
+def _values(x) -> list:
+    """A tensor's or a sequence's values as a list."""
+    return x.tolist() if isinstance(x, torch.Tensor) else list(x)
+
+
 class StandTable:
-    """n-gram → (sightings, top tokens [≤10], probabilities [≤10])."""
+    """n-gram → (sightings, top tokens [≤10], their probabilities), most probable first.
+
+    Plain Python, not tensors: an entry is at most 20 numbers, and each step updates a few entries per
+    committed token right after the target's forward, when every tensor operation runs with cold caches
+    (tens of µs each; BENCHMARKS.md, "Where a step's milliseconds go")."""
 
     def __init__(self, max_n: int = 4, min_n: int = 2):
         if not 1 <= min_n <= max_n:
             raise InvalidParameterError(f"STAND n-gram sizes need 1 ≤ min_n ≤ max_n, got min_n={min_n}, max_n={max_n}")
         self.max_n, self.min_n = max_n, min_n
-        self.entries: dict[tuple[int, ...], tuple[int, torch.Tensor, torch.Tensor]] = {}
+        self.entries: dict[tuple[int, ...], tuple[int, tuple[int, ...], tuple[float, ...]]] = {}
 
     def __len__(self) -> int:
         return len(self.entries)
 
-    def update(self, ngram: tuple[int, ...], tokens: torch.Tensor, probs: torch.Tensor) -> None:
-        """Blend one sighting (tokens [m], probs [m]) into the entry for `ngram`; keep the top 10."""
-        seen, old_tokens, old_probs = self.entries.get(ngram, (0, tokens[:0], probs[:0]))
-        merged_tokens = torch.cat([old_tokens, tokens])
-        weights = torch.cat([old_probs * seen / (seen + 1), probs / (seen + 1)])
-        unique, inverse = torch.unique(merged_tokens, return_inverse=True)
-        summed = torch.zeros(unique.shape[0]).index_add_(0, inverse, weights.float())  # [unique]
-        top = torch.topk(summed, min(TOP, unique.shape[0]))
-        self.entries[ngram] = (seen + 1, unique[top.indices], top.values)
+    def update(self, ngram: tuple[int, ...], tokens, probs) -> None:
+        """Blend one sighting (tokens [m], probs [m]: tensors or sequences) into the entry for `ngram`; keep
+        the top 10 (ties: the smaller token id first)."""
+        seen, old_tokens, old_probs = self.entries.get(ngram, (0, (), ()))
+        merged: dict[int, float] = {}
+        for token, prob in zip(old_tokens, old_probs):
+            merged[token] = merged.get(token, 0.0) + prob * seen / (seen + 1)
+        for token, prob in zip(_values(tokens), _values(probs)):
+            merged[token] = merged.get(token, 0.0) + prob / (seen + 1)
+        top = sorted(merged.items(), key=lambda item: (-item[1], item[0]))[:TOP]
+        self.entries[ngram] = (seen + 1, tuple(token for token, _ in top), tuple(prob for _, prob in top))
 
     def observe(self, ids: list[int], target_probs: torch.Tensor) -> None:
         """target_probs [m, vocab]: the target's distribution that produced each of ids[−m:]."""
         top = torch.topk(target_probs, min(TOP, target_probs.shape[-1]), dim=-1)  # [m, 10]
         first = len(ids) - target_probs.shape[0]
-        for j in range(target_probs.shape[0]):
-            self._update_contexts(ids, first + j, top.indices[j], top.values[j])
+        for j, (tokens, probs) in enumerate(zip(top.indices.tolist(), top.values.tolist())):
+            self._update_contexts(ids, first + j, tokens, probs)
 
     def add_sequence(self, ids: list[int]) -> None:
         """Index a sequence's own continuations as point masses (used for prompts)."""
-        one = torch.ones(1)
         for position in range(1, len(ids)):
-            self._update_contexts(ids, position, torch.tensor([ids[position]]), one)
+            self._update_contexts(ids, position, (ids[position],), (1.0,))
 
-    def _update_contexts(self, ids: list[int], position: int, tokens: torch.Tensor, probs: torch.Tensor) -> None:
+    def _update_contexts(self, ids: list[int], position: int, tokens, probs) -> None:
         for n in range(self.min_n, min(self.max_n, position) + 1):
             self.update(tuple(ids[position - n : position]), tokens, probs)
 
-    def lookup(self, context: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(tokens, probs) stored for the longest known suffix n-gram of `context`, backing off max_n → min_n."""
+    def lookup(self, context: list[int]) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
+        """(tokens, probs), most probable first, stored for the longest known suffix n-gram of `context`,
+        backing off max_n → min_n."""
         for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
             entry = self.entries.get(tuple(context[-n:]))
             if entry is not None:
@@ -87,7 +98,7 @@ class StandTable:
         return None
 
     def save(self, path: str | Path) -> None:
-        rows = [[list(k), seen, t.tolist(), p.tolist()] for k, (seen, t, p) in self.entries.items()]
+        rows = [[list(k), seen, list(t), list(p)] for k, (seen, t, p) in self.entries.items()]
         Path(path).write_text(json.dumps({"max_n": self.max_n, "min_n": self.min_n, "entries": rows}))
 
     @classmethod
@@ -95,7 +106,7 @@ class StandTable:
         data = json.loads(Path(path).read_text())
         table = cls(data["max_n"], data["min_n"])
         for key, seen, tokens, probs in data["entries"]:
-            table.entries[tuple(key)] = (seen, torch.tensor(tokens, dtype=torch.long), torch.tensor(probs))
+            table.entries[tuple(key)] = (seen, tuple(tokens), tuple(probs))
         return table
 
 
@@ -148,18 +159,16 @@ class StandSession(DraftSession):
         found = self.drafter.table.lookup(context)
         if found is None:
             return None
-        row = torch.zeros(self.drafter.vocab_size).index_put_((found[0],), found[1])
+        row = torch.zeros(self.drafter.vocab_size).index_put_((torch.tensor(found[0]),), torch.tensor(found[1]))
         return row / row.sum()
 
     def _children(self, context: list[int], k: int, greedy: bool, generator) -> tuple[list[int], torch.Tensor | None]:
         """Up to k children after `context` (and their draft rows when sampling); none if the table has no entry."""
-        if greedy:  # the k most probable stored tokens; no dense row needed
+        if greedy:  # the k most probable stored tokens (stored most probable first); no dense row needed
             found = self.drafter.table.lookup(context)
             if found is None:
                 return [], None
-            tokens, probs = found
-            order = torch.argsort(probs, descending=True, stable=True)[:k]  # [≤k]
-            return tokens[order[probs[order] > 0]].tolist(), None
+            return [token for token, prob in zip(*found) if prob > 0][:k], None
         row = self._row(context)
         return ([], None) if row is None else choose_children(row, k, False, generator)
 
