@@ -379,14 +379,11 @@ void dot_tile_q6k(const uint8_t* tile, const Activations& a, int64_t row0, float
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * kCols, y[r]);
 }
 
-template <int R>
-void dot_tile_fast(int64_t kind, const uint8_t* tile, const Activations& a, int64_t row0, float* acc) {
-  if (kind == Q4_K) dot_tile_q4k<R>(tile, a, row0, acc);
-  else dot_tile_q6k<R>(tile, a, row0, acc);
-}
-
 void dot_tile_avx512(int64_t kind, const uint8_t* tile, const Activations& a, int64_t row0, int rows, float* acc) {
-  with_rows(rows, [&](auto r) { dot_tile_fast<decltype(r)::value>(kind, tile, a, row0, acc); });
+  with_rows(rows, [&](auto r) {
+    if (kind == Q4_K) dot_tile_q4k<decltype(r)::value>(tile, a, row0, acc);
+    else dot_tile_q6k<decltype(r)::value>(tile, a, row0, acc);
+  });
 }
 #endif
 
@@ -506,14 +503,11 @@ void dot_tile_q6k_avx2(const uint8_t* tile, const Activations& a, int64_t row0, 
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc + r * kCols + 8 * h, y[r][h]);
 }
 
-template <int R>
-void dot_tile_avx2_rows(int64_t kind, const uint8_t* tile, const Activations& a, int64_t row0, float* acc) {
-  if (kind == Q4_K) dot_tile_q4k_avx2<R>(tile, a, row0, acc);
-  else dot_tile_q6k_avx2<R>(tile, a, row0, acc);
-}
-
 void dot_tile_avx2(int64_t kind, const uint8_t* tile, const Activations& a, int64_t row0, int rows, float* acc) {
-  with_rows(rows, [&](auto r) { dot_tile_avx2_rows<decltype(r)::value>(kind, tile, a, row0, acc); });
+  with_rows(rows, [&](auto r) {
+    if (kind == Q4_K) dot_tile_q4k_avx2<decltype(r)::value>(tile, a, row0, acc);
+    else dot_tile_q6k_avx2<decltype(r)::value>(tile, a, row0, acc);
+  });
 }
 #endif
 
