@@ -4,13 +4,16 @@ numbers (a number measured on one CPU kind says nothing about another)."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import json
 import os
 import platform
+import threading
 from functools import cache
 from pathlib import Path
 
-__all__ = ["cache_dir", "cpu_flags", "cpu_summary"]
+__all__ = ["cache_dir", "cpu_flags", "cpu_summary", "read_table", "store_in_table"]
 
 # The vector-instruction flags that decide which kernels run (x86: AVX2, AVX-512 with VNNI/BF16, AMX;
 # Arm: NEON, SVE): the part of the flags a reader compares.
@@ -24,6 +27,29 @@ def cache_dir() -> Path:
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "verispec"
+
+
+def read_table(name: str) -> dict:
+    """The JSON table `name` of the cache directory (measured costs, exact widths, backend choices); {} when
+    there is none yet or it cannot be read."""
+    try:
+        return json.loads((cache_dir() / name).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def store_in_table(name: str, key: str, value) -> None:
+    """table[key] = value in the cache directory's JSON table `name`: under a lock on the table, read again
+    and written whole to a file of this process that then replaces it, so processes that measure at once
+    (test workers, server replicas) each keep their entries and a reader never sees a half-written table."""
+    file = cache_dir() / name
+    file.parent.mkdir(parents=True, exist_ok=True)
+    with open(file.with_name(f".{file.name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        table = read_table(name) | {key: value}
+        partial = file.with_name(f".{file.name}.{os.getpid()}.{threading.get_ident()}")
+        partial.write_text(json.dumps(table, indent=1))
+        os.replace(partial, file)
 
 
 @cache

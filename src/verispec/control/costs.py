@@ -10,7 +10,6 @@ A model-free drafter (n-gram) counts as free (c = 0).
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 
@@ -18,10 +17,12 @@ import torch
 
 from verispec.models.device import device_tag, synchronize
 from verispec.models.runner import LoadedModel, Runner
-from verispec.paths import cache_dir, cpu_key
+from verispec.paths import cpu_key, read_table, store_in_table
 from verispec.progress import status
 
 __all__ = ["CostModel", "measure_verify_curve", "prefill_seconds_per_token"]
+
+COSTS_TABLE = "verify_costs.json"  # measured seconds, per runner key (`_runner_key`), in the cache directory
 
 
 def _best_seconds(runner: Runner, cache, positions: int, logits: str, repeats: int) -> float:
@@ -63,15 +64,11 @@ def measure_verify_curve(runner: Runner, max_positions: int, context: int = 64, 
 def _cached(key: str, needed: int, measure: Callable[[], list[float]], what: str = "verification costs") -> list[float]:
     """The timings stored under `key` in the cache directory, measured now (with a spinner saying `what`)
     when missing or too short."""
-    file = cache_dir() / "verify_costs.json"
-    table = json.loads(file.read_text()) if file.exists() else {}
-    times = table.get(key)
+    times = read_table(COSTS_TABLE).get(key)
     if times is None or len(times) < needed:
         with status(f"measuring {what} (once per model, dtype and thread count)"):
             times = measure()
-        table[key] = times
-        file.parent.mkdir(parents=True, exist_ok=True)
-        file.write_text(json.dumps(table, indent=1))
+        store_in_table(COSTS_TABLE, key, times)
     return times
 
 

@@ -8,7 +8,6 @@ with it, the benchmarks build several over the same models.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
@@ -24,7 +23,7 @@ from verispec.models.linear import VERIFY_ROWS
 from verispec.models.loading import ModelCache, parse_precision
 from verispec.models.registry import SHIPPED_MODELS, gguf_file
 from verispec.models.runner import LoadedModel
-from verispec.paths import cache_dir, cpu_key
+from verispec.paths import cpu_key, read_table, store_in_table
 
 __all__ = ["EngineBuilder", "auto_backends", "auto_precision", "backend_choices", "load"]
 
@@ -43,16 +42,11 @@ def auto_precision(target: str, device: str = "cpu") -> str:
 def backend_choices() -> dict:
     """The backends `planned_engine` chose before (cache_dir()/backend_choices.json): a later run loads the
     chosen one alone (delete the file to plan again)."""
-    file = cache_dir() / BACKEND_CHOICES
-    return json.loads(file.read_text()) if file.exists() else {}
+    return read_table(BACKEND_CHOICES)
 
 
 def remember_backend_choice(key: str, plan: Plan) -> None:
-    choices = backend_choices()
-    choices[key] = {"precision": plan.precision, "seconds": plan.backends}
-    file = cache_dir() / BACKEND_CHOICES
-    file.parent.mkdir(parents=True, exist_ok=True)
-    file.write_text(json.dumps(choices, indent=1))
+    store_in_table(BACKEND_CHOICES, key, {"precision": plan.precision, "seconds": plan.backends})
 
 
 def auto_backends(target: str, device: str = "cpu") -> list[str]:

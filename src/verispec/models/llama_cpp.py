@@ -39,7 +39,6 @@ where the wide kernels pay, and equals plain decoding except where a near-tie fl
 from __future__ import annotations
 
 import ctypes
-import json
 import threading
 from collections import deque
 from pathlib import Path
@@ -48,7 +47,7 @@ import torch
 
 from verispec.errors import InvalidParameterError, PromptError, VerispecError
 from verispec.models.runner import RunnerConfig
-from verispec.paths import cache_dir, cpu_key
+from verispec.paths import cpu_key, read_table, store_in_table
 from verispec.progress import status
 
 __all__ = ["WINDOW", "LlamaCppCache", "LlamaCppRunner", "context_size", "exact_width", "require_llama_cpp"]
@@ -496,15 +495,12 @@ def exact_width(runner: LlamaCppRunner, widest: int = 16, context: int = 32) -> 
     then cached per file, thread count and CPU kind (`cache_dir()/exact_widths.json`)."""
     key = (f"{runner.path.resolve()}|threads={runner.threads}|context={context}"
            f"|cpu={cpu_key()}")
-    file = cache_dir() / "exact_widths.json"
-    table = json.loads(file.read_text()) if file.exists() else {}
-    if key in table:
-        return table[key]
+    known = read_table("exact_widths.json").get(key)
+    if known is not None:
+        return known
     with status("measuring which verification widths are exact (once per file, threads and CPU)"):
         exact = _measure_exact_width(runner, widest, context)
-    table[key] = exact
-    file.parent.mkdir(parents=True, exist_ok=True)
-    file.write_text(json.dumps(table, indent=1))
+    store_in_table("exact_widths.json", key, exact)
     return exact
 
 
