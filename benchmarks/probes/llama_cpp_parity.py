@@ -1,8 +1,8 @@
 """Does plain decoding on verispec's gguf backend give llama.cpp's own tokens, and at what speed?
 
 For each prompt (the chat template applied), greedy decoding of the same GGUF by verispec
-(`Engine(target, None)`, precision gguf) and by llama-cpp-python's own loop (`Llama.generate`, a fresh
-state per prompt, flash attention as llama.cpp's CPU default), interleaved: identical tokens or the
+(`Engine(target, None)`, precision gguf) and by llama-cpp-python's own loop (`verispec bench`'s llama-cpp-fresh:
+`Llama.generate` from an empty cache per prompt, flash attention as llama.cpp's CPU default), interleaved: identical tokens or the
 first position where they differ, then tok/s of both and their ratio. With --profile: each loop's time
 outside `llama_decode` per token (the C call timed where each loop makes it, 3 alternating rounds), one
 verispec generation under cProfile, and what one greedy argmax over a vocabulary row costs in torch and in
@@ -22,10 +22,10 @@ import numpy as np
 import torch
 
 from verispec import Engine, GenerationConfig
-from verispec.models.llama_cpp import WINDOW, require_llama_cpp
 from verispec.models.loading import load_model
 from verispec.models.registry import DEFAULT_TARGET
 from verispec.paths import cpu_summary
+from verispec.tools.bench.compare import LLAMA_CPP_FRESH, LlamaCppMethod
 
 PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
@@ -36,16 +36,6 @@ PROMPTS = [
     "If a train travels 120 km in 1.5 hours, what is its average speed? Explain step by step.",
     "Context: The Eiffel Tower was completed in 1889 for the World's Fair. Question: When was the Eiffel Tower completed?",
 ]
-
-
-def llama_cpp_tokens(llm, ids: list[int], eos: set[int], max_new: int) -> list[int]:
-    llm.reset()  # no prefix carried over from the previous prompt
-    out: list[int] = []
-    for token in llm.generate(ids, reset=True, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
-        out.append(int(token))
-        if token in eos or len(out) >= max_new:
-            break
-    return out
 
 
 def timed(fn):
@@ -73,7 +63,7 @@ class DecodeTimer:
         self.module.llama_decode = self.decode
 
 
-def outside_decode(engine: Engine, llm, ids: list[int], eos: set[int], max_new: int, rounds: int = 3) -> None:
+def outside_decode(engine: Engine, own_loop: LlamaCppMethod, ids: list[int], max_new: int, rounds: int = 3) -> None:
     """ms per token each loop spends outside llama_decode on the same prompt, rounds alternating."""
     from llama_cpp import _internals
 
@@ -83,7 +73,7 @@ def outside_decode(engine: Engine, llm, ids: list[int], eos: set[int], max_new: 
             (out, seconds) = timed(lambda: engine.generate(ids, GenerationConfig(max_new_tokens=max_new)).token_ids)
         ours.append((seconds - timer.seconds) / len(out) * 1000)
         with DecodeTimer(_internals.llama_cpp) as timer:
-            (out, seconds) = timed(lambda: llama_cpp_tokens(llm, ids, eos, max_new))
+            (out, seconds) = timed(lambda: own_loop.generate(ids, max_new, seed=0).token_ids)
         theirs.append((seconds - timer.seconds) / len(out) * 1000)
     print(f"outside llama_decode, ms a token (best of {rounds}): verispec {min(ours):.2f}, llama-cpp-python {min(theirs):.2f}")
 
@@ -122,14 +112,12 @@ def main() -> None:
     print(cpu_summary())
     target = load_model(args.target, "gguf")
     engine = Engine(target, None)
-    threads = torch.get_num_threads()
-    llm = require_llama_cpp().Llama(model_path=str(target.runner.path), n_ctx=WINDOW, n_threads=threads,
-                                    n_threads_batch=threads, flash_attn=True, verbose=False)
+    own_loop = LlamaCppMethod.load(LLAMA_CPP_FRESH, target.runner.path, target.eos_ids, 0.0)  # an empty cache per prompt
     same, ours_rate, theirs_rate = 0, [], []
     for i, prompt in enumerate(PROMPTS * args.rounds):
         ids = engine.prompt_ids(prompt)
         run_ours = lambda: timed(lambda: engine.generate(ids, GenerationConfig(max_new_tokens=args.max_new_tokens)).token_ids)
-        run_theirs = lambda: timed(lambda: llama_cpp_tokens(llm, ids, target.eos_ids, args.max_new_tokens))
+        run_theirs = lambda: timed(lambda: own_loop.generate(ids, args.max_new_tokens, seed=0).token_ids)
         if i % 2:  # each goes first on every other prompt
             (theirs, theirs_s), (ours, ours_s) = run_theirs(), run_ours()
         else:
@@ -143,7 +131,7 @@ def main() -> None:
     print(f"{same}/{len(PROMPTS) * args.rounds} identical; verispec {sum(ours_rate) / len(ours_rate):.2f} tok/s, llama.cpp "
           f"{sum(theirs_rate) / len(theirs_rate):.2f} tok/s (× {sum(ours_rate) / sum(theirs_rate):.3f})")
     if args.profile:
-        outside_decode(engine, llm, engine.prompt_ids(PROMPTS[3]), target.eos_ids, 128)
+        outside_decode(engine, own_loop, engine.prompt_ids(PROMPTS[3]), 128)
         profile(engine, engine.prompt_ids(PROMPTS[0]), 128)
         argmax_costs(target.vocab_size)
 

@@ -99,10 +99,11 @@ def group_metrics(records: list[dict], baseline: dict[str, dict], sampled: bool 
                   plain: dict[tuple[str, str], dict] | None = None) -> dict:
     """Metrics over one method's `records`; `baseline` maps prompt name → the baseline's record, `plain`
     (prompt, backend) → a plain verispec record."""
+    plain = plain or {}
     tps = [r["tokens_per_second"] for r in records]
     paired = [(r, baseline[r["prompt"]]) for r in records if r["prompt"] in baseline]
-    with_plain = [(r, (plain or {})[r["prompt"], r["backend"]]) for r in records
-                  if not r.get("plain") and (r["prompt"], r.get("backend")) in (plain or {})]
+    with_plain = [(r, plain[r["prompt"], r["backend"]]) for r in records
+                  if not r.get("plain") and (r["prompt"], r.get("backend")) in plain]
     base_mean = _mean([b["tokens_per_second"] for _, b in paired])
     extra = [r["peak_extra_mib"] for r in records if r.get("peak_extra_mib") is not None]
     metrics = {
