@@ -18,8 +18,12 @@ def test_measure_runs_on_cpu_with_tiny_shapes(tmp_path):
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert records[0]["kind"] == "env" and records[0]["device"] == "cpu"
     costs = [r for r in records if r["kind"] == "cost"]
-    assert {r["role"] for r in costs} == {"target", "draft"} and all(r["mode"] == "eager" for r in costs)
+    assert {(r["role"], r["mode"]) for r in costs} == {(role, mode) for role in ("target", "draft") for mode in ("eager", "graph")}
     speeds = {(r["system"], r["method"]): r for r in records if r["kind"] == "speed"}
-    assert set(speeds) == {("verispec", "none"), ("verispec", "model"), ("verispec", "ngram"),
-                           ("hf", "plain"), ("hf", "assisted"), ("hf", "prompt_lookup")}
+    assert set(speeds) == {("verispec", m) for m in ("none", "ngram", "model", "tree", "hybrid")} | {
+        ("hf", "plain"), ("hf", "assisted"), ("hf", "prompt_lookup")}
     assert all(r["tokens"] == 4 for r in speeds.values())
+    assert all(r["same_as_plain"] == 1 for (system, method), r in speeds.items() if system == "verispec" and method != "none")
+    predicted = {r["method"]: r for r in records if r["kind"] == "predicted"}
+    assert set(predicted) == {"model", "ngram"} and len(predicted["model"]["speedups_by_gamma"]) == 8
+    assert not [r for r in records if r["kind"] == "error"]

@@ -4,16 +4,19 @@ Real weights cannot reach the GPU machine, so this builds random-weight models o
 shapes (`configs.json`: config values only, copied from the shipped models' config.json) and measures,
 on one device, in one run:
 
-1. T(n) and T(n)/T(1) for n = 1 … --max-n new positions after --context cached ones, for the target
-   and the draft on verispec's own runner: eager, and replayed as a CUDA graph captured per width
-   (static token buffer, the cache at a fixed length, so every replay scores the same slots; prefill eager);
-2. tok/s of verispec (plain, draft model, ngram; --methods adds tree, hybrid, …) against Hugging Face
-   `generate()` plain, assisted (`assistant_model=`) and prompt lookup (`prompt_lookup_num_tokens=`),
-   greedy, on the same random models and the same random prompts (no EOS: every run makes
-   --new-tokens tokens). Random weights make acceptance meaningless as a quality figure: compare
-   costs (T(n), tok/s of plain decoding, the overhead per step), not speedups from acceptance.
+1. T(n) and T(n)/T(1) after --context cached positions, for the target and the draft on verispec's own
+   runner: launched eagerly (--eager-widths) and replayed as CUDA graphs (n = 1 … --max-n), through
+   `runner.forward` as decoding calls it (`models/cuda_graphs.py`);
+2. tok/s of verispec's plain decoding, launched and replayed, and of --methods (replayed) against Hugging
+   Face `generate()` plain, assisted (`assistant_model=`) and prompt lookup (`prompt_lookup_num_tokens=`),
+   greedy, on the same random models and random prompts (no EOS: every run makes --new-tokens tokens);
+   each speculative output compared with plain decoding's on the same device and dtype (`same_as_plain`);
+3. the speedups over replayed plain decoding that the theory predicts from the measured graph curves,
+   the draft's c and acceptance measured on the real models on a CPU (--alpha): random weights agree
+   with nothing, so measured speculative tok/s here show the cost of a step, not its gain.
 
-It prints the GPU, driver and torch version and writes one JSON object per line to --out.
+It prints the GPU, driver and torch version and writes one JSON object per line to --out (rewritten
+after each record; a failing measurement is recorded as an error and the others go on).
 Needs torch and transformers, no internet. On the GPU machine:
     PYTHONPATH=src python benchmarks/gpu/measure.py --out gpu.jsonl
 Smoke test on a CPU, in seconds (tiny shapes, no graphs): --device cpu --tiny.
@@ -33,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from verispec.control.theory import curve_verify_cost, expected_speedup, optimal_gamma
 from verispec.engine.build import EngineBuilder
 from verispec.engine.loop import GenerationConfig
 from verispec.models.device import resolve_device, synchronize
@@ -81,7 +85,7 @@ def build_random_model(name: str, folder: Path, tiny: bool, seed: int) -> Path:
 
 
 def _elapsed(run, device: torch.device, repeats: int) -> float:
-    """The median seconds of `run()` over `repeats` calls (after one warm-up), the device waited for."""
+    """The median seconds of `run()` over `repeats` calls (after one warm-up, which may capture a graph), the device waited for."""
     run()
     synchronize(device)
     times = []
@@ -93,62 +97,46 @@ def _elapsed(run, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
-def cost_curve(runner, device: torch.device, max_n: int, context: int, repeats: int, graphs: bool) -> dict[str, list[float]]:
-    """T(n) for n = 1 … max_n after `context` cached positions: eager, and (graphs) as a replayed CUDA graph."""
-    cache = runner.new_cache(context + max_n + 1)
+def cost_curve(runner, device: torch.device, widths: list[int], context: int, repeats: int, graphs: bool) -> list[float]:
+    """T(n) for each n in `widths` after `context` cached positions, launched eagerly or replayed as
+    graphs (`runner.use_graphs`: the path decoding takes, input copies and logits included)."""
+    runner.use_graphs(graphs)
+    cache = runner.new_cache(context + max(widths) + 1)
     runner.forward(cache, torch.zeros(context, dtype=torch.long, device=device), logits="none")  # prefill, eager
-    curves: dict[str, list[float]] = {"eager": []}
-    for n in range(1, max_n + 1):
+    seconds = []
+    for n in widths:
         tokens = torch.randint(0, runner.config.vocab_size, (n,), device=device)  # [n]
 
-        def eager(tokens=tokens):
+        def step(tokens=tokens):
             runner.forward(cache, tokens, logits="all")
             cache.truncate(context)
 
-        curves["eager"].append(_elapsed(eager, device, repeats))
-    if graphs:
-        curves["graph"] = [_graph_seconds(runner, cache, context, n, device, repeats) for n in range(1, max_n + 1)]
+        seconds.append(_elapsed(step, device, repeats))
     cache.release()
-    return curves
-
-
-def _graph_seconds(runner, cache, context: int, n: int, device: torch.device, repeats: int) -> float:
-    """T(n) of a forward captured once as a CUDA graph (static tokens [n], the cache at length `context`)."""
-    static_tokens = torch.zeros(n, dtype=torch.long, device=device)  # [n], the graph's input buffer
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):  # warm-up off the default stream, as capture requires
-        for _ in range(2):
-            runner.forward(cache, static_tokens, logits="all")
-            cache.truncate(context)
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        runner.forward(cache, static_tokens, logits="all")  # writes slots context … context+n−1 on every replay
-    cache.truncate(context)
-    seconds = _elapsed(graph.replay, device, repeats)
-    del graph
     return seconds
 
 
 def verispec_speed(builder: EngineBuilder, method: str, prompts: list[list[int]], new_tokens: int, gamma: int,
-                   device: torch.device) -> dict:
-    """tok/s of verispec's `method` (a drafter spec; "none": plain) over the prompts, greedy."""
+                   device: torch.device) -> tuple[dict, list[list[int]]]:
+    """tok/s of verispec's `method` (a drafter spec; "none": plain) over the prompts, greedy, and the outputs.
+    A warm-up generation of the same length first: it captures the graphs every timed request replays."""
     engine = builder.engine(method, gamma, "constant")
     engine.target.eos_ids = frozenset()
     config = GenerationConfig(max_new_tokens=new_tokens, chat=False)
-    engine.generate(prompts[0], GenerationConfig(max_new_tokens=4, chat=False))  # warm-up
+    engine.generate(prompts[0], config)  # warm-up: the same cache sizes, so the same graphs
     synchronize(device)
-    start, tokens, accepted, steps = time.perf_counter(), 0, 0, 0
+    start, outputs, steps = time.perf_counter(), [], 0
     for prompt in prompts:
         result = engine.generate(prompt, config)
-        tokens += len(result.token_ids)
+        outputs.append(result.token_ids)
         steps += result.stats.steps
     synchronize(device)
     seconds = time.perf_counter() - start
-    accepted = tokens / max(steps, 1)
-    return {"kind": "speed", "system": "verispec", "method": method, "tokens": tokens, "seconds": seconds,
-            "tok_s": tokens / seconds, "tokens_per_step": accepted}
+    tokens = sum(len(ids) for ids in outputs)
+    failed = engine.target.runner._graphs.failed if engine.target.runner.graphs else None
+    return ({"kind": "speed", "system": "verispec", "method": method, "graphs": engine.target.runner.graphs,
+             "graph_failure": failed, "tokens": tokens,
+             "seconds": seconds, "tok_s": tokens / seconds, "tau": tokens / max(steps, 1)}, outputs)
 
 
 def hf_speed(target, assistant, method: str, prompts: list[list[int]], new_tokens: int, device: torch.device) -> dict:
@@ -171,6 +159,22 @@ def hf_speed(target, assistant, method: str, prompts: list[list[int]], new_token
     return {"kind": "speed", "system": "hf", "method": method, "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
 
 
+def predictions(curves: dict, alphas: dict[str, float], max_gamma: int = 8) -> list[dict]:
+    """Speedups over plain graph-replayed decoding the theory predicts for γ = 1 … max_gamma from the
+    measured graph curves (the draft's c and catch-up for `model`; 0 for model-free drafters) and
+    acceptance measured elsewhere (the real models on a CPU: random weights agree with nothing)."""
+    target, draft = curves[("target", "graph")], curves[("draft", "graph")]
+    verify = curve_verify_cost(target)
+    rows = []
+    for method, alpha in alphas.items():
+        c, catch_up = (draft[0] / target[0], draft[1] / draft[0]) if method == "model" else (0.0, 1.0)
+        speedups = [expected_speedup(alpha, gamma, c, verify, catch_up) for gamma in range(1, max_gamma + 1)]
+        best = max(range(max_gamma), key=speedups.__getitem__)
+        rows.append({"kind": "predicted", "method": method, "alpha": alpha, "c": c, "catch_up": catch_up,
+                     "speedups_by_gamma": speedups, "gamma": best + 1, "speedup_over_plain": speedups[best]})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda (default), cpu or auto")
@@ -180,12 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="a name in configs.json")
     parser.add_argument("--tiny", action="store_true", help="shrunk shapes (a CPU smoke test in seconds)")
     parser.add_argument("--max-n", type=int, default=None, help="widths 1 … N for T(n) (default 64; 4 with --tiny)")
+    parser.add_argument("--eager-widths", default="1,2,3,4,5,6,8,9,12,16,17,24,32,48,64",
+                        help="the widths timed with eager launches too (≤ --max-n)")
     parser.add_argument("--context", type=int, default=256, help="cached positions before each timed forward")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per width (default 20; 2 with --tiny)")
-    parser.add_argument("--no-graphs", action="store_true", help="eager only (graphs need CUDA)")
-    parser.add_argument("--methods", default="none,model,ngram", help="verispec drafter specs (none: plain)")
+    parser.add_argument("--methods", default="none,ngram,model,tree,hybrid", help="verispec drafter specs (none: plain)")
     parser.add_argument("--hf-methods", default="plain,assisted,prompt_lookup", help="Hugging Face generate() modes")
-    parser.add_argument("--prompts", type=int, default=None, help="random prompts (default 5; 2 with --tiny)")
+    parser.add_argument("--alpha", default="model=0.72,ngram=0.40",
+                        help="acceptance measured on the real models (CPU, BENCHMARKS.md) for the predicted speedups")
+    parser.add_argument("--prompts", type=int, default=None, help="random prompts (default 3; 2 with --tiny)")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens per prompt (default 128; 8 with --tiny)")
     parser.add_argument("--gamma", type=int, default=4)
@@ -198,41 +205,76 @@ def main(argv: list[str] | None = None) -> int:
     tiny = args.tiny
     max_n = args.max_n or (4 if tiny else 64)
     repeats = args.repeats or (2 if tiny else 20)
-    n_prompts, new_tokens = args.prompts or (2 if tiny else 5), args.new_tokens or (8 if tiny else 128)
+    n_prompts, new_tokens = args.prompts or (2 if tiny else 3), args.new_tokens or (8 if tiny else 128)
     context = min(args.context, 32) if tiny else args.context
-    graphs = device.type == "cuda" and not args.no_graphs
+    eager_widths = [n for n in map(int, args.eager_widths.split(",")) if n <= max_n] or [1]
+    alphas = {name: float(value) for name, value in (item.split("=") for item in args.alpha.split(",") if item)}
     records = []
 
     def emit(record: dict) -> None:
         record = {**record, "dtype": dtype, "tiny": tiny}
         records.append(record)
         print(json.dumps(record), flush=True)
+        args.out.write_text("".join(json.dumps(r) + "\n" for r in records))  # kept whatever fails later
+
+    def attempt(what: str, run) -> None:
+        """Run one measurement; a failure is recorded and the others go on."""
+        try:
+            run()
+        except Exception as error:  # noqa: BLE001 (one failing method never loses the others' results)
+            emit({"kind": "error", "what": what, "error": f"{type(error).__name__}: {error}"})
 
     emit(environment(device))
+    curves: dict[tuple[str, str], list[float]] = {}
     with tempfile.TemporaryDirectory(dir=args.workdir) as work:
         folders = {role: build_random_model(name, Path(work) / role, tiny, seed)
                    for role, name, seed in (("target", args.target, 1), ("draft", args.draft, 2))}
         builder = EngineBuilder(str(folders["target"]), dtype, default_draft=str(folders["draft"]), device=str(device))
+        runners = {}
         for role, name in (("target", args.target), ("draft", args.draft)):
             model = builder.models(str(folders[role]), dtype, pack_rows=1 if role == "draft" else 4)
             model.eos_ids = frozenset()
-            widths = max_n if role == "target" else min(max_n, 2)
-            for mode, seconds in cost_curve(model.runner, device, widths, context, repeats, graphs).items():
-                emit({"kind": "cost", "model": name, "role": role, "mode": mode, "context": context,
-                      "seconds": seconds, "ratio": [s / seconds[0] for s in seconds]})
+            runners[role] = model.runner
+            for mode, widths in (("eager", eager_widths), ("graph", list(range(1, max_n + 1)))):
+                def measure(role=role, name=name, mode=mode, widths=widths):
+                    seconds = cost_curve(runners[role], device, widths, context, repeats, mode == "graph")
+                    curves[(role, mode)] = seconds
+                    emit({"kind": "cost", "model": name, "role": role, "mode": mode, "context": context, "widths": widths,
+                          "seconds": seconds, "ratio": [t / seconds[0] for t in seconds]})
+                attempt(f"T(n) {role} {mode}", measure)
+            runners[role].use_graphs(device.type == "cuda")  # back to the default
         generator = torch.Generator().manual_seed(0)
         vocab = builder.target().vocab_size
         prompts = [torch.randint(2, vocab, (args.prompt_tokens,), generator=generator).tolist() for _ in range(n_prompts)]
-        for method in args.methods.split(","):
-            emit({**verispec_speed(builder, method.strip(), prompts, new_tokens, args.gamma, device), "gamma": args.gamma})
+        plain: dict[bool, list[list[int]]] = {}
+        for graphs in ([False, True] if device.type == "cuda" else [False]):  # plain decoding launched, then replayed
+            def measure_plain(graphs=graphs):
+                runners["target"].use_graphs(graphs)
+                record, plain[graphs] = verispec_speed(builder, "none", prompts, new_tokens, args.gamma, device)
+                emit({**record, "gamma": 0})
+            attempt(f"plain graphs={graphs}", measure_plain)
+        runners["target"].use_graphs(device.type == "cuda")
+        reference = plain.get(device.type == "cuda")
+        for method in [m.strip() for m in args.methods.split(",") if m.strip() != "none"]:
+            def measure_method(method=method):
+                record, outputs = verispec_speed(builder, method, prompts, new_tokens, args.gamma, device)
+                same = None if reference is None else sum(a == b for a, b in zip(outputs, reference))
+                emit({**record, "gamma": args.gamma, "same_as_plain": same, "prompts": len(prompts)})
+            attempt(f"verispec {method}", measure_method)
+        if device.type == "cuda" and False in plain and True in plain:
+            emit({"kind": "flips", "what": "plain replayed vs plain launched",
+                  "same": sum(a == b for a, b in zip(plain[False], reference)), "prompts": len(prompts)})
         from transformers import AutoModelForCausalLM
 
         torch_dtype = getattr(torch, dtype)
         hf = {role: AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(device).eval()
               for role, folder in folders.items()}
         for method in args.hf_methods.split(","):
-            emit(hf_speed(hf["target"], hf["draft"], method.strip(), prompts, new_tokens, device))
-    args.out.write_text("".join(json.dumps(record) + "\n" for record in records))
+            attempt(f"hf {method}", lambda method=method: emit(hf_speed(hf["target"], hf["draft"], method.strip(), prompts,
+                                                                        new_tokens, device)))
+    if ("target", "graph") in curves and ("draft", "graph") in curves:
+        for row in predictions(curves, alphas):
+            emit(row)
     print(f"wrote {len(records)} records to {args.out}", file=sys.stderr)
     return 0
 

@@ -37,6 +37,7 @@ from safetensors import safe_open
 
 from verispec.errors import ModelNotFoundError
 from verispec.models import kernels
+from verispec.models.cuda_graphs import MAX_WIDTH, GraphSteps, StoragePool, graphs_wanted
 from verispec.models.device import CPU
 from verispec.models.int8 import Int8Linear
 from verispec.models.int8_store import Int8Store
@@ -52,6 +53,7 @@ QUANTIZATIONS = ("int8", "kquant")
 # verifying γ+1 positions computes each exactly as decoding it alone would (see `Transformer`).
 ROW_INVARIANT_POSITIONS = 32
 PREFILL_PIECE = 256  # the most positions of one chain a forward pass runs at once (longer ones: in pieces)
+MAX_CHAIN_REPLAY = 32  # the longest chain replayed as a CUDA graph (a step's γ+1; a longer one is a prompt: eager)
 
 
 @dataclass(frozen=True)
@@ -100,10 +102,15 @@ class KVCache:
     Rolling back is `truncate(n)`; keeping an accepted tree path is `keep(start, slots)`.
     """
 
-    def __init__(self, config: ModelConfig, capacity: int, dtype: torch.dtype, device: torch.device):
-        shape = (config.num_layers, config.num_kv_heads, capacity, config.head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)  # [layers, kv_heads, capacity, head_dim]
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+    def __init__(self, config: ModelConfig, capacity: int, dtype: torch.dtype, device: torch.device,
+                 pool: StoragePool | None = None):
+        self.pool = pool  # where the storage comes from and goes back to (a runner replaying CUDA graphs)
+        if pool is not None:
+            self.keys, self.values = pool.take(capacity)
+        else:
+            shape = (config.num_layers, config.num_kv_heads, capacity, config.head_dim)
+            self.keys = torch.zeros(shape, dtype=dtype, device=device)  # [layers, kv_heads, capacity, head_dim]
+            self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.length = 0
         self.ceiling: int | None = None  # doubling stops here (what the sequence can use); None: no cap
 
@@ -115,6 +122,12 @@ class KVCache:
     def ensure(self, needed: int) -> None:
         """Grow (doubling, at most to `ceiling` unless more is needed) so that `needed` slots fit."""
         if needed <= self.capacity:
+            return
+        if self.pool is not None:  # the pool's next capacity that fits; the old storage goes back
+            keys, values = self.pool.take(needed)
+            keys[:, :, : self.length], values[:, :, : self.length] = self.keys[:, :, : self.length], self.values[:, :, : self.length]
+            self.pool.give(self.keys, self.values)
+            self.keys, self.values = keys, values
             return
         doubled = 2 * self.capacity if self.ceiling is None else min(2 * self.capacity, self.ceiling)
         new = max(needed, doubled)
@@ -130,7 +143,7 @@ class KVCache:
     def copied(self, length: int, capacity: int) -> KVCache:
         """A new cache of `capacity` slots (no ceiling) holding a copy of the first `length`."""
         twin = copy.copy(self)
-        twin.length, twin.ceiling = length, None
+        twin.length, twin.ceiling, twin.pool = length, None, None
         twin.keys, twin.values = (twin._grown(old, capacity) for old in (self.keys, self.values))  # its `length` slots copied
         return twin
 
@@ -138,11 +151,16 @@ class KVCache:
     def clone(self) -> KVCache:
         """An independent copy, of the same capacity and ceiling."""
         twin = copy.copy(self)  # length, ceiling
+        twin.pool = None  # storage of its own
         twin.keys, twin.values = self.keys.clone(), self.values.clone()  # [layers, kv_heads, capacity, head_dim]
         return twin
 
     def release(self) -> None:
-        """Nothing to give back: the storage goes with the object (a llama.cpp cache frees its sequence)."""
+        """A pooled storage goes back to its pool (the cache is unusable after); otherwise nothing to give
+        back: the storage goes with the object (a llama.cpp cache frees its sequence)."""
+        if self.pool is not None and self.keys is not None:
+            self.pool.give(self.keys, self.values)
+            self.keys = self.values = None
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.length:
@@ -169,6 +187,7 @@ class _Row:
     top: int  # the largest of `positions` (known on the host: reading it from a GPU would wait for it)
     mask: torch.Tensor | None  # [n, start + n] bool; None when a single token sees everything
     chain: bool = True  # consecutive positions with a causal mask (not a token tree)
+    slots: torch.Tensor | None = None  # [n] the slots written, on the device: a static forward (`forward_static`)
 
     @cached_property
     def seen(self) -> list[slice | torch.Tensor]:
@@ -277,7 +296,7 @@ class Transformer:
     def __init__(
         self, config: ModelConfig, weights: dict[str, torch.Tensor] | _Safetensors, dtype: torch.dtype,
         pack: bool = True, quant: str | None = None, pack_rows: int = 1, int8_store: Int8Store | None = None,
-        device: torch.device = CPU,
+        device: torch.device = CPU, graphs: bool | None = None,
     ):
         if quant is not None and dtype != torch.float32:
             raise ValueError(f"{quant} weights run with float32 activations, not {dtype}")
@@ -307,6 +326,9 @@ class Transformer:
         self._rope_cache = torch.empty(2, 0, config.head_dim, dtype=dtype, device=self.device)  # [cos/sin, positions, head_dim]
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim))
         self._inv_freq = inv_freq  # [head_dim / 2]
+        # steps replayed as CUDA graphs (`cuda_graphs.py`): float runners on a GPU by default; graphs=True on
+        # a CPU runs the same static forwards eagerly (what the tests check)
+        self.use_graphs(quant is None and graphs_wanted(self.device) if graphs is None else graphs)
 
     @classmethod
     def from_folder(
@@ -340,8 +362,29 @@ class Transformer:
             runner.variant += ",requantized"
         return runner
 
+    def use_graphs(self, on: bool) -> None:
+        """Replay steps as CUDA graphs (on a CPU: the same static forwards, run eagerly) or launch them as
+        before. New caches come from a fresh storage pool; a runner copied with other layers (`variants.py`)
+        calls this again to get graphs of its own."""
+        if on and self.quant is not None:
+            raise ValueError(f"{self.quant} runs its own kernels on the CPU: no CUDA graphs")
+        self._graphs = GraphSteps(self, capture=self.device.type == "cuda") if on else None
+        self._pool = StoragePool(self._new_storage) if on else None
+        self.variant = self.variant.replace(",graphs", "") + (",graphs" if on and self._graphs.capture else "")
+
+    @property
+    def graphs(self) -> bool:
+        """Whether steps replay as (CUDA) graphs: `use_graphs`."""
+        return self._graphs is not None
+
     def new_cache(self, capacity: int = 1024) -> KVCache:
-        return KVCache(self.config, capacity, self.dtype, self.device)
+        return KVCache(self.config, capacity, self.dtype, self.device, self._pool)
+
+    def _new_storage(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed keys and values [layers, kv_heads, capacity, head_dim] for the storage pool."""
+        cfg = self.config
+        shape = (cfg.num_layers, cfg.num_kv_heads, capacity, cfg.head_dim)
+        return (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
 
     def prefilled_cache(self, prompt_ids: list[int], spare: int = 64) -> KVCache:
         """A cache holding prompt_ids[:-1] (the last prompt token is fed with the first step), with room
@@ -363,6 +406,8 @@ class Transformer:
 
     @staticmethod
     def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.is_cuda:  # one fused kernel instead of eight (a GPU step is launch-bound); the CPU keeps its bits
+            return F.rms_norm(x, weight.shape, weight, eps)
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
@@ -390,6 +435,11 @@ class Transformer:
         stay in the CPU's caches (faster: BENCHMARKS.md, "What made kquant fast").
         """
         n = tokens.shape[0]
+        if self._graphs is not None and logits != "none" and n <= (MAX_WIDTH if tree_mask is not None else MAX_CHAIN_REPLAY) \
+                and self._graphs.fits(cache, n, positions):
+            out = self._graphs.forward(cache, tokens, positions, tree_mask)  # [n, vocab], or None: no room for a graph
+            if out is not None:
+                return out if logits == "all" else out[-1:]
         if positions is None and tree_mask is None and n > PREFILL_PIECE and logits != "all":
             for first in range(0, n - PREFILL_PIECE, PREFILL_PIECE):
                 self.forward(cache, tokens[first : first + PREFILL_PIECE], logits="none")
@@ -402,6 +452,26 @@ class Transformer:
         if logits == "last":
             x = x[-1:]
         return self._logits(x)
+
+    @torch.inference_mode()
+    def forward_static(self, cache: KVCache, tokens: torch.Tensor, start: torch.Tensor, positions: torch.Tensor | None,
+                       tree: torch.Tensor | None) -> torch.Tensor:
+        """`forward` with every value that changes from step to step in a device tensor, so that a CUDA
+        graph captured once replays it (`cuda_graphs.py`): tokens [n] after the first `start` [1] slots;
+        a chain (positions and tree None) at positions start … start+n−1, or a token tree's positions [n]
+        and mask over its nodes tree [n, n]. Keys and values go to slots start + i; every query attends
+        over the whole storage under a mask of the slots it sees. Logits [n, vocab]. Leaves
+        `cache.length` alone: the caller sets it (it is host state, not part of a graph)."""
+        n, capacity = tokens.shape[0], cache.capacity
+        steps = torch.arange(n, device=self.device)  # [n]
+        slots = start + steps  # [n]
+        if tree is None:
+            positions, tree = slots, steps[None, :] <= steps[:, None]  # a chain: causal over its nodes, [n, n]
+        relative = torch.arange(capacity, device=self.device) - start  # [capacity]: slot − start
+        new = (relative >= 0) & (relative < n)
+        mask = (relative < 0)[None, :] | (new[None, :] & tree[:, relative.clamp(0, n - 1)])  # [n, capacity]
+        row = _Row(cache, cache.length, n, positions, self.config.max_position_embeddings - 1, mask, chain=False, slots=slots)
+        return self._logits(self._layers(self._embed(tokens), [row], *self._rope_rows([row])))  # [n, vocab]
 
     @torch.inference_mode()
     def forward_ragged(
@@ -446,9 +516,8 @@ class Transformer:
 
     def _run(self, tokens: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
         """The decoder stack over tokens [N] (the rows' new tokens, concatenated) -> hidden [N, hidden]."""
-        cos, sin = self._rope(torch.cat([row.positions for row in rows]), max(row.top for row in rows) + 1)
-        cos, sin = cos[None], sin[None]  # [1, N, head_dim]
-        x = self.embed(tokens) if isinstance(self.embed, KQuantEmbedding) else F.embedding(tokens, self.embed)  # [N, hidden]
+        cos, sin = self._rope_rows(rows)
+        x = self._embed(tokens)  # [N, hidden]
         row = rows[0]  # one chain (any compiled stack) or token tree (a stack on the exact attention, which takes a mask)
         one_row = len(rows) == 1 and row.n <= ROW_INVARIANT_POSITIONS and (row.chain or self._exact_attend is not None)
         compiled = self._compiled_layers() if one_row else None
@@ -459,6 +528,15 @@ class Transformer:
         for row in rows:
             row.cache.length = row.start + row.n
         return x
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [N] -> their embeddings [N, hidden]."""
+        return self.embed(tokens) if isinstance(self.embed, KQuantEmbedding) else F.embedding(tokens, self.embed)
+
+    def _rope_rows(self, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [1, N, head_dim] at the rows' positions, concatenated."""
+        cos, sin = self._rope(torch.cat([row.positions for row in rows]), max(row.top for row in rows) + 1)
+        return cos[None], sin[None]
 
     def _layers(self, x: torch.Tensor, rows: list[_Row], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [N, hidden] through every decoder layer, keys and values appended to the rows' caches."""
@@ -559,6 +637,15 @@ class Transformer:
         scale = 1.0 / math.sqrt(self.config.head_dim)
         outputs, offset = [], 0
         for row in rows:
+            if row.slots is not None:  # a static forward: written at device-given slots, attention over the whole storage
+                row.cache.keys[layer].index_copy_(1, row.slots, k[:, offset : offset + row.n])
+                row.cache.values[layer].index_copy_(1, row.slots, v[:, offset : offset + row.n])
+                outputs.append(F.scaled_dot_product_attention(
+                    q[None, :, offset : offset + row.n], row.cache.keys[layer][None], row.cache.values[layer][None],
+                    attn_mask=row.mask, scale=scale, enable_gqa=True,
+                )[0])  # [heads, n, head_dim]
+                offset += row.n
+                continue
             end = row.start + row.n
             row.cache.keys[layer, :, row.start : end] = k[:, offset : offset + row.n]
             row.cache.values[layer, :, row.start : end] = v[:, offset : offset + row.n]

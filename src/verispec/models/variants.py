@@ -38,6 +38,7 @@ def _with(runner: Transformer, tag: str, **attributes) -> Transformer:
     for name, value in attributes.items():
         setattr(variant, name, value)
     variant.variant = runner.variant + "," + tag
+    variant.use_graphs(runner.graphs and variant.quant is None)  # graphs captured on its own layers, not the original's
     return variant
 
 

@@ -1,0 +1,149 @@
+"""Steps replayed as graphs (`models/cuda_graphs.py`), through the same code on a CPU.
+
+On a CPU a "replay" runs the static forward eagerly, so everything but the capture itself is checked
+here: the static forward against `forward` (chains, trees, storages that grow), the storage pool and
+the graphs' keys (a second request replays the first one's graphs), and whole generations. The CUDA
+group at the end captures real graphs; on a GPU machine:
+    PYTHONPATH=src python -m pytest -p no:cacheprovider -q tests/test_cuda_graphs.py tests/test_device.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verispec import GenerationConfig, load
+from verispec.models import cuda_graphs, transformer
+from verispec.models.transformer import Transformer
+from verispec.tokentree import ancestor_mask, depths
+
+PROMPTS = [[3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]
+GREEDY = GenerationConfig(max_new_tokens=40)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture
+def graphs_everywhere(monkeypatch):
+    """Every float runner built in the test replays its steps (eagerly on a CPU)."""
+    monkeypatch.setattr(transformer, "graphs_wanted", lambda device: True)
+
+
+def _runners(folder) -> tuple[Transformer, Transformer]:
+    plain, replayed = Transformer.from_folder(folder), Transformer.from_folder(folder)
+    replayed.use_graphs(True)
+    return plain, replayed
+
+
+def test_static_forward_equals_forward_for_chains_and_trees(tiny_target):
+    plain, replayed = _runners(tiny_target)
+    assert replayed.graphs and not plain.graphs
+    caches = plain.new_cache(8), replayed.new_cache(8)
+    assert caches[1].capacity == cuda_graphs.MIN_CAPACITY and caches[1].pool is not None
+
+    def both(tokens, positions=None, tree_mask=None):
+        a, b = (runner.forward(cache, tokens, positions, tree_mask) for runner, cache in zip((plain, replayed), caches))
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=0), (a - b).abs().max()
+        assert caches[0].length == caches[1].length
+
+    both(torch.tensor([3, 4, 5, 6, 7]))  # a short prompt: one graph of width 5
+    generator = torch.Generator().manual_seed(0)
+    for step in range(40):  # verification-like steps of 1 … 4 positions, one rejected each time
+        tokens = torch.randint(2, 48, (1 + step % 4,), generator=generator)
+        both(tokens)
+        for cache in caches:
+            cache.truncate(cache.length - (step % 2))
+    parents = torch.tensor([-1, 0, 0, 1, 3])
+    start = caches[0].length
+    both(torch.tensor([5, 6, 7, 8, 9]), positions=start + depths(parents) - 1, tree_mask=ancestor_mask(parents))
+    for cache in caches:
+        cache.keep(start, torch.tensor([0, 1, 3]))
+    both(torch.tensor([10]))
+    assert torch.allclose(caches[0].keys[:, :, : caches[0].length], caches[1].keys[:, :, : caches[1].length], atol=1e-5, rtol=0)
+
+
+def test_a_full_storage_is_swapped_for_a_bigger_one(tiny_target):
+    plain, runner = _runners(tiny_target)
+    caches = plain.new_cache(4), runner.new_cache(4)
+    for r, c in zip((plain, runner), caches):
+        r.forward(c, torch.arange(2, 40))
+    old = caches[1].keys
+    caches[1].ensure(cuda_graphs.MIN_CAPACITY + 1)  # the next power of two, the valid slots copied
+    assert caches[1].capacity == 2 * cuda_graphs.MIN_CAPACITY and caches[1].keys.data_ptr() != old.data_ptr()
+    assert runner._pool.free[cuda_graphs.MIN_CAPACITY][0][0] is old  # the old storage went back to the pool
+    a, b = (r.forward(c, torch.tensor([5, 6])) for r, c in zip((plain, runner), caches))
+    assert torch.allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_released_storage_serves_the_next_request_with_the_same_graphs(tiny_target):
+    _, runner = _runners(tiny_target)
+    first = runner.new_cache(20)
+    runner.forward(first, torch.tensor([3, 4, 5]))
+    runner.forward(first, torch.tensor([6]))
+    captured = dict(runner._graphs.graphs)
+    first.release()
+    assert first.keys is None
+    first.release()  # twice: nothing happens
+    second = runner.new_cache(30)
+    runner.forward(second, torch.tensor([9, 8, 7]))
+    runner.forward(second, torch.tensor([6]))
+    assert runner._graphs.graphs.keys() == captured.keys()  # no new shapes: the same storage, the same widths
+    assert second.clone().pool is None and second.copied(4, 8).pool is None  # copies own their storage
+
+
+def test_prompts_and_wide_feeds_run_eagerly(tiny_target):
+    _, runner = _runners(tiny_target)
+    cache = runner.new_cache(64)
+    runner.forward(cache, torch.arange(2, 2 + transformer.MAX_CHAIN_REPLAY + 1), logits="last")  # a prompt
+    runner.forward(cache, torch.tensor([3, 4]), logits="none")  # no logits wanted: eager
+    assert not runner._graphs.graphs
+    runner.forward(cache, torch.tensor([5]), logits="last")
+    assert len(runner._graphs.graphs) == 1
+
+
+def test_a_layer_truncated_copy_gets_graphs_of_its_own(tiny_target):
+    from verispec.models.variants import truncated
+
+    _, runner = _runners(tiny_target)
+    shallow = truncated(runner, 1)
+    assert shallow.graphs and shallow._graphs is not runner._graphs and shallow._graphs.runner is shallow
+    cache = shallow.new_cache(8)
+    assert cache.keys.shape[0] == 1  # one layer's storage, from its own pool
+    plain = truncated(Transformer.from_folder(tiny_target), 1)
+    expected = plain.forward(plain.new_cache(8), torch.tensor([3, 4, 5]))
+    assert torch.allclose(shallow.forward(cache, torch.tensor([3, 4, 5])), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("draft", ["ngram", "model", "tree:k=2,depth=3", "merge"])
+def test_generations_with_graphs_equal_plain_decoding(tiny_target, tiny_draft, draft, graphs_everywhere):
+    from verispec.engine.build import EngineBuilder
+
+    plain = load(str(tiny_target), "none")
+    plain.target.runner.use_graphs(False)
+    speculative = EngineBuilder(str(tiny_target), default_draft=str(tiny_draft)).engine(draft, 4, "constant")
+    assert speculative.target.runner.graphs
+    want = [plain.generate(p, GREEDY).token_ids for p in PROMPTS]
+    for _ in range(2):  # the second round replays the first round's graphs
+        assert [speculative.generate(p, GREEDY).token_ids for p in PROMPTS] == want
+    chains_and_trees = {key[-1] for key in speculative.target.runner._graphs.graphs}  # key: (…, chain)
+    assert chains_and_trees == ({True, False} if draft in ("tree:k=2,depth=3", "merge") else {True})
+
+
+# --- on a GPU (skipped without one) --------------------------------------------------------------
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graphs_replay_what_eager_launches_compute(tiny_target, dtype):
+    from verispec.models.loading import load_model
+
+    model = load_model(tiny_target, dtype, device="cuda")
+    runner = model.runner
+    assert runner.graphs and ",graphs" in runner.variant
+    eager = load_model(tiny_target, dtype, device="cuda").runner
+    eager.use_graphs(False)
+    caches = runner.new_cache(16), eager.new_cache(16)
+    for tokens in ([3, 4, 5], [6], [7, 8, 9, 10], [11], [12]):
+        a, b = (r.forward(c, torch.tensor(tokens)) for r, c in zip((runner, eager), caches))
+        relative = float((a - b).norm() / b.norm())  # other kernels (masked attention over the storage): rounding only
+        assert relative < (1e-4 if dtype == "float32" else 2e-2), relative
+    assert len(runner._graphs.graphs) == 3  # widths 3, 1, 4 (1 again: replayed, not captured)
