@@ -36,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-from verispec.control.theory import curve_verify_cost, expected_speedup, optimal_gamma
+from verispec.control.theory import curve_verify_cost, expected_speedup
+from verispec.drafters.prefix import common_prefix_length
 from verispec.engine.build import EngineBuilder
 from verispec.engine.loop import GenerationConfig
 from verispec.models.device import resolve_device, synchronize
@@ -63,9 +64,11 @@ def environment(device: torch.device) -> dict:
     return info
 
 
-def build_random_model(name: str, folder: Path, tiny: bool, seed: int) -> Path:
+def build_random_model(name: str, folder: Path, tiny: bool, seed: int, sharpen: float) -> Path:
     """A Hugging Face folder with random weights of the shipped `name`'s config (tiny: shrunk) and a
-    word-level tokenizer ("t0" … ), with no EOS so that every run makes the same number of tokens."""
+    word-level tokenizer ("t0" … ), with no EOS so that every run makes the same number of tokens.
+    The head is scaled by `sharpen`: a random model's top logits are otherwise nearly tied, and greedy
+    outputs of kernels that round differently part at once (timing does not depend on values)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -76,6 +79,8 @@ def build_random_model(name: str, folder: Path, tiny: bool, seed: int) -> Path:
     config = AutoConfig.for_model(model_type, **values, eos_token_id=None, bos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if not tiny else torch.float32)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(sharpen)
     model.save_pretrained(folder)
     vocab = {f"t{i}": i for i in range(config.vocab_size)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t1"))
@@ -159,6 +164,14 @@ def hf_speed(target, assistant, method: str, prompts: list[list[int]], new_token
     return {"kind": "speed", "system": "hf", "method": method, "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
 
 
+def agreement(outputs: list[list[int]], reference: list[list[int]] | None) -> dict:
+    """How far each output equals plain decoding's: whole outputs equal, and the tokens before the first difference."""
+    if reference is None:
+        return {"same_as_plain": None}
+    return {"same_as_plain": sum(a == b for a, b in zip(outputs, reference)), "prompts": len(outputs),
+            "common_prefix": [common_prefix_length(a, b) for a, b in zip(outputs, reference)]}
+
+
 def predictions(curves: dict, alphas: dict[str, float], max_gamma: int = 8) -> list[dict]:
     """Speedups over plain graph-replayed decoding the theory predicts for γ = 1 … max_gamma from the
     measured graph curves (the draft's c and catch-up for `model`; 0 for model-free drafters) and
@@ -196,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens per prompt (default 128; 8 with --tiny)")
     parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--sharpen", type=float, default=20.0, help="scale of the random head (1: as initialised)")
     parser.add_argument("--out", type=Path, default=Path("gpu_measure.jsonl"))
     parser.add_argument("--workdir", type=Path, default=None, help="where the random models are written (default: a temp dir)")
     args = parser.parse_args(argv)
@@ -227,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     emit(environment(device))
     curves: dict[tuple[str, str], list[float]] = {}
     with tempfile.TemporaryDirectory(dir=args.workdir) as work:
-        folders = {role: build_random_model(name, Path(work) / role, tiny, seed)
+        folders = {role: build_random_model(name, Path(work) / role, tiny, seed, args.sharpen)
                    for role, name, seed in (("target", args.target, 1), ("draft", args.draft, 2))}
         builder = EngineBuilder(str(folders["target"]), dtype, default_draft=str(folders["draft"]), device=str(device))
         runners = {}
@@ -258,12 +272,10 @@ def main(argv: list[str] | None = None) -> int:
         for method in [m.strip() for m in args.methods.split(",") if m.strip() != "none"]:
             def measure_method(method=method):
                 record, outputs = verispec_speed(builder, method, prompts, new_tokens, args.gamma, device)
-                same = None if reference is None else sum(a == b for a, b in zip(outputs, reference))
-                emit({**record, "gamma": args.gamma, "same_as_plain": same, "prompts": len(prompts)})
+                emit({**record, "gamma": args.gamma, **agreement(outputs, reference)})
             attempt(f"verispec {method}", measure_method)
         if device.type == "cuda" and False in plain and True in plain:
-            emit({"kind": "flips", "what": "plain replayed vs plain launched",
-                  "same": sum(a == b for a, b in zip(plain[False], reference)), "prompts": len(prompts)})
+            emit({"kind": "flips", "what": "plain replayed vs plain launched", **agreement(plain[False], reference)})
         from transformers import AutoModelForCausalLM
 
         torch_dtype = getattr(torch, dtype)
