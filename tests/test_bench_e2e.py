@@ -44,8 +44,9 @@ def test_greedy_bench_is_identical_to_baseline(tiny_text_pair, questions, tmp_pa
 
 def test_sampled_bench_reports_identity_as_na(tiny_text_pair, questions, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
-    data = _bench(tiny_text_pair, questions, tmp_path, "--temperature", "0.8", "--categories", "rag")
+    data = _bench(tiny_text_pair, questions, tmp_path, "--temperature", "0.8", "--categories", "rag", "--device", "cpu")
     assert data["config"]["temperature"] == 0.8 and data["config"]["prompts"] == ["rag-3"]
+    assert data["config"]["device"] == "cpu" and data["config"]["gpu"] is None
     assert all(m["identical_to_baseline"] is None for m in data["methods"].values())
     assert "| n/a |" in capsys.readouterr().out
 
@@ -80,3 +81,11 @@ def test_bench_runs_the_auto_plan(tiny_text_pair, questions, tmp_path, monkeypat
     assert json.loads(out.read_text())["methods"]["vs:auto"]["identical_to_baseline"] == 1.0
     captured = capsys.readouterr()
     assert "vs:auto: plan: float32 ·" in " ".join((captured.out + captured.err).split())
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal of a machine without a GPU")
+def test_bench_on_cuda_without_a_gpu_says_so(tiny_text_pair, questions, tmp_path, capsys):
+    target, draft = tiny_text_pair
+    assert cli_main(["bench", "--target", str(target), "--draft", str(draft), "--methods", "hf-plain,vs:none",
+                     "--questions", str(questions), "--device", "cuda", "--json", str(tmp_path / "b.json")]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err

@@ -38,7 +38,9 @@ prompt for every method), at most --max-new-tokens tokens and the same stop ids.
 on a prompt outside the measured set (drafters that learn across requests, STAND and online, so see no
 measured prompt before it is measured); then prompts are run one at a time, every method on that prompt before the next (the method order
 rotates from prompt to prompt so none always runs first). Time is the wall time of the whole generate
-call, prefill included; new tokens count up to and including the first stop id.
+call, prefill included; new tokens count up to and including the first stop id. --device cuda (or auto)
+runs verispec's torch runners (steps replayed as CUDA graphs) and the hf-* models on the GPU, each
+generation's time taken after the GPU finished; llama.cpp and the CPU-only backends stay on the CPU.
 
 Reported per method, overall and per category (see `verispec.tools.bench.report`): tokens/s, speedup vs
 hf-plain, the speedup the theory predicts from the run's own α, γ̄ and c, the share of outputs
@@ -81,6 +83,7 @@ from verispec.engine import Engine, EngineBuilder, GenerationConfig
 from verispec.engine.build import auto_backends
 from verispec.engine.spec import AUTO
 from verispec.errors import InvalidParameterError, VerispecError
+from verispec.models.device import DEVICES, resolve_device, synchronize
 from verispec.models.llama_cpp import WINDOW, context_size, require_llama_cpp
 from verispec.models.loading import PRECISIONS, load_tokenizer, parse_dtype, parse_precision, resolve_folder
 from verispec.models.runner import LoadedModel
@@ -182,7 +185,7 @@ class HFMethod:
     temperature: float = 0.0
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int) -> Output:
-        input_ids = torch.tensor([prompt_ids])  # [1, L]
+        input_ids = torch.tensor([prompt_ids], device=self.model.device)  # [1, L]
         decoding = {"do_sample": False}
         if self.temperature > 0:  # plain sampling at T: switch off generate()'s default top-k of 50
             decoding = {"do_sample": True, "temperature": self.temperature, "top_k": 0, "top_p": 1.0}
@@ -192,6 +195,7 @@ class HFMethod:
             input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
             eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id, **decoding, **self.extra,
         )  # [1, L + n]
+        synchronize(self.model.device)
         seconds = time.perf_counter() - start
         return Output(cut_at_eos(out[0, len(prompt_ids):].tolist(), self.eos_ids), seconds)
 
@@ -268,9 +272,11 @@ class Models:
     by every drafter), the HF target, the HF assistant (in the activation dtype of --dtype: float32 for
     int8, which transformers does not run)."""
 
-    def __init__(self, target: str, draft: str, dtype: str, temperature: float = 0.0):
+    def __init__(self, target: str, draft: str, dtype: str, temperature: float = 0.0, device: str = "cpu"):
         self.target_spec, self.draft_spec, self.dtype, self.temperature = target, draft, dtype, temperature
-        self.builder = EngineBuilder(target, dtype, default_draft=draft)  # `model`, `tree`, `hybrid`, … draft with --draft
+        self.device = resolve_device(device)  # verispec's torch runners and the HF models (llama.cpp: the CPU)
+        # `model`, `tree`, `hybrid`, … draft with --draft
+        self.builder = EngineBuilder(target, dtype, default_draft=draft, device=str(self.device))
 
     @property
     def target(self) -> LoadedModel:
@@ -284,7 +290,8 @@ class Models:
         from transformers import AutoModelForCausalLM
 
         with status(f"loading {spec} into transformers"):
-            return AutoModelForCausalLM.from_pretrained(resolve_folder(spec), dtype=parse_dtype(self.dtype)).eval()
+            model = AutoModelForCausalLM.from_pretrained(resolve_folder(spec), dtype=parse_dtype(self.dtype))
+            return model.to(self.device).eval()
 
     @cached_property
     def hf_target(self) -> torch.nn.Module:
@@ -302,7 +309,7 @@ class Models:
 
     def method(self, spec: MethodSpec) -> Method:
         if spec.is_verispec and spec.drafter == AUTO:  # the plan `verispec generate` runs by default
-            backends = auto_backends(self.target_spec) if spec.precision == AUTO else None
+            backends = auto_backends(self.target_spec, str(self.device)) if spec.precision == AUTO else None
             engine = self.builder.planned_engine(gamma_policy=spec.policy, precision=None if backends else spec.precision,
                                                  backends=backends)
             console.print(f"{spec.name}: {engine.plan.summary()}")
@@ -493,6 +500,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="precision of verispec methods without their own [PRECISION]; hf-* run its float dtype")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; T > 0 samples at T (seed = prompt index)")
+    parser.add_argument("--device", default="cpu", help=f"{' | '.join(DEVICES)}: where verispec's torch runners and the "
+                        "hf-* models run (llama.cpp and the gguf/int8/kquant backends: the CPU only)")
     parser.add_argument("--questions", default="own", metavar="SOURCES",
                         help="comma list of own, humaneval and Spec-Bench/MT-bench JSONL files (default own)")
     parser.add_argument("--per-category", type=int, default=None, help="first N prompts of each category (default all)")
@@ -512,6 +521,12 @@ def split_methods(text: str | None) -> list[str]:
     return [item.strip() for item in re.split(r",(?=\s*(?:hf-|vs:|llama-cpp))", text or "") if item.strip()]
 
 
+def gpu_name(device: str) -> str | None:
+    """The GPU a run measured on (None on the CPU)."""
+    resolved = resolve_device(device)
+    return torch.cuda.get_device_name(resolved) if resolved.type == "cuda" else None
+
+
 def run_config(args: argparse.Namespace, prompts: list[Prompt], specs: list[MethodSpec]) -> dict:
     import transformers
 
@@ -526,7 +541,7 @@ def run_config(args: argparse.Namespace, prompts: list[Prompt], specs: list[Meth
         "warmup": f"one untimed generation per method on a prompt outside the measured set: {WARMUP_PROMPT!r}", "order": "per prompt, rotating method order",
         "pld_tokens": PLD_TOKENS, "torch": torch.__version__, "transformers": transformers.__version__,
         "threads": torch.get_num_threads(), "machine": platform.machine(), "python": platform.python_version(),
-        "cpu": cpu_summary(), "interrupted": False, "finished": False,
+        "cpu": cpu_summary(), "device": args.device, "gpu": gpu_name(args.device), "interrupted": False, "finished": False,
     }
 
 
@@ -539,12 +554,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_new_tokens < 1:
             raise InvalidParameterError("--max-new-tokens must be ≥ 1")
         SamplingParams(temperature=args.temperature)  # validate before loading anything
+        resolve_device(args.device)
         if args.plots:
             require_matplotlib()
         prompts = select(load_sources(args.questions), _split(args.categories), args.per_category)
         results = Results(run_config(args, prompts, specs), [s.name for s in specs], args.temperature > 0, args.json)
         results.save()  # an unwritable --json fails now, not after the run
-        models = Models(args.target, args.draft, args.dtype, args.temperature)
+        models = Models(args.target, args.draft, args.dtype, args.temperature, args.device)
         prompt_ids = [models.target.encode_prompt(p.text, chat=True) for p in prompts]
         warmup_ids = models.target.encode_prompt(WARMUP_PROMPT, chat=True)
         methods = [models.method(s) for s in specs]
