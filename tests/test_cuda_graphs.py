@@ -87,7 +87,10 @@ def test_released_storage_serves_the_next_request_with_the_same_graphs(tiny_targ
     runner.forward(second, torch.tensor([9, 8, 7]))
     runner.forward(second, torch.tensor([6]))
     assert runner._graphs.graphs.keys() == captured.keys()  # no new shapes: the same storage, the same widths
-    assert second.clone().pool is None and second.copied(4, 8).pool is None  # copies own their storage
+    twin = second.clone()  # a pooled storage of its own, the valid slots copied
+    assert twin.pool is runner._pool and twin.keys.data_ptr() != second.keys.data_ptr() and twin.length == second.length
+    assert torch.equal(twin.keys[:, :, : twin.length], second.keys[:, :, : second.length])
+    assert second.copied(4, 8).pool is None  # a prefix copy (prompt caching) owns its storage
 
 
 def test_prompts_and_wide_feeds_run_eagerly(tiny_target):
@@ -113,7 +116,7 @@ def test_a_layer_truncated_copy_gets_graphs_of_its_own(tiny_target):
     assert torch.allclose(shallow.forward(cache, torch.tensor([3, 4, 5])), expected, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("draft", ["ngram", "model", "tree:k=2,depth=3", "merge"])
+@pytest.mark.parametrize("draft", ["ngram", "model", "tree:k=2,depth=3", "merge", "triforce:budget=16,chunk=4,window=8", "online"])
 def test_generations_with_graphs_equal_plain_decoding(tiny_target, tiny_draft, draft, graphs_everywhere):
     from verispec.engine.build import EngineBuilder
 
@@ -125,7 +128,21 @@ def test_generations_with_graphs_equal_plain_decoding(tiny_target, tiny_draft, d
     for _ in range(2):  # the second round replays the first round's graphs
         assert [speculative.generate(p, GREEDY).token_ids for p in PROMPTS] == want
     chains_and_trees = {key[-1] for key in speculative.target.runner._graphs.graphs}  # key: (…, chain)
-    assert chains_and_trees == ({True, False} if draft in ("tree:k=2,depth=3", "merge") else {True})
+    # token trees replay as trees; TriForce's level-2 passes give positions of their own (a causal "tree")
+    assert chains_and_trees == ({True} if draft in ("ngram", "model", "online") else {True, False})
+
+
+def test_beam_search_with_graphs_equals_beam_search_launched(tiny_target):
+    from verispec.engine.beam import beam_search
+    from verispec.models.loading import load_model
+
+    launched, replayed = load_model(tiny_target, "float32"), load_model(tiny_target, "float32")
+    replayed.runner.use_graphs(True)
+    for prompt in PROMPTS:
+        want = beam_search(launched, prompt, 3, 12)
+        got = beam_search(replayed, prompt, 3, 12)
+        assert got.token_ids == want.token_ids and abs(got.score - want.score) < 1e-4
+    assert replayed.runner._graphs.graphs  # the beams' clones come from the pool and replay
 
 
 # --- on a GPU (skipped without one) --------------------------------------------------------------
@@ -147,3 +164,27 @@ def test_cuda_graphs_replay_what_eager_launches_compute(tiny_target, dtype):
         relative = float((a - b).norm() / b.norm())  # other kernels (masked attention over the storage): rounding only
         assert relative < (1e-4 if dtype == "float32" else 2e-2), relative
     assert len(runner._graphs.graphs) == 3  # widths 3, 1, 4 (1 again: replayed, not captured)
+
+
+@needs_cuda
+@pytest.mark.parametrize("draft", ["ngram", "model", "tree:k=2,depth=3", "merge", "triforce:budget=16,chunk=4,window=8", "online"])
+def test_cuda_generations_with_graphs_equal_plain_decoding(tiny_target, tiny_draft, draft):
+    from verispec.engine.build import EngineBuilder
+
+    plain = load(str(tiny_target), "none", "float32", device="cuda")  # replayed too: the same device, dtype and kernels
+    speculative = EngineBuilder(str(tiny_target), "float32", default_draft=str(tiny_draft), device="cuda").engine(
+        draft, 4, "constant")
+    assert plain.target.runner.graphs and speculative.target.runner.graphs
+    want = [plain.generate(p, GREEDY).token_ids for p in PROMPTS]
+    assert [speculative.generate(p, GREEDY).token_ids for p in PROMPTS] == want
+    assert speculative.target.runner._graphs.failed is None
+
+
+@needs_cuda
+def test_cuda_beam_search_runs_on_the_device(tiny_target):
+    from verispec.engine.beam import beam_search
+    from verispec.models.loading import load_model
+
+    model = load_model(tiny_target, "float32", device="cuda")
+    result = beam_search(model, PROMPTS[0], 3, 12)
+    assert 1 <= len(result.token_ids) <= 12

@@ -52,12 +52,12 @@ __all__ = ["LowRankHead", "OnlineDrafter", "distill"]
 class LowRankHead:
     """An LM head plus a trainable low-rank correction; optionally records its inputs (`tap`)."""
 
-    def __init__(self, base, rank: int, seed: int = 0):
+    def __init__(self, base, rank: int, seed: int = 0, device: torch.device = torch.device("cpu")):
         self.base = base
         self.in_features, self.out_features = base.in_features, base.out_features
-        generator = torch.Generator().manual_seed(seed)
-        self.A = torch.randn(rank, self.in_features, generator=generator) / self.in_features**0.5  # [rank, hidden]
-        self.B = torch.zeros(self.out_features, rank)  # [vocab, rank]
+        generator = torch.Generator().manual_seed(seed)  # drawn on the CPU: the same start on every device
+        self.A = (torch.randn(rank, self.in_features, generator=generator) / self.in_features**0.5).to(device)  # [rank, hidden]
+        self.B = torch.zeros(self.out_features, rank, device=device)  # [vocab, rank], beside the head it corrects
         self.bias = None
         self.tap: list[torch.Tensor] | None = None
 
@@ -135,7 +135,7 @@ class OnlineDrafter(Drafter):
     ):
         require_own_runner(draft, "the online drafter")
         runner = copy.copy(draft.runner)  # shares the weights; only the head object differs
-        self.head = runner.lm_head = LowRankHead(draft.runner.lm_head, rank)
+        self.head = runner.lm_head = LowRankHead(draft.runner.lm_head, rank, device=draft.runner.device)
         self.model = dataclasses.replace(draft, runner=runner, name=f"{draft.name}+online")
         self.inner = DraftModelDrafter(self.model, target_vocab_size)
         self.name = f"online:{draft.name}"

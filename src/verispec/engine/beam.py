@@ -115,7 +115,7 @@ def beam_search(
     logits = runner.forward(first, torch.tensor(prompt), logits="last")  # [1, vocab]
     caches = [first]
     beams: list[list[int]] = [[]]  # generated tokens of each live beam
-    sums = torch.zeros(1)  # [live] float32 running sums of log-probabilities
+    sums = torch.zeros(1, device=logits.device)  # [live] float32 running sums of log-probabilities, beside the logits
     finished: list[_Hypothesis] = []
 
     try:
@@ -144,7 +144,7 @@ def beam_search(
             if _cannot_improve(finished, next_sums[0], step, num_beams, length_penalty):
                 break
             caches = _reorder(caches, sources)
-            beams, sums = next_beams, torch.tensor(next_sums)
+            beams, sums = next_beams, torch.tensor(next_sums, device=logits.device)
             # one single-token forward per live beam -> [live, vocab]
             logits = torch.cat([runner.forward(c, torch.tensor(b[-1:]), logits="last") for c, b in zip(caches, beams)])
     finally:

@@ -108,7 +108,9 @@ class GraphSteps:
         may be captured (MAX_GRAPHS reached, or a capture failed): the caller runs the forward eagerly."""
         n, start = tokens.shape[0], cache.length
         cache.ensure(start + n)  # a full storage is swapped for a bigger one first (new addresses, new graphs)
-        chain = tree_mask is None
+        chain = tree_mask is None and positions is None  # a chain's positions follow its slots
+        if positions is not None and tree_mask is None:  # positions of their own (TriForce's): a causal "tree"
+            tree_mask = torch.ones(n, n, dtype=torch.bool).tril()
         key = (cache.keys.data_ptr(), cache.values.data_ptr(), cache.capacity, n, chain)
         graph = self.graphs.get(key)
         if graph is None and (len(self.graphs) >= MAX_GRAPHS or self.failed):

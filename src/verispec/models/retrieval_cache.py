@@ -74,7 +74,7 @@ def chunk_scores(keys: torch.Tensor, query: torch.Tensor, chunk: int) -> torch.T
 def select_chunks(scores: torch.Tensor, keep: int, chunk: int) -> torch.Tensor:
     """Slots of the `keep` best-scoring chunks per layer, ascending: scores [layers, n_chunks] -> [layers, keep * chunk]."""
     best = scores.topk(min(keep, scores.shape[1]), dim=1).indices.sort(dim=1).values  # [layers, keep]
-    offsets = torch.arange(chunk)  # [chunk]
+    offsets = torch.arange(chunk, device=scores.device)  # [chunk]
     return (best[:, :, None] * chunk + offsets).flatten(1)
 
 

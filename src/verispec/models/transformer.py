@@ -150,9 +150,12 @@ class KVCache:
     @torch.inference_mode()
     def clone(self) -> KVCache:
         """An independent copy, of the same capacity and ceiling."""
-        twin = copy.copy(self)  # length, ceiling
-        twin.pool = None  # storage of its own
-        twin.keys, twin.values = self.keys.clone(), self.values.clone()  # [layers, kv_heads, capacity, head_dim]
+        twin = copy.copy(self)  # length, ceiling, pool
+        if self.pool is not None:  # a pooled storage of the same capacity (a beam's child replays graphs too)
+            twin.keys, twin.values = self.pool.take(self.capacity)
+            twin.keys[:, :, : self.length], twin.values[:, :, : self.length] = self.keys[:, :, : self.length], self.values[:, :, : self.length]
+        else:
+            twin.keys, twin.values = self.keys.clone(), self.values.clone()  # [layers, kv_heads, capacity, head_dim]
         return twin
 
     def release(self) -> None:
