@@ -18,6 +18,10 @@ per forward instead of ~70 Python-level operations per layer, which saves a step
 With `quant="kquant"` (`Transformer.from_gguf`) the weights are a GGUF file's own Q4_K / Q6_K blocks
 (`gguf_weights.py`), run by `KQuantLinear` (`kquant.py`): also row-invariant, with the float32 rest
 of the layer the same as int8's, and the token embedding dequantized row by row on lookup.
+
+On a GPU a float runner replays its steps as CUDA graphs (`cuda_graphs.py`): `forward_static` is the
+same stack with the cache length, positions and masks in device tensors, and caches come from a pool
+of storages on which graphs were captured.
 """
 
 from __future__ import annotations
@@ -272,7 +276,8 @@ class Transformer:
     int8_store: where int8 layers come from (`from_folder` passes the folder's cache; without one
     they are quantized from the float weights);
     device: where the weights, the RoPE table and every KV cache live (the CPU by default; int8 is
-    CPU-only). `forward` takes tokens, positions and masks from anywhere and returns logits there.
+    CPU-only). `forward` takes tokens, positions and masks from anywhere and returns logits there;
+    graphs: replay steps (`use_graphs`; default: on CUDA for float runners, unless VERISPEC_CUDA_GRAPHS=0).
 
     A quantized runner is row-invariant: the logits of a position do not depend on how many other
     positions the same forward pass holds, bit for bit. Its linear layers are (see `int8.py`), and so
