@@ -18,7 +18,7 @@ on one device, in one run:
 It prints the GPU, driver and torch version and writes one JSON object per line to --out (rewritten
 after each record; a failing measurement is recorded as an error and the others go on).
 Needs torch and transformers, no internet. On the GPU machine:
-    PYTHONPATH=src python benchmarks/gpu/measure.py --out gpu.jsonl
+    PYTHONPATH=src python benchmarks/gpu/measure.py --out gpu.jsonl   (or benchmarks/gpu/run.sh OUTDIR: this, then the CUDA tests)
 Smoke test on a CPU, in seconds (tiny shapes, no graphs): --device cpu --tiny.
 """
 
@@ -41,6 +41,7 @@ from verispec.drafters.prefix import common_prefix_length
 from verispec.engine.build import EngineBuilder
 from verispec.engine.loop import GenerationConfig
 from verispec.models.device import resolve_device, synchronize
+from verispec.models.transformer import MAX_CHAIN_REPLAY
 
 CONFIGS = Path(__file__).with_name("configs.json")
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -111,9 +112,13 @@ def cost_curve(runner, device: torch.device, widths: list[int], context: int, re
     seconds = []
     for n in widths:
         tokens = torch.randint(0, runner.config.vocab_size, (n,), device=device)  # [n]
+        # a chain longer than a step replays only as a token tree (a causal one: the same attention)
+        tree = n > MAX_CHAIN_REPLAY and graphs
+        positions = torch.arange(context, context + n) if tree else None  # [n]
+        causal = torch.ones(n, n, dtype=torch.bool).tril() if tree else None  # [n, n]
 
-        def step(tokens=tokens):
-            runner.forward(cache, tokens, logits="all")
+        def step(tokens=tokens, positions=positions, causal=causal):
+            runner.forward(cache, tokens, positions, causal, logits="all")
             cache.truncate(context)
 
         seconds.append(_elapsed(step, device, repeats))
