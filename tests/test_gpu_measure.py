@@ -1,17 +1,26 @@
 """`benchmarks/gpu/measure.py` runs end to end on the CPU with tiny shapes (its smoke test; on a GPU it
-measures the shipped shapes: see the script's docstring)."""
+measures the shipped shapes: see the script's docstring), on random weights and on a real folder, and
+`ship_weights.py` brings a folder over in parts that join to the same weights."""
 
 import importlib.util
 import json
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu" / "measure.py"
+import torch
+
+GPU = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu"
+SCRIPT = GPU / "measure.py"
+
+
+def _script(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_measure_runs_on_cpu_with_tiny_shapes(tmp_path):
-    spec = importlib.util.spec_from_file_location("gpu_measure", SCRIPT)
-    measure = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(measure)
+    measure = _script(SCRIPT)
     out = tmp_path / "out.jsonl"
     assert measure.main(["--device", "cpu", "--tiny", "--max-n", "2", "--prompts", "1", "--new-tokens", "4",
                          "--workdir", str(tmp_path), "--out", str(out)]) == 0
@@ -27,3 +36,45 @@ def test_measure_runs_on_cpu_with_tiny_shapes(tmp_path):
     predicted = {r["method"]: r for r in records if r["kind"] == "predicted"}
     assert set(predicted) == {"model", "ngram"} and len(predicted["model"]["speedups_by_gamma"]) == 8
     assert not [r for r in records if r["kind"] == "error"]
+
+
+def test_weights_travel_in_parts_and_join_to_the_same_model(tiny_target, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    ship = _script(GPU / "ship_weights.py")
+    monkeypatch.setattr(ship, "PART_BYTES", 2000)  # a tiny model in several parts
+    manifest = ship.split("tiny", tmp_path / "parts", source=tiny_target)
+    assert len(manifest["parts"]) > 1
+    for part in manifest["parts"] + ["tiny.json"]:  # one call per part: each brings one file
+        carried = tmp_path / "call" / part
+        carried.parent.mkdir(parents=True, exist_ok=True)
+        carried.write_bytes((tmp_path / "parts" / part).read_bytes())
+        ship.keep(carried.parent, tmp_path / "store")
+        carried.unlink()
+    folder = ship.join(tmp_path / "store", tmp_path / "real")
+    original, joined = load_file(tiny_target / "model.safetensors"), load_file(folder / "model.safetensors")
+    assert original.keys() == joined.keys()
+    assert all(joined[k].dtype == torch.bfloat16 and torch.equal(joined[k], original[k].to(torch.bfloat16)) for k in original)
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    (tmp_path / "store" / manifest["parts"][0]).write_bytes(b"torn")
+    try:
+        ship.join(tmp_path / "store", tmp_path / "again")
+        raise AssertionError("a damaged part must not join")
+    except SystemExit as error:
+        assert "digest" in str(error)
+
+
+def test_measure_runs_a_real_folder_on_questions(tiny_target, tmp_path):
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("\n".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) for i, (c, t) in enumerate(
+        [("writing", "t3 t4 t5 t6 t3 t4 t5"), ("rag", "t9 t8 t7 t9 t8 t7 t9")])))
+    out = tmp_path / "out.jsonl"
+    assert _script(SCRIPT).main(["--device", "cpu", "--real", str(tiny_target), "--questions", str(questions),
+                                 "--max-n", "2", "--new-tokens", "6", "--out", str(out)]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert not [r for r in records if r["kind"] == "error"]
+    speeds = {(r["system"], r["method"]): r for r in records if r["kind"] == "speed"}
+    assert set(speeds) == {("verispec", "none"), ("verispec", "ngram"), ("verispec", "stand"), ("hf", "plain"),
+                           ("hf", "prompt_lookup")}
+    assert speeds[("verispec", "ngram")]["same_as_plain"] == 2 and speeds[("verispec", "stand")]["same_as_plain"] == 2
+    assert not [r for r in records if r["kind"] == "predicted"]  # measured acceptance, nothing predicted

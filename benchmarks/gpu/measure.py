@@ -15,6 +15,10 @@ on one device, in one run:
    the draft's c and acceptance measured on the real models on a CPU (--alpha): random weights agree
    with nothing, so measured speculative tok/s here show the cost of a step, not its gain.
 
+With --real FOLDER (a real model brought over by `ship_weights.py`, and --questions FILE) the target has
+real weights: prompts are the questions' first turns in its chat template, generations stop at its EOS,
+and speculative speedups (model-free drafters, or --real-draft) are measured with real acceptance.
+
 It prints the GPU, driver and torch version and writes one JSON object per line to --out (rewritten
 after each record; a failing measurement is recorded as an error and the others go on).
 Needs torch and transformers, no internet. On the GPU machine:
@@ -127,39 +131,47 @@ def cost_curve(runner, device: torch.device, widths: list[int], context: int, re
 
 
 def verispec_speed(builder: EngineBuilder, method: str, prompts: list[list[int]], new_tokens: int, gamma: int,
-                   device: torch.device) -> tuple[dict, list[list[int]]]:
-    """tok/s of verispec's `method` (a drafter spec; "none": plain) over the prompts, greedy, and the outputs.
-    A warm-up generation of the same length first: it captures the graphs every timed request replays."""
+                   device: torch.device, stop: bool) -> tuple[dict, list[list[int]]]:
+    """tok/s of verispec's `method` (a drafter spec; "none": plain) over the prompts, greedy, and the outputs
+    (stop: at the model's EOS, else exactly `new_tokens` each). A warm-up generation of the same length
+    first: it captures the graphs every timed request replays."""
     engine = builder.engine(method, gamma, "constant")
-    engine.target.eos_ids = frozenset()
+    if not stop:
+        engine.target.eos_ids = frozenset()
     config = GenerationConfig(max_new_tokens=new_tokens, chat=False)
     engine.generate(prompts[0], config)  # warm-up: the same cache sizes, so the same graphs
     synchronize(device)
-    start, outputs, steps = time.perf_counter(), [], 0
+    start, outputs, steps, accepted, judged = time.perf_counter(), [], 0, 0, 0
     for prompt in prompts:
         result = engine.generate(prompt, config)
         outputs.append(result.token_ids)
         steps += result.stats.steps
+        accepted += result.stats.acceptance.accepted
+        judged += result.stats.acceptance.judged
     synchronize(device)
     seconds = time.perf_counter() - start
     tokens = sum(len(ids) for ids in outputs)
     failed = engine.target.runner._graphs.failed if engine.target.runner.graphs else None
     return ({"kind": "speed", "system": "verispec", "method": method, "graphs": engine.target.runner.graphs,
              "graph_failure": failed, "tokens": tokens,
-             "seconds": seconds, "tok_s": tokens / seconds, "tau": tokens / max(steps, 1)}, outputs)
+             "seconds": seconds, "tok_s": tokens / seconds, "tau": tokens / max(steps, 1),
+             "alpha": accepted / judged if judged else None}, outputs)
 
 
-def hf_speed(target, assistant, method: str, prompts: list[list[int]], new_tokens: int, device: torch.device) -> dict:
-    """tok/s of Hugging Face `generate()`: plain, assisted or prompt lookup, greedy, exactly `new_tokens` tokens."""
+def hf_speed(target, assistant, method: str, prompts: list[list[int]], new_tokens: int, device: torch.device,
+             eos: frozenset[int] | None) -> dict:
+    """tok/s of Hugging Face `generate()`: plain, assisted or prompt lookup, greedy; up to the first of `eos`
+    (None: exactly `new_tokens` tokens)."""
     extra = {"plain": {}, "assisted": {"assistant_model": assistant}, "prompt_lookup": {"prompt_lookup_num_tokens": 10}}[method]
-    kwargs = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0, **extra)
+    stopping = {"eos_token_id": sorted(eos), "pad_token_id": min(eos)} if eos else {"min_new_tokens": new_tokens, "pad_token_id": 0}
+    kwargs = dict(do_sample=False, max_new_tokens=new_tokens, **stopping, **extra)
 
     def run(prompt, limit=None):
         ids = torch.tensor([prompt], device=device)
         with torch.inference_mode():
             return target.generate(ids, attention_mask=torch.ones_like(ids), **{**kwargs, **(limit or {})})
 
-    run(prompts[0], {"max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+    run(prompts[0], {"max_new_tokens": 4} if eos else {"max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
     synchronize(device)
     start, tokens = time.perf_counter(), 0
     for prompt in prompts:
@@ -167,6 +179,16 @@ def hf_speed(target, assistant, method: str, prompts: list[list[int]], new_token
     synchronize(device)
     seconds = time.perf_counter() - start
     return {"kind": "speed", "system": "hf", "method": method, "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
+
+
+def question_prompts(target, questions: Path | None, per_category: int) -> list[list[int]]:
+    """Token ids of the first turns of `per_category` questions of each category, in the target's chat template."""
+    from verispec.tools.bench.questions import load_sources
+    from verispec.tools.bench.prompts import select
+
+    if questions is None:
+        raise SystemExit("--real needs --questions FILE (a Spec-Bench/MT-bench JSONL file)")
+    return [target.encode_prompt(prompt.text, chat=True) for prompt in select(load_sources(str(questions)), None, per_category)]
 
 
 def agreement(outputs: list[list[int]], reference: list[list[int]] | None) -> dict:
@@ -206,8 +228,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="the widths timed with eager launches too (≤ --max-n)")
     parser.add_argument("--context", type=int, default=256, help="cached positions before each timed forward")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per width (default 20; 2 with --tiny)")
-    parser.add_argument("--methods", default="none,ngram,model,tree,hybrid", help="verispec drafter specs (none: plain)")
-    parser.add_argument("--hf-methods", default="plain,assisted,prompt_lookup", help="Hugging Face generate() modes")
+    parser.add_argument("--methods", default=None,
+                        help="verispec drafter specs (none: plain; default none,ngram,model,tree,hybrid, or with --real and no "
+                             "--real-draft none,ngram,stand)")
+    parser.add_argument("--hf-methods", default=None,
+                        help="Hugging Face generate() modes (default plain,assisted,prompt_lookup; assisted needs a draft)")
+    parser.add_argument("--real", type=Path, default=None,
+                        help="a real model folder as the target (`ship_weights.py` brings one): acceptance is real too")
+    parser.add_argument("--real-draft", type=Path, default=None, help="a real draft model folder for --real")
+    parser.add_argument("--questions", type=Path, default=None,
+                        help="with --real: a Spec-Bench/MT-bench JSONL file whose first turns are the prompts (chat template)")
+    parser.add_argument("--per-category", type=int, default=1, help="with --questions: prompts per category")
     parser.add_argument("--alpha", default="model=0.72,ngram=0.40",
                         help="acceptance measured on the real models (CPU, BENCHMARKS.md) for the predicted speedups")
     parser.add_argument("--prompts", type=int, default=None, help="random prompts (default 3; 2 with --tiny)")
@@ -228,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     context = min(args.context, 32) if tiny else args.context
     eager_widths = [n for n in map(int, args.eager_widths.split(",")) if n <= max_n] or [1]
     alphas = {name: float(value) for name, value in (item.split("=") for item in args.alpha.split(",") if item)}
+    has_draft = args.real is None or args.real_draft is not None
+    methods = args.methods or ("none,ngram,model,tree,hybrid" if has_draft else "none,ngram,stand")
+    hf_methods = args.hf_methods or ("plain,assisted,prompt_lookup" if has_draft else "plain,prompt_lookup")
     records = []
 
     def emit(record: dict) -> None:
@@ -246,13 +280,19 @@ def main(argv: list[str] | None = None) -> int:
     emit(environment(device))
     curves: dict[tuple[str, str], list[float]] = {}
     with tempfile.TemporaryDirectory(dir=args.workdir) as work:
-        folders = {role: build_random_model(name, Path(work) / role, tiny, seed, args.sharpen)
-                   for role, name, seed in (("target", args.target, 1), ("draft", args.draft, 2))}
-        builder = EngineBuilder(str(folders["target"]), dtype, default_draft=str(folders["draft"]), device=str(device))
+        if args.real is not None:  # real weights: real acceptance, and generations stop at the model's EOS
+            folders = {"target": args.real, **({"draft": args.real_draft} if args.real_draft else {})}
+        else:
+            folders = {role: build_random_model(name, Path(work) / role, tiny, seed, args.sharpen)
+                       for role, name, seed in (("target", args.target, 1), ("draft", args.draft, 2))}
+        names = {role: folder.name for role, folder in folders.items()} if args.real else {"target": args.target, "draft": args.draft}
+        draft = str(folders["draft"]) if "draft" in folders else None
+        builder = EngineBuilder(str(folders["target"]), dtype, default_draft=draft, device=str(device))
         runners = {}
-        for role, name in (("target", args.target), ("draft", args.draft)):
+        for role, name in names.items():
             model = builder.models(str(folders[role]), dtype, pack_rows=1 if role == "draft" else 4)
-            model.eos_ids = frozenset()
+            if args.real is None:
+                model.eos_ids = frozenset()
             runners[role] = model.runner
             for mode, widths in (("eager", eager_widths), ("graph", list(range(1, max_n + 1)))):
                 def measure(role=role, name=name, mode=mode, widths=widths):
@@ -262,21 +302,26 @@ def main(argv: list[str] | None = None) -> int:
                           "seconds": seconds, "ratio": [t / seconds[0] for t in seconds]})
                 attempt(f"T(n) {role} {mode}", measure)
             runners[role].use_graphs(device.type == "cuda")  # back to the default
-        generator = torch.Generator().manual_seed(0)
-        vocab = builder.target().vocab_size
-        prompts = [torch.randint(2, vocab, (args.prompt_tokens,), generator=generator).tolist() for _ in range(n_prompts)]
+        target = builder.target()
+        if args.real is not None:
+            prompts = question_prompts(target, args.questions, args.per_category)
+        else:
+            generator = torch.Generator().manual_seed(0)
+            prompts = [torch.randint(2, target.vocab_size, (args.prompt_tokens,), generator=generator).tolist()
+                       for _ in range(n_prompts)]
+        stop = args.real is not None
         plain: dict[bool, list[list[int]]] = {}
         for graphs in ([False, True] if device.type == "cuda" else [False]):  # plain decoding launched, then replayed
             def measure_plain(graphs=graphs):
                 runners["target"].use_graphs(graphs)
-                record, plain[graphs] = verispec_speed(builder, "none", prompts, new_tokens, args.gamma, device)
+                record, plain[graphs] = verispec_speed(builder, "none", prompts, new_tokens, args.gamma, device, stop)
                 emit({**record, "gamma": 0})
             attempt(f"plain graphs={graphs}", measure_plain)
         runners["target"].use_graphs(device.type == "cuda")
         reference = plain.get(device.type == "cuda")
-        for method in [m.strip() for m in args.methods.split(",") if m.strip() != "none"]:
+        for method in [m.strip() for m in methods.split(",") if m.strip() != "none"]:
             def measure_method(method=method):
-                record, outputs = verispec_speed(builder, method, prompts, new_tokens, args.gamma, device)
+                record, outputs = verispec_speed(builder, method, prompts, new_tokens, args.gamma, device, stop)
                 emit({**record, "gamma": args.gamma, **agreement(outputs, reference)})
             attempt(f"verispec {method}", measure_method)
         if device.type == "cuda" and False in plain and True in plain:
@@ -286,10 +331,11 @@ def main(argv: list[str] | None = None) -> int:
         torch_dtype = getattr(torch, dtype)
         hf = {role: AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(device).eval()
               for role, folder in folders.items()}
-        for method in args.hf_methods.split(","):
-            attempt(f"hf {method}", lambda method=method: emit(hf_speed(hf["target"], hf["draft"], method.strip(), prompts,
-                                                                        new_tokens, device)))
-    if ("target", "graph") in curves and ("draft", "graph") in curves:
+        eos = target.eos_ids if stop else None
+        for method in hf_methods.split(","):
+            attempt(f"hf {method}", lambda method=method: emit(hf_speed(hf["target"], hf.get("draft"), method.strip(), prompts,
+                                                                        new_tokens, device, eos)))
+    if args.real is None and ("target", "graph") in curves and ("draft", "graph") in curves:
         for row in predictions(curves, alphas):
             emit(row)
     print(f"wrote {len(records)} records to {args.out}", file=sys.stderr)
