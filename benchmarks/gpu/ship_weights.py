@@ -5,11 +5,15 @@ A warm device machine keeps what a call wrote, so back-to-back calls can each br
 the last one joins them, checks the digest and leaves a Hugging Face folder that `measure.py --real` runs. With real
 weights the acceptance is real too: speculative speedups on the GPU are measured, not only predicted.
 
-Here (the model comes from verispec's cache, ~/.cache/verispec/hf/NAME, made by `verispec models`):
-    python benchmarks/gpu/ship_weights.py split smollm2-135m-instruct .gpu/
-There, one call per part (each call carries one `.gpu/NAME.partK`, the last also `.gpu/NAME.json`), the last with `join`:
-    python benchmarks/gpu/ship_weights.py keep .gpu/ /tmp/weights        # copies the parts this call carried
-    python benchmarks/gpu/ship_weights.py join /tmp/weights /tmp/real   # once every part is there
+Here (the model comes from verispec's cache, ~/.cache/verispec/hf/NAME, made by `verispec models`; a few minutes):
+    python benchmarks/gpu/ship_weights.py split smollm2-135m-instruct .gpu/     # .gpu/ must be git-ignored
+    cp question.jsonl .gpu/                                                      # the Spec-Bench prompts
+There, back to back (a machine left idle 30 s is given back, and with it what the calls brought), one device call
+per part, each carrying one `.gpu/NAME.partK`; the last also carries `.gpu/NAME.json` and `.gpu/question.jsonl`:
+    python3 benchmarks/gpu/ship_weights.py keep .gpu /tmp/weights                        # calls 1 … K
+    python3 benchmarks/gpu/ship_weights.py keep .gpu /tmp/weights && python3 benchmarks/gpu/ship_weights.py join \
+        /tmp/weights /tmp/real && PYTHONPATH=src python3 benchmarks/gpu/measure.py --real /tmp/real/NAME \
+        --questions .gpu/question.jsonl --per-category 3 --out $OUT/real.jsonl              # the last call
 """
 
 from __future__ import annotations
