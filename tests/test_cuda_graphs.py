@@ -145,6 +145,56 @@ def test_beam_search_with_graphs_equals_beam_search_launched(tiny_target):
     assert replayed.runner._graphs.graphs  # the beams' clones come from the pool and replay
 
 
+# --- sampling: equal in distribution to the target, replayed (on the CPU, and on a GPU where there is one) ----
+
+DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
+SAMPLED_PROMPT, SAMPLED_LENGTH, SAMPLES = [3, 7], 3, 1_000
+
+
+@pytest.fixture(scope="module")
+def small_pair(tmp_path_factory):
+    from conftest import make_tiny_model
+
+    folder = tmp_path_factory.mktemp("small")
+    return make_tiny_model(folder / "t", vocab_size=12, seed=21, layers=2), make_tiny_model(folder / "d", vocab_size=12, seed=22, layers=1)
+
+
+def _sampled_engine(small_pair, device):
+    from verispec import Engine, SamplingParams
+    from verispec.drafters import DraftModelDrafter
+    from verispec.models.loading import load_model
+    from verispec.testing.reference import WholeSequenceOracle, sequence_distribution
+
+    target, draft = (load_model(folder, "float32", device=device) for folder in small_pair)
+    for model in (target, draft):
+        model.runner.use_graphs(True)  # on a CPU: the static forwards, run eagerly
+    target.eos_ids = frozenset()  # fixed-length sequences: the exact distribution is a product over them
+    params = SamplingParams(temperature=0.8, top_k=4)
+    engine = Engine(target, DraftModelDrafter(draft, target.vocab_size), gamma=2, gamma_policy="constant")
+    exact = sequence_distribution(WholeSequenceOracle(target.runner), SAMPLED_PROMPT, SAMPLED_LENGTH, params)
+    return engine, params, exact
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampled_output_with_graphs_is_distributed_as_the_target(small_pair, device):
+    from distribution import assert_same_distribution, sample_sequences
+
+    engine, params, exact = _sampled_engine(small_pair, device)
+    assert engine.target.runner.graphs and engine.target.device.type == device
+    result = assert_same_distribution(sample_sequences(engine, SAMPLED_PROMPT, params, SAMPLES, SAMPLED_LENGTH), exact)
+    assert result.detectable_tv < 0.16
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_replayed_sampling_test_catches_a_wrong_bonus(small_pair, device, monkeypatch):
+    import verispec.engine.shapes as engine_module
+    from distribution import assert_rejected, bonus_from_the_wrong_row, sample_sequences
+
+    monkeypatch.setattr(engine_module, "verify_sampled", bonus_from_the_wrong_row)
+    engine, params, exact = _sampled_engine(small_pair, device)
+    assert_rejected(sample_sequences(engine, SAMPLED_PROMPT, params, SAMPLES // 3, SAMPLED_LENGTH), exact)
+
+
 # --- on a GPU (skipped without one) --------------------------------------------------------------
 
 
