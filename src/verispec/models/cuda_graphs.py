@@ -84,7 +84,8 @@ class GraphSteps:
     """The captured forwards of one runner, by (storage, width, chain or tree).
 
     runner: a `Transformer` (its `forward_static` is what is captured); capture: record CUDA graphs
-    (False: run the static forward eagerly on every replay, as on a CPU).
+    (False: run the static forward eagerly on every replay, as on a CPU). Called from one thread at a
+    time, as the runner is.
     """
 
     def __init__(self, runner, capture: bool):
@@ -95,7 +96,7 @@ class GraphSteps:
 
     def fits(self, cache, n: int, positions: torch.Tensor | None) -> bool:
         """Whether a forward of `n` positions after `cache` can replay: a pooled storage, a step's width,
-        positions inside the storage (a tree's are depths after the cache; TriForce's may be anything)."""
+        positions inside the model's context (the RoPE table a graph reads; TriForce's may lie past the slots)."""
         if cache.pool is None or not 1 <= n <= MAX_WIDTH:
             return False
         if positions is not None and int(positions.max()) >= self.runner.config.max_position_embeddings:
@@ -158,7 +159,3 @@ class GraphSteps:
         with torch.cuda.graph(cuda_graph, pool=self.pool):
             graph.logits = run()  # [n, vocab]: allocated from the graph's pool, rewritten by each replay
         graph.replay = cuda_graph.replay
-
-    def clear(self) -> None:
-        """Drop every captured graph (their memory returns to the pool's allocator)."""
-        self.graphs.clear()

@@ -124,7 +124,8 @@ class KVCache:
 
     @torch.inference_mode()  # the slots are inference tensors once a forward has grown them
     def ensure(self, needed: int) -> None:
-        """Grow (doubling, at most to `ceiling` unless more is needed) so that `needed` slots fit."""
+        """Grow so that `needed` slots fit: a pooled cache takes the pool's next capacity (a power of two),
+        others double, at most to `ceiling` unless more is needed."""
         if needed <= self.capacity:
             return
         if self.pool is not None:  # the pool's next capacity that fits; the old storage goes back
