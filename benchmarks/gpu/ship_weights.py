@@ -6,7 +6,7 @@ the last one joins them, checks the digest and leaves a Hugging Face folder that
 weights the acceptance is real too: speculative speedups on the GPU are measured, not only predicted.
 
 Here (the model comes from verispec's cache, ~/.cache/verispec/hf/NAME, made by `verispec models`; a few minutes):
-    python benchmarks/gpu/ship_weights.py split smollm2-135m-instruct .gpu/     # .gpu/ must be git-ignored
+    python benchmarks/gpu/ship_weights.py split smollm2-135m-instruct .gpu/     # .gpu/ is git-ignored
     cp question.jsonl .gpu/                                                      # the Spec-Bench prompts
 There, back to back (a machine left idle 30 s is given back, and with it what the calls brought), one device call
 per part, each carrying one `.gpu/NAME.partK`; the last also carries `.gpu/NAME.json` and `.gpu/question.jsonl`:
