@@ -132,8 +132,9 @@ def test_width_flips_counts_positions_and_catches_a_width_dependent_model(tiny_t
     questions = tmp_path / "q.jsonl"
     questions.write_text('{"question_id": 1, "category": "writing", "turns": ["t3 t4 t5"]}\n')
     assert cli_main(["analyze", "--flips", "--target", str(tiny_text_pair[0]), "--questions", str(questions),
-                     "--max-new-tokens", "4", "--width", "3"]) == 0
-    assert "positions per forward at 0 (0.00%)" in capsys.readouterr().out
+                     "--max-new-tokens", "4", "--width", "3", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "positions per forward at 0 (0.00%)" in out and " on cpu, " in out
 
 
 def test_the_profile_accounts_for_every_step(tiny_target):

@@ -5,6 +5,7 @@
     verispec analyze --plots plots/                      # the theory's figures
     verispec analyze --measure --target NAME --draft NAME --questions own --per-category 1
     verispec analyze --flips --target NAME --dtype bfloat16 --width 5   # 1-wide vs 5-wide argmax flips
+    verispec analyze --flips --target NAME --dtype bfloat16 --device cuda   # the same on a GPU (cuBLAS by shape)
     verispec analyze --profile --dtype gguf --methods none,ngram,model   # where a step's milliseconds go
 
 The measurement (see `verispec.tools.measure`) reports α (probability overlap at --temperature), the greedy
@@ -45,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt sources as for `verispec bench`: own, humaneval, JSONL files (default own)")
     parser.add_argument("--per-category", type=int, default=1, help="prompts per category to measure on (default 1)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    EngineSpec.add_arguments(parser, names=("dtype",))
+    EngineSpec.add_arguments(parser, names=("dtype", "device"))
     parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature for α (0 = greedy α)")
 
 
@@ -85,7 +86,8 @@ def _measure(args: argparse.Namespace) -> tuple[float, float, list[float]]:
         raise InvalidParameterError("--measure needs --target and --draft")
     if args.max_new_tokens < 1:
         raise InvalidParameterError("--max-new-tokens must be ≥ 1")
-    target, draft = load_model(args.target, args.dtype), load_model(args.draft, args.dtype, pack_rows=1)
+    target = load_model(args.target, args.dtype, device=args.device)
+    draft = load_model(args.draft, args.dtype, pack_rows=1, device=args.device)
     prompts_ids = _prompts_ids(args, target)
     m = measure_pair(target, draft, prompts_ids, args.max_new_tokens, args.temperature, args.max_gamma)
     print(f"measured on {len(prompts_ids)} prompts, {len(m.alphas)} positions: α = {m.alpha:.4f} "
@@ -103,11 +105,11 @@ def _flips(args: argparse.Namespace) -> None:
 
     if not args.target:
         raise InvalidParameterError("--flips needs --target")
-    target = load_model(args.target, args.dtype)
+    target = load_model(args.target, args.dtype, device=args.device)
     prompts_ids = _prompts_ids(args, target)
     f = width_flips(target, prompts_ids, args.max_new_tokens, args.width)
     gaps = ", ".join(f"{g:.3f}" for g in f.flip_margins) or "–"
-    print(f"{args.target} in {args.dtype}, {len(prompts_ids)} prompts, {f.positions} positions: the argmax differs "
+    print(f"{args.target} in {args.dtype} on {target.device}, {len(prompts_ids)} prompts, {f.positions} positions: the argmax differs "
           f"between 1 and {args.width} positions per forward at {f.flips} ({f.rate:.2%}); top-2 logit gap at those "
           f"positions: {gaps} (median over all positions {f.median_margin:.3f})")
 

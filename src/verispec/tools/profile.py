@@ -140,11 +140,12 @@ def run_profile(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise InvalidParameterError("--max-new-tokens must be ≥ 1")
     target_spec = args.target or DEFAULT_TARGET
-    precision = auto_precision(target_spec) if args.dtype == AUTO else args.dtype
-    builder = EngineBuilder(target_spec, precision, default_draft=args.draft)
+    precision = auto_precision(target_spec, args.device) if args.dtype == AUTO else args.dtype
+    builder = EngineBuilder(target_spec, precision, default_draft=args.draft, device=args.device)
     target = builder.target()
     prompts = [target.encode_prompt(p.text, chat=True) for p in select(load_sources(args.questions), None, args.per_category)]
-    print(f"{cpu_summary()} · {target.name} · {target.precision} · {len(prompts)} prompts · {args.max_new_tokens} new tokens, greedy")
+    where = cpu_summary() if target.device.type == "cpu" else f"{target.device} (phases are host time: a GPU runs behind it)"
+    print(f"{where} · {target.name} · {target.precision} · {len(prompts)} prompts · {args.max_new_tokens} new tokens, greedy")
     engines, draft_seconds, catch_ups, curve = {}, {}, {}, None
     for method in methods:
         engine = engines[method] = builder.engine(method, args.gamma, args.gamma_policy)
