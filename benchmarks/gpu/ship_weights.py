@@ -11,9 +11,7 @@ Here (the model comes from verispec's cache, ~/.cache/verispec/hf/NAME, made by 
 There, back to back (a machine left idle 30 s is given back, and with it what the calls brought), one device call
 per part, each carrying one `.gpu/NAME.partK`; the last also carries `.gpu/NAME.json` and `.gpu/question.jsonl`:
     python3 benchmarks/gpu/ship_weights.py keep .gpu /tmp/weights                        # calls 1 … K
-    python3 benchmarks/gpu/ship_weights.py keep .gpu /tmp/weights && python3 benchmarks/gpu/ship_weights.py join \
-        /tmp/weights /tmp/real && PYTHONPATH=src python3 benchmarks/gpu/measure.py --real /tmp/real/NAME \
-        --questions .gpu/question.jsonl --per-category 3 --out $OUT/real.jsonl              # the last call
+    benchmarks/gpu/run_real.sh NAME "$OUT"     # the last call: keep, join, measure.py --real, analyze --flips
 """
 
 from __future__ import annotations
