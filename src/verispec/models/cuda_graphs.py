@@ -36,7 +36,10 @@ KEEP_PER_CAPACITY = 4  # released storages the pool keeps per capacity (the rest
 
 def graphs_wanted(device: torch.device) -> bool:
     """Whether a float runner on `device` replays its steps as CUDA graphs: on CUDA unless
-    VERISPEC_CUDA_GRAPHS=0 (eager launches, for measuring what graphs save)."""
+    VERISPEC_CUDA_GRAPHS=0 (eager launches, for measuring what graphs save); =everywhere replays on a
+    CPU too (the static forwards, eagerly), to run a test file through the replay path."""
+    if os.environ.get("VERISPEC_CUDA_GRAPHS") == "everywhere":
+        return True
     return device.type == "cuda" and os.environ.get("VERISPEC_CUDA_GRAPHS", "1") != "0"
 
 
