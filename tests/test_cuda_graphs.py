@@ -34,6 +34,16 @@ def _runners(folder) -> tuple[Transformer, Transformer]:
     return plain, replayed
 
 
+def test_the_setting_turns_replay_on_and_off(monkeypatch):
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.delenv("VERISPEC_CUDA_GRAPHS", raising=False)
+    assert cuda_graphs.graphs_wanted(gpu) and not cuda_graphs.graphs_wanted(cpu)
+    monkeypatch.setenv("VERISPEC_CUDA_GRAPHS", "0")
+    assert not cuda_graphs.graphs_wanted(gpu)
+    monkeypatch.setenv("VERISPEC_CUDA_GRAPHS", "everywhere")
+    assert cuda_graphs.graphs_wanted(cpu)
+
+
 def test_static_forward_equals_forward_for_chains_and_trees(tiny_target):
     plain, replayed = _runners(tiny_target)
     assert replayed.graphs and not plain.graphs
