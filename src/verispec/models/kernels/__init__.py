@@ -26,10 +26,11 @@ from verispec.paths import cache_dir, cpu_flags
 
 __all__ = ["build_key", "extension"]
 
-# -march=native: this machine's vector instructions (rounding inlined); -ffp-contract=off: no fused
-# multiply-add, so the same float operations as the torch code; -fopenmp: `at::parallel_for` is a header
-# that runs serially unless OpenMP is on (in the process the loaded libgomp is torch's own, one thread pool)
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+# -march=native: this machine's vector instructions (rounding inlined; VERISPEC_KERNELS_MARCH=haswell builds
+# what an AVX2-only CPU runs, its 16 vector registers included, to time that code here); -ffp-contract=off:
+# no fused multiply-add, so the same float operations as the torch code; -fopenmp: `at::parallel_for` is a
+# header that runs serially unless OpenMP is on (in the process the loaded libgomp is torch's own, one pool)
+FLAGS = ["-O3", f"-march={os.environ.get('VERISPEC_KERNELS_MARCH', 'native')}", "-ffp-contract=off", "-fopenmp"]
 READY = "ready"  # written into a build folder once its module has compiled and loaded
 
 

@@ -402,6 +402,9 @@ inline __m256i twice16(__m256i scale) { return _mm256_or_si256(_mm256_and_si256(
 
 inline __m256i broadcast4_avx2(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
 
+// Register pressure: an AVX2-only CPU has 16 vector registers, so a half (8 columns) is finished before the
+// next, and a sub-block's weights are unpacked four registers at a time (low nibbles, then high): with R ≤ 4
+// rows nothing spills in the inner loops. The integer sums are exact, so their order does not change a bit.
 template <int R>
 void dot_tile_q4k_avx2(const uint8_t* tile, const Activations& a, int64_t row0, float* acc) {
   const __m256i low = _mm256_set1_epi8(0x0f);
@@ -410,25 +413,27 @@ void dot_tile_q4k_avx2(const uint8_t* tile, const Activations& a, int64_t row0, 
   for (int64_t b = 0; b < a.blocks; ++b) {
     const uint8_t* t = tile + b * kQ4KTile;
     const uint8_t* nibbles = t + 2 * 32 + 2 * 8 * 16;
-    __m256i dot[R][2];
-    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
-    for (int j = 0; j < 8; ++j)
-      for (int h = 0; h < 2; ++h) {  // a half's 32 weights per column unpacked once, then used by every row
-        const __m256i scale = twice16(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + 64 + 16 * j + 8 * h))));
-        __m256i w[8];  // w[tt]: weights 4tt … 4tt + 3 of each column
-        for (int tt = 0; tt < 4; ++tt) {
-          const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + 256 * j + 64 * tt + 32 * h));
-          w[tt] = _mm256_and_si256(packed, low);
-          w[tt + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
-        }
-        for (int r = 0; r < R; ++r) {
-          const int8_t* q = a.q + (row0 + r) * a.k + b * kBlock + 32 * j;
-          __m256i sub[2] = {_mm256_maddubs_epi16(w[0], broadcast4_avx2(q)), _mm256_maddubs_epi16(w[1], broadcast4_avx2(q + 4))};
-          for (int tt = 2; tt < 8; ++tt) sub[tt % 2] = _mm256_add_epi16(sub[tt % 2], _mm256_maddubs_epi16(w[tt], broadcast4_avx2(q + 4 * tt)));
-          dot[r][h] = _mm256_add_epi32(dot[r][h], _mm256_madd_epi16(_mm256_add_epi16(sub[0], sub[1]), scale));
-        }
-      }
     for (int h = 0; h < 2; ++h) {
+      __m256i dot[R];
+      for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) {
+        const __m256i scale = twice16(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + 64 + 16 * j + 8 * h))));
+        __m256i sub[R];
+        for (int part = 0; part < 2; ++part) {  // weights 0 … 15 of each column (low nibbles), then 16 … 31 (high)
+          __m256i w[4];  // w[tt]: weights 16 part + 4tt … + 3 of each column, unpacked once for every row
+          for (int tt = 0; tt < 4; ++tt) {
+            const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + 256 * j + 64 * tt + 32 * h));
+            w[tt] = _mm256_and_si256(part == 0 ? packed : _mm256_srli_epi16(packed, 4), low);
+          }
+          for (int r = 0; r < R; ++r) {
+            const int8_t* q = a.q + (row0 + r) * a.k + b * kBlock + 32 * j + 16 * part;
+            __m256i sum = _mm256_maddubs_epi16(w[0], broadcast4_avx2(q));
+            for (int tt = 1; tt < 4; ++tt) sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(w[tt], broadcast4_avx2(q + 4 * tt)));
+            sub[r] = part == 0 ? sum : _mm256_add_epi16(sub[r], sum);
+          }
+        }
+        for (int r = 0; r < R; ++r) dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(sub[r], scale));
+      }
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16 * h)));
       const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * h)));
       __m256i min_pairs[4];  // [8 columns × (m of sub-block 2i, m of 2i + 1)] int16
@@ -442,7 +447,7 @@ void dot_tile_q4k_avx2(const uint8_t* tile, const Activations& a, int64_t row0, 
           mins = _mm256_add_epi32(mins, _mm256_madd_epi16(min_pairs[i], _mm256_set1_epi32(pair)));
         }
         const __m256 xd = _mm256_set1_ps(a.d[(row0 + r) * a.blocks + b]);
-        y[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_mul_ps(d, xd), y[r][h]);
+        y[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(d, xd), y[r][h]);
         y[r][h] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dmin, xd), y[r][h]);
       }
     }
@@ -459,10 +464,10 @@ void dot_tile_q6k_avx2(const uint8_t* tile, const Activations& a, int64_t row0, 
   for (int64_t b = 0; b < a.blocks; ++b) {
     const uint8_t* t = tile + b * kQ6KTile;
     const uint8_t* values = t + 32 + 16 * 16;
-    __m256i dot[R][2];
-    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
-    for (int j = 0; j < 16; ++j) {
-      for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < 2; ++h) {  // a half (8 columns) finished before the next, as in the Q4_K kernel
+      __m256i dot[R];
+      for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+      for (int j = 0; j < 16; ++j) {
         const __m256i scale = twice16(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + 32 + 16 * j + 8 * h))));
         const uint8_t* packed = values + 192 * j + 32 * h;
         const __m256i low0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed));
@@ -476,11 +481,9 @@ void dot_tile_q6k_avx2(const uint8_t* tile, const Activations& a, int64_t row0, 
           const int8_t* q = a.q + (row0 + r) * a.k + b * kBlock + 16 * j;
           const __m256i first = _mm256_add_epi16(_mm256_maddubs_epi16(w0, broadcast4_avx2(q)), _mm256_maddubs_epi16(w1, broadcast4_avx2(q + 4)));
           const __m256i second = _mm256_add_epi16(_mm256_maddubs_epi16(w2, broadcast4_avx2(q + 8)), _mm256_maddubs_epi16(w3, broadcast4_avx2(q + 12)));
-          dot[r][h] = _mm256_add_epi32(dot[r][h], _mm256_add_epi32(_mm256_madd_epi16(first, scale), _mm256_madd_epi16(second, scale)));
+          dot[r] = _mm256_add_epi32(dot[r], _mm256_add_epi32(_mm256_madd_epi16(first, scale), _mm256_madd_epi16(second, scale)));
         }
       }
-    }
-    for (int h = 0; h < 2; ++h) {
       // the weights are stored as value + 32: minus 32 · Σ_j scale_j · (the activations' sum over sub-block j),
       // two sub-blocks per `vpmaddwd` (|sum| ≤ 16 · 128 fits 16 bits)
       __m256i pairs[8];  // [8 columns × (scale of sub-block 2i, of 2i + 1)] int16
@@ -493,7 +496,7 @@ void dot_tile_q6k_avx2(const uint8_t* tile, const Activations& a, int64_t row0, 
         __m256i offset = _mm256_setzero_si256();
         for (int i = 0; i < 8; ++i)
           offset = _mm256_add_epi32(offset, _mm256_madd_epi16(pairs[i], _mm256_set1_epi32(int32_t((uint32_t(sums[2 * i]) & 0xffffu) | (uint32_t(sums[2 * i + 1]) << 16)))));
-        const __m256i total = _mm256_sub_epi32(dot[r][h], _mm256_slli_epi32(offset, 5));
+        const __m256i total = _mm256_sub_epi32(dot[r], _mm256_slli_epi32(offset, 5));
         const __m256 xd = _mm256_set1_ps(a.d[(row0 + r) * a.blocks + b]);
         y[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, xd), y[r][h]);
       }
