@@ -101,6 +101,19 @@ def test_the_kernels_variable_chooses_the_code_and_refuses_what_is_not_built(mon
         kquant_kernels().use_kernels(built[0])
 
 
+def test_the_kernels_can_be_built_as_another_cpu_compiles_them():
+    """VERISPEC_KERNELS_MARCH=haswell: the flags (and so the build folder) of an AVX2-only CPU's build."""
+    import os
+    import subprocess
+    import sys
+
+    show = [sys.executable, "-c", "from verispec.models import kernels; print(kernels.FLAGS)"]
+    env = {k: v for k, v in os.environ.items() if k != "VERISPEC_KERNELS_MARCH"}
+    assert "-march=native" in subprocess.run(show, env=env, capture_output=True, text=True, check=True).stdout
+    haswell = subprocess.run(show, env={**env, "VERISPEC_KERNELS_MARCH": "haswell"}, capture_output=True, text=True, check=True)
+    assert "-march=haswell" in haswell.stdout
+
+
 @pytest.mark.parametrize("name", ["avx512", "avx2"])
 def test_the_vector_code_gives_the_portable_codes_bits_for_each_row_alone(name):
     rng = np.random.default_rng(3)
