@@ -237,7 +237,7 @@ class OnlineDrafter(Drafter):
         if version == 0:
             self.head.B = torch.zeros_like(self.head.B)
         else:
-            saved = torch.load(self._path(version))
+            saved = torch.load(self._path(version), map_location=self.head.B.device)  # saved on any device
             self.head.A, self.head.B = saved["A"], saved["B"]
         self.version = version
 
