@@ -106,7 +106,7 @@ def test_released_storage_serves_the_next_request_with_the_same_graphs(tiny_targ
 def test_prompts_and_wide_feeds_run_eagerly(tiny_target):
     _, runner = _runners(tiny_target)
     cache = runner.new_cache(64)
-    runner.forward(cache, torch.arange(2, 2 + transformer.MAX_CHAIN_REPLAY + 1), logits="last")  # a prompt
+    runner.forward(cache, torch.arange(2, 2 + cuda_graphs.MAX_CHAIN + 1), logits="last")  # a prompt
     runner.forward(cache, torch.tensor([3, 4]), logits="none")  # no logits wanted: eager
     assert not runner._graphs.graphs
     runner.forward(cache, torch.tensor([5]), logits="last")

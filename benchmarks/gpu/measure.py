@@ -44,8 +44,9 @@ from verispec.control.theory import curve_verify_cost, expected_speedup
 from verispec.drafters.prefix import common_prefix_length
 from verispec.engine.build import EngineBuilder
 from verispec.engine.loop import GenerationConfig
+from verispec.models.cuda_graphs import MAX_CHAIN
 from verispec.models.device import resolve_device, synchronize
-from verispec.models.transformer import MAX_CHAIN_REPLAY
+from verispec.tools.bench.questions import encoded_prompts
 
 CONFIGS = Path(__file__).with_name("configs.json")
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -117,7 +118,7 @@ def cost_curve(runner, device: torch.device, widths: list[int], context: int, re
     for n in widths:
         tokens = torch.randint(0, runner.config.vocab_size, (n,), device=device)  # [n]
         # a chain longer than a step replays only as a token tree (a causal one: the same attention)
-        tree = n > MAX_CHAIN_REPLAY and graphs
+        tree = n > MAX_CHAIN and graphs
         positions = torch.arange(context, context + n) if tree else None  # [n]
         causal = torch.ones(n, n, dtype=torch.bool).tril() if tree else None  # [n, n]
 
@@ -181,16 +182,6 @@ def hf_speed(target, assistant, method: str, prompts: list[list[int]], new_token
     return {"kind": "speed", "system": "hf", "method": method, "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
 
 
-def question_prompts(target, questions: Path | None, per_category: int) -> list[list[int]]:
-    """Token ids of the first turns of `per_category` questions of each category, in the target's chat template."""
-    from verispec.tools.bench.questions import load_sources
-    from verispec.tools.bench.prompts import select
-
-    if questions is None:
-        raise SystemExit("--real needs --questions FILE (a Spec-Bench/MT-bench JSONL file)")
-    return [target.encode_prompt(prompt.text, chat=True) for prompt in select(load_sources(str(questions)), None, per_category)]
-
-
 def agreement(outputs: list[list[int]], reference: list[list[int]] | None) -> dict:
     """How far each output equals plain decoding's: whole outputs equal, and the tokens before the first difference."""
     if reference is None:
@@ -249,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("gpu_measure.jsonl"))
     parser.add_argument("--workdir", type=Path, default=None, help="where the random models are written (default: a temp dir)")
     args = parser.parse_args(argv)
+    if args.real is not None and args.questions is None:
+        parser.error("--real needs --questions FILE (a Spec-Bench/MT-bench JSONL file)")
 
     device = resolve_device(args.device)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
@@ -303,8 +296,8 @@ def main(argv: list[str] | None = None) -> int:
                 attempt(f"T(n) {role} {mode}", measure)
             runners[role].use_graphs(device.type == "cuda")  # back to the default
         target = builder.target()
-        if args.real is not None:
-            prompts = question_prompts(target, args.questions, args.per_category)
+        if args.real is not None:  # the questions' first turns in the target's chat template
+            prompts = encoded_prompts(target, str(args.questions), args.per_category)
         else:
             generator = torch.Generator().manual_seed(0)
             prompts = [torch.randint(2, target.vocab_size, (args.prompt_tokens,), generator=generator).tolist()

@@ -14,7 +14,7 @@ again to the next request, so a new request's cache lands where graphs were capt
 
 Without CUDA (`capture=False`: the CPU, tests) every "replay" runs the same static forward eagerly:
 the bookkeeping and the static forward are tested on any machine, the capture itself on a GPU.
-Prompts (more than MAX_WIDTH positions) and batched rows (`forward_ragged`) run eagerly as before.
+Prompts (chains over MAX_CHAIN positions) and batched rows (`forward_ragged`) run eagerly as before.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MAX_WIDTH", "GraphSteps", "StoragePool", "graphs_wanted"]
+__all__ = ["MAX_CHAIN", "MAX_WIDTH", "GraphSteps", "StoragePool", "graphs_wanted"]
 
-MAX_WIDTH = 64  # the widest forward captured (γ+1, a tree's nodes); longer feeds run eagerly
+MAX_WIDTH = 64  # the widest token tree captured; longer feeds run eagerly
+MAX_CHAIN = 32  # the longest chain captured (a step's γ+1; a longer one is a prompt, prefilled eagerly)
 MIN_CAPACITY = 256  # the smallest storage the pool hands out (capacities are powers of two from here)
 MAX_GRAPHS = 256  # captured graphs kept per runner; past this a new shape runs eagerly
 KEEP_PER_CAPACITY = 4  # released storages the pool keeps per capacity (the rest are freed)
@@ -97,10 +98,11 @@ class GraphSteps:
         self.failed: str | None = None  # why a capture failed (then every new shape runs eagerly)
         self.pool = torch.cuda.graph_pool_handle() if capture else None  # one memory pool for every graph's temporaries
 
-    def fits(self, cache, n: int, positions: torch.Tensor | None) -> bool:
-        """Whether a forward of `n` positions after `cache` can replay: a pooled storage, a step's width,
-        positions inside the model's context (the RoPE table a graph reads; TriForce's may lie past the slots)."""
-        if cache.pool is None or not 1 <= n <= MAX_WIDTH:
+    def fits(self, cache, n: int, positions: torch.Tensor | None, tree_mask: torch.Tensor | None) -> bool:
+        """Whether a forward of `n` positions after `cache` can replay: a pooled storage, a step's width (a
+        chain's, or a tree's), positions inside the model's context (the RoPE table a graph reads; TriForce's
+        may lie past the slots)."""
+        if cache.pool is None or not 1 <= n <= (MAX_WIDTH if tree_mask is not None else MAX_CHAIN):
             return False
         if positions is not None and int(positions.max()) >= self.runner.config.max_position_embeddings:
             return False

@@ -41,7 +41,7 @@ from safetensors import safe_open
 
 from verispec.errors import ModelNotFoundError
 from verispec.models import kernels
-from verispec.models.cuda_graphs import MAX_WIDTH, GraphSteps, StoragePool, graphs_wanted
+from verispec.models.cuda_graphs import GraphSteps, StoragePool, graphs_wanted
 from verispec.models.device import CPU
 from verispec.models.int8 import Int8Linear
 from verispec.models.int8_store import Int8Store
@@ -57,7 +57,6 @@ QUANTIZATIONS = ("int8", "kquant")
 # verifying γ+1 positions computes each exactly as decoding it alone would (see `Transformer`).
 ROW_INVARIANT_POSITIONS = 32
 PREFILL_PIECE = 256  # the most positions of one chain a forward pass runs at once (longer ones: in pieces)
-MAX_CHAIN_REPLAY = 32  # the longest chain replayed as a CUDA graph (a step's γ+1; a longer one is a prompt: eager)
 
 
 @dataclass(frozen=True)
@@ -277,8 +276,8 @@ class Transformer:
     int8_store: where int8 layers come from (`from_folder` passes the folder's cache; without one
     they are quantized from the float weights);
     device: where the weights, the RoPE table and every KV cache live (the CPU by default; int8 is
-    CPU-only). `forward` takes tokens, positions and masks from anywhere and returns logits there;
-    graphs: replay steps (`use_graphs`; default: on CUDA for float runners, unless VERISPEC_CUDA_GRAPHS=0).
+    CPU-only). `forward` takes tokens, positions and masks from anywhere and returns logits there. Steps
+    replay as CUDA graphs on a GPU (`use_graphs`; float runners, unless VERISPEC_CUDA_GRAPHS=0).
 
     A quantized runner is row-invariant: the logits of a position do not depend on how many other
     positions the same forward pass holds, bit for bit. Its linear layers are (see `int8.py`), and so
@@ -305,7 +304,7 @@ class Transformer:
     def __init__(
         self, config: ModelConfig, weights: dict[str, torch.Tensor] | _Safetensors, dtype: torch.dtype,
         pack: bool = True, quant: str | None = None, pack_rows: int = 1, int8_store: Int8Store | None = None,
-        device: torch.device = CPU, graphs: bool | None = None,
+        device: torch.device = CPU,
     ):
         if quant is not None and dtype != torch.float32:
             raise ValueError(f"{quant} weights run with float32 activations, not {dtype}")
@@ -335,9 +334,9 @@ class Transformer:
         self._rope_cache = torch.empty(2, 0, config.head_dim, dtype=dtype, device=self.device)  # [cos/sin, positions, head_dim]
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim))
         self._inv_freq = inv_freq  # [head_dim / 2]
-        # steps replayed as CUDA graphs (`cuda_graphs.py`): float runners on a GPU by default; graphs=True on
-        # a CPU runs the same static forwards eagerly (what the tests check)
-        self.use_graphs(quant is None and graphs_wanted(self.device) if graphs is None else graphs)
+        # steps replayed as CUDA graphs (`cuda_graphs.py`): float runners on a GPU by default; `use_graphs(True)`
+        # on a CPU runs the same static forwards eagerly (what the tests check)
+        self.use_graphs(quant is None and graphs_wanted(self.device))
 
     @classmethod
     def from_folder(
@@ -444,8 +443,7 @@ class Transformer:
         stay in the CPU's caches (faster: BENCHMARKS.md, "What made kquant fast").
         """
         n = tokens.shape[0]
-        if self._graphs is not None and logits != "none" and n <= (MAX_WIDTH if tree_mask is not None else MAX_CHAIN_REPLAY) \
-                and self._graphs.fits(cache, n, positions):
+        if self._graphs is not None and logits != "none" and self._graphs.fits(cache, n, positions, tree_mask):
             out = self._graphs.forward(cache, tokens, positions, tree_mask)  # [n, vocab], or None: no room for a graph
             if out is not None:
                 return out if logits == "all" else out[-1:]

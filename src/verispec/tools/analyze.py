@@ -72,9 +72,9 @@ def format_table(alpha: float, c: float, max_gamma: int, verify_cost: Callable[[
 
 def _prompts_ids(args: argparse.Namespace, model) -> list[list[int]]:
     """The token ids of the chosen prompts (`--questions`, `--per-category`), chat template applied."""
-    from verispec.tools.bench.questions import load_sources, select
+    from verispec.tools.bench.questions import encoded_prompts
 
-    return [model.encode_prompt(p.text, chat=True) for p in select(load_sources(args.questions), None, args.per_category)]
+    return encoded_prompts(model, args.questions, args.per_category)
 
 
 def _measure(args: argparse.Namespace) -> tuple[float, float, list[float]]:

@@ -132,7 +132,7 @@ def run_profile(args: argparse.Namespace) -> int:
     from verispec.errors import InvalidParameterError
     from verispec.models.registry import DEFAULT_TARGET
     from verispec.paths import cpu_summary
-    from verispec.tools.bench.questions import load_sources, select
+    from verispec.tools.bench.questions import encoded_prompts
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods or methods[0] != "none":
@@ -143,7 +143,7 @@ def run_profile(args: argparse.Namespace) -> int:
     precision = auto_precision(target_spec, args.device) if args.dtype == AUTO else args.dtype
     builder = EngineBuilder(target_spec, precision, default_draft=args.draft, device=args.device)
     target = builder.target()
-    prompts = [target.encode_prompt(p.text, chat=True) for p in select(load_sources(args.questions), None, args.per_category)]
+    prompts = encoded_prompts(target, args.questions, args.per_category)
     where = cpu_summary() if target.device.type == "cpu" else f"{target.device} (phases are host time: a GPU runs behind it)"
     print(f"{where} · {target.name} · {target.precision} · {len(prompts)} prompts · {args.max_new_tokens} new tokens, greedy")
     engines, draft_seconds, catch_ups, curve = {}, {}, {}, None

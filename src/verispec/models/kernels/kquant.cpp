@@ -404,8 +404,8 @@ inline __m256i broadcast4_avx2(const int8_t* p) { int32_t v; std::memcpy(&v, p, 
 
 // Register pressure: an AVX2-only CPU has 16 vector registers, so a half (8 columns) is finished before the
 // next, and a sub-block's weights are unpacked four registers at a time (low nibbles, then high): built for
-// haswell, the one-row kernel's spills fell from 50 to 10 (static count). The integer sums are exact, so their
-// order does not change a bit.
+// haswell, the one-row kernel's spills fell from 50 to 10 (static count: benchmarks/probes/kernel_spills.py).
+// The integer sums are exact, so their order does not change a bit.
 template <int R>
 void dot_tile_q4k_avx2(const uint8_t* tile, const Activations& a, int64_t row0, float* acc) {
   const __m256i low = _mm256_set1_epi8(0x0f);

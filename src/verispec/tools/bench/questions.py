@@ -102,3 +102,7 @@ def load_sources(spec: str) -> list[Prompt]:
     return prompts
 
 
+def encoded_prompts(model, sources: str, per_category: int | None) -> list[list[int]]:
+    """The token ids of the first `per_category` prompts of each category of `sources` (as for
+    `load_sources`), in `model`'s chat template: what `analyze`, its profile and the GPU script measure on."""
+    return [model.encode_prompt(p.text, chat=True) for p in select(load_sources(sources), None, per_category)]
