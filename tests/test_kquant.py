@@ -137,6 +137,20 @@ def test_the_vector_code_gives_the_portable_codes_bits_for_each_row_alone(name):
     assert torch.equal(fast, portable)
 
 
+@pytest.mark.parametrize("kind", [Q4_K, Q6_K])
+def test_an_input_narrower_than_its_super_blocks_is_multiplied_as_its_zero_padded_copy(kind):
+    """A requantized layer's rows are padded with zeros to whole super-blocks (896 → 1024 inputs): the kernel
+    quantizes the narrower input as if padded (no padded copy is made), bit for bit the padded product."""
+    kernels = kquant_kernels()
+    blocks = torch.from_numpy(random_blocks(kind, 32, 512, np.random.default_rng(3)))
+    layer = KQuantLinear(KQuantWeight(kind, blocks, 512))
+    for width in (300, 257, 511):  # the second super-block part-filled
+        x = torch.randn(3, width)
+        padded = torch.cat([x, torch.zeros(3, 512 - width)], dim=1)
+        got = kernels.linear(x, layer.packed, layer.kinds, layer.columns, None)
+        assert torch.equal(got, kernels.linear(padded, layer.packed, layer.kinds, layer.columns, None))
+
+
 def test_bad_shapes_are_clear_errors():
     kernels = kquant_kernels()
     blocks = torch.from_numpy(random_blocks(Q4_K, 16, 256, np.random.default_rng(0)))

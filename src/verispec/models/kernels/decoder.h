@@ -15,6 +15,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 template <typename Linear>
@@ -47,46 +48,103 @@ class DecoderLayers {
  public:
   DecoderLayers(std::vector<DecoderLayer<Linear>> layers, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
       : layers_(std::move(layers)), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps),
-        scale_(1.0 / std::sqrt(double(head_dim))) {}
+        scale_(1.0 / std::sqrt(double(head_dim))) {
+    for (DecoderLayer<Linear>& layer : layers_) {  // what `rms_norm` reads directly
+      layer.input_norm = layer.input_norm.to(at::kFloat).contiguous();
+      layer.post_norm = layer.post_norm.to(at::kFloat).contiguous();
+    }
+  }
 
   // x [n, hidden] -> [n, hidden]; writes the new keys/values to slots start … start+n−1 of every layer.
-  // mask: none for a chain, else bool [n, start + n] (a token tree: what each node sees).
+  // mask: none for a chain, else bool [n, start + n] (a token tree: what each node sees). Everything is float32.
   at::Tensor forward(at::Tensor x, at::Tensor keys, at::Tensor values, int64_t start, at::Tensor cos, at::Tensor sin,
                      c10::optional<at::Tensor> mask) const {
-    const int64_t n = x.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    TORCH_CHECK(x.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat &&
+                    cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+                "the decoder stack runs float32 activations, caches and rotary tables");
+    TORCH_CHECK(keys.stride(-1) == 1 && values.stride(-1) == 1, "the decoder stack wants caches contiguous per head row");
+    const int64_t n = x.size(0), q_size = heads_ * head_dim_;
+    x = x.contiguous();
+    cos = cos.contiguous();  // [1, n, head_dim]
+    sin = sin.contiguous();
     for (size_t i = 0; i < layers_.size(); ++i) {
       const DecoderLayer<Linear>& layer = layers_[i];
-      at::Tensor qkv = layer.qkv(rms_norm(x, layer.input_norm));
-      at::Tensor q = qkv.slice(1, 0, q_size).view({n, heads_, head_dim_}).transpose(0, 1);
-      at::Tensor k = qkv.slice(1, q_size, q_size + kv_size).view({n, kv_heads_, head_dim_}).transpose(0, 1);
-      at::Tensor v = qkv.slice(1, q_size + kv_size).view({n, kv_heads_, head_dim_}).transpose(0, 1);
-      q = rotate(q, cos, sin);
-      k = rotate(k, cos, sin);
-      at::Tensor attn = attend(keys.select(0, i), values.select(0, i), q, k, v, start, mask);
-      x = x + layer.o(attn.transpose(0, 1).reshape({n, q_size}));
-      auto halves = layer.gate_up(rms_norm(x, layer.post_norm)).chunk(2, -1);
-      x = x + layer.down(at::silu(halves[0]) * halves[1]);
+      at::Tensor layer_keys = keys.select(0, i), layer_values = values.select(0, i);  // [kv_heads, capacity, hd]
+      at::Tensor qkv = layer.qkv(rms_norm(x, layer.input_norm)).contiguous();  // [n, q_size + 2 kv_size]
+      at::Tensor q = rotate_and_store(qkv, layer_keys, layer_values, start, cos, sin);  // [heads, n, hd]
+      at::Tensor attn = attention_(q, layer_keys, layer_values, start, mask, scale_);  // [heads, n, hd]
+      x = add(x, layer.o(attn.transpose(0, 1).reshape({n, q_size})));
+      x = add(x, layer.down(silu_times(layer.gate_up(rms_norm(x, layer.post_norm)))));
     }
     return x;
   }
 
  private:
+  // The element-wise work is written out here rather than left to one ATen call per operation (about 30 a
+  // layer, each a dispatch and an allocation). Each loop performs `Transformer._layers`'s float operations
+  // on each element in the same order (every product and sum rounded on its own: the extensions build with
+  // -ffp-contract=off), so the bits are the same; the reductions and transcendental functions (the mean of
+  // squares, SiLU) stay torch's own.
+
+  // x [n, h] -> (x · (1 / √(mean(x²) + eps))) · weight [h] (float32, contiguous), each row on its own (`Transformer._rms_norm`)
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const {
-    return (x * at::rsqrt(x.pow(2).mean({-1}, true) + eps_)) * weight;
+    const at::Tensor mean = x.pow(2).mean({-1}, true).contiguous();  // [n, 1]: torch's reduction, its summation order
+    at::Tensor out = at::empty_like(x);
+    const int64_t rows = x.size(0), width = x.size(1);
+    const float eps = float(eps_);  // what adding a Python float to a float32 tensor adds
+    const float *xp = x.data_ptr<float>(), *mp = mean.data_ptr<float>(), *wp = weight.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r) {
+      const float inverse = 1.0f / std::sqrt(mp[r] + eps);  // torch's rsqrt: a rounded square root, a rounded division
+      for (int64_t d = 0; d < width; ++d) op[r * width + d] = (xp[r * width + d] * inverse) * wp[d];
+    }
+    return out;
   }
 
-  static at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-    const int64_t half = x.size(-1) / 2;
-    at::Tensor rotated = at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
-    return x * cos + rotated * sin;
+  // x [n, h] + y [n, h], written over y (a linear layer's fresh output)
+  static at::Tensor add(const at::Tensor& x, at::Tensor y) {
+    y = y.contiguous();
+    const float* xp = x.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    for (int64_t i = 0, size = y.numel(); i < size; ++i) yp[i] = xp[i] + yp[i];
+    return y;
   }
 
-  // keys/values [kv_heads, capacity, head_dim] of one layer; q [heads, n, hd], k/v [kv_heads, n, hd].
-  at::Tensor attend(at::Tensor keys, at::Tensor values, const at::Tensor& q, const at::Tensor& k,
-                    const at::Tensor& v, int64_t start, const c10::optional<at::Tensor>& mask) const {
-    keys.slice(1, start, start + q.size(1)).copy_(k);
-    values.slice(1, start, start + q.size(1)).copy_(v);
-    return attention_(q, keys, values, start, mask, scale_);
+  // gate_up [n, 2 I] -> SiLU(gate) · up [n, I]
+  static at::Tensor silu_times(const at::Tensor& gate_up) {
+    const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
+    const at::Tensor g = gate_up.contiguous();
+    at::Tensor out = at::silu(g.slice(1, 0, width)).contiguous();
+    const float* up = g.data_ptr<float>() + width;
+    float* op = out.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t d = 0; d < width; ++d) op[r * width + d] = op[r * width + d] * up[r * 2 * width + d];
+    return out;
+  }
+
+  // qkv [n, q_size + 2 kv_size] -> q rotated [heads, n, hd]; k rotated and v stored at slots start … start+n−1 of one
+  // layer's keys/values [kv_heads, capacity, hd]. `Transformer._rotate`: x·cos + rotate_half(x)·sin, where
+  // rotate_half(x) = (−x[half:], x[:half]), at position j of cos/sin [1, n, hd].
+  at::Tensor rotate_and_store(const at::Tensor& qkv, at::Tensor keys, at::Tensor values, int64_t start, const at::Tensor& cos,
+                              const at::Tensor& sin) const {
+    const int64_t n = qkv.size(0), width = qkv.size(1), hd = head_dim_, half = hd / 2;
+    const int64_t q_size = heads_ * hd, kv_size = kv_heads_ * hd;
+    at::Tensor q = at::empty({heads_, n, hd}, qkv.options());
+    const float *src = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+    float *qp = q.data_ptr<float>(), *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
+    auto rotate = [&](const float* x, const float* c, const float* s, float* out) {
+      for (int64_t d = 0; d < half; ++d) out[d] = x[d] * c[d] + (-x[d + half]) * s[d];
+      for (int64_t d = half; d < hd; ++d) out[d] = x[d] * c[d] + x[d - half] * s[d];
+    };
+    for (int64_t j = 0; j < n; ++j) {
+      const float *row = src + j * width, *c = cp + j * hd, *s = sp + j * hd;
+      for (int64_t h = 0; h < heads_; ++h) rotate(row + h * hd, c, s, qp + (h * n + j) * hd);
+      for (int64_t h = 0; h < kv_heads_; ++h) {
+        rotate(row + q_size + h * hd, c, s, kp + h * keys.stride(0) + (start + j) * keys.stride(1));
+        std::memcpy(vp + h * values.stride(0) + (start + j) * values.stride(1), row + q_size + kv_size + h * hd, hd * sizeof(float));
+      }
+    }
+    return q;
   }
 
   std::vector<DecoderLayer<Linear>> layers_;

@@ -625,13 +625,14 @@ torch::Tensor dequantize(int64_t kind, torch::Tensor raw) {
   return out;
 }
 
-// x [rows, K] float32 (K a multiple of 256) -> (q int8 [rows, K], d float32 [rows, K / 256],
-// sums int32 [rows, K / 16], pair sums int16 [rows, K / 32])
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> quantize_rows(torch::Tensor x) {
+namespace {
+
+// x [rows, K] float32 -> (q int8 [rows, P], d float32 [rows, P / 256], sums int32 [rows, P / 16], pair sums int16
+// [rows, P / 32]) for P = K rounded up to whole super-blocks: the values past K are zeros (a padded layer's)
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> quantize_padded(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "quantize_rows wants float32 [rows, K]");
-  TORCH_CHECK(x.size(1) % kBlock == 0, "kquant layers need an input width that is a multiple of 256, not ", x.size(1));
   x = x.contiguous();
-  const int64_t rows = x.size(0), k = x.size(1), blocks = k / kBlock;
+  const int64_t rows = x.size(0), width = x.size(1), k = (width + kBlock - 1) / kBlock * kBlock, blocks = k / kBlock;
   auto q = torch::empty({rows, k}, x.options().dtype(torch::kInt8));
   auto d = torch::empty({rows, blocks}, x.options());
   auto sums = torch::empty({rows, k / 16}, x.options().dtype(torch::kInt32));
@@ -642,8 +643,15 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> quantize_
   int32_t* sp = sums.data_ptr<int32_t>();
   int16_t* pp = pair_sums.data_ptr<int16_t>();
   at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {  // a decode step's row: one thread
+    float padded[kBlock];  // a super-block that runs past K: its values, then zeros (exact zeros in every sum)
     for (int64_t i = begin; i < end; ++i) {
-      const float* v = xp + i * kBlock;
+      const int64_t row = i / blocks, first = (i % blocks) * kBlock, present = std::min<int64_t>(kBlock, width - first);
+      const float* v = xp + row * width + first;
+      if (present < kBlock) {
+        std::copy(v, v + present, padded);
+        std::fill(padded + present, padded + kBlock, 0.0f);
+        v = padded;
+      }
       int8_t* out = qp + i * kBlock;
       float amax = 0.0f;
       for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
@@ -661,29 +669,37 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> quantize_
   return {q, d, sums, pair_sums};
 }
 
+}  // namespace
+
+// x [rows, K] float32 (K a multiple of 256) -> (q int8 [rows, K], d float32 [rows, K / 256],
+// sums int32 [rows, K / 16], pair sums int16 [rows, K / 32])
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> quantize_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "kquant layers need an input width that is a multiple of 256, not ",
+              x.dim() == 2 ? x.size(1) : -1);
+  return quantize_padded(x);
+}
+
 // x [rows, K] float32 -> y [rows, Σ columns]: the parts' outputs side by side (plus bias [Σ columns]).
 // parts: packed tiles, one per GGUF tensor of the layer (e.g. q, k and v), with their kinds and columns.
 // A K that is not a multiple of 256 takes weights whose rows were padded with zeros to whole super-blocks
-// (`models/requantize.py`): x is padded with zeros to match, which adds exact zeros to every sum.
+// (`models/requantize.py`): x is quantized as if padded with zeros too (`quantize_padded`): exact zeros in every sum.
 torch::Tensor linear(torch::Tensor x, std::vector<torch::Tensor> packed, std::vector<int64_t> kinds,
                      std::vector<int64_t> columns, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(packed.size() == kinds.size() && kinds.size() == columns.size() && !packed.empty(), "linear: one kind and width per part");
   TORCH_CHECK(x.dim() == 2, "linear wants x [rows, K]");
-  if (x.size(1) % kBlock != 0)  // weights padded with zeros to whole super-blocks: the activations too
-    x = at::constant_pad_nd(x, {0, (x.size(1) + kBlock - 1) / kBlock * kBlock - x.size(1)});
-  auto [q, d, sums, pair_sums] = quantize_rows(x);
-  const int64_t rows = x.size(0);
+  auto [q, d, sums, pair_sums] = quantize_padded(x);  // weights padded with zeros to whole super-blocks: x too
+  const int64_t rows = x.size(0), k = q.size(1);
   int64_t total = 0;
   for (size_t i = 0; i < packed.size(); ++i) {
     check_kind(kinds[i]);
     const int64_t tiles = (columns[i] + kCols - 1) / kCols;
-    TORCH_CHECK(packed[i].numel() == tiles * (x.size(1) / kBlock) * tile_bytes(kinds[i]),
+    TORCH_CHECK(packed[i].numel() == tiles * (k / kBlock) * tile_bytes(kinds[i]),
                 "linear: part ", i, " was packed for another input width");
     total += columns[i];
   }
   auto y = torch::empty({rows, total}, x.options());
   const Activations a{q.data_ptr<int8_t>(), d.data_ptr<float>(), sums.data_ptr<int32_t>(), pair_sums.data_ptr<int16_t>(),
-                      x.size(1), x.size(1) / kBlock};
+                      k, k / kBlock};
   std::vector<Part> parts;
   for (size_t i = 0, offset = 0; i < packed.size(); offset += columns[i], ++i)
     parts.push_back({kinds[i], packed[i].data_ptr<uint8_t>(), columns[i], int64_t(offset)});
