@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from verispec import Engine, GenerationConfig, SamplingParams
 from verispec.drafters import make_drafter
+from verispec.errors import InvalidParameterError
 from verispec.drafters.cross_vocab import CrossVocabDrafter, SharedVocabulary, retokenize, shared_vocabulary
 from verispec.models.loading import load_model
 from verispec.testing.reference import reference_generate, sequence_distribution
@@ -65,6 +66,24 @@ def test_the_factory_picks_the_cross_vocabulary_drafter(pair):
     assert isinstance(drafter, CrossVocabDrafter)
     pairs = dict(zip(drafter.shared.target_ids.tolist(), drafter.shared.draft_ids.tolist()))
     assert pairs == {WORDS.index(w): j for j, w in enumerate(DRAFT_WORDS) if w in WORDS}  # eos, unknown as specials
+
+
+def test_hybrid_takes_a_draft_of_another_tokenizer(pair):
+    """`hybrid:draft=NAME`: prompt lookup where its match is long, else a draft model through the text; greedy
+    output stays the target's, sampled output is distributed as the target's (the draft takes part in both)."""
+    target, _, hf, _, draft_dir = pair
+    drafter = make_drafter(f"hybrid:draft={draft_dir},min_match=3", target)
+    assert isinstance(drafter.model_drafter, CrossVocabDrafter) and drafter.name.endswith(f"draft={drafter.model.name}")
+    engine = Engine(target, drafter, gamma=3, gamma_policy="constant")
+    for prompt in PROMPTS:
+        expected = reference_generate(hf, prompt, 16, eos_ids=target.eos_ids)
+        assert engine.generate(prompt, GenerationConfig(max_new_tokens=16)).token_ids == expected
+    params = SamplingParams(temperature=1.0, top_k=3)
+    samples = sample_sequences(Engine(target, drafter, gamma=GAMMA, gamma_policy="constant"), PROMPT, params, SAMPLES, LENGTH)
+    assert assert_same_distribution(samples, sequence_distribution(hf, PROMPT, LENGTH, params)).detectable_tv < 0.12
+    assert engine.generate(PROMPT, GenerationConfig(max_new_tokens=24, sampling=params, seed=1)).stats.proposed_tokens > 0
+    with pytest.raises(InvalidParameterError, match="unknown ngram drafter option 'draft'"):
+        make_drafter(f"ngram:draft={draft_dir}", target)
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 6])

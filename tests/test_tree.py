@@ -15,6 +15,7 @@ import torch
 from distribution import assert_rejected, assert_same_distribution, sample_sequences, token_0_as_every_bonus
 
 from verispec import Engine, GenerationConfig, SamplingParams
+from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.tree import ExpansionDrafter, MergeDrafter
 from verispec.testing.reference import reference_generate, sequence_distribution
 from verispec.tokentree import ancestor_mask, path_to, tree_attention_mask
@@ -36,7 +37,7 @@ def tree_drafters(target, draft, kind):
         return StandDrafter(vocab, k=2, depth=4)
     from verispec.drafters.hybrid import HybridDrafter
 
-    return HybridDrafter(draft, vocab)
+    return HybridDrafter(DraftModelDrafter(draft, vocab))
 
 
 KINDS = ["expansion", "expansion-self", "merge", "stand", "hybrid"]

@@ -10,7 +10,8 @@ Specs (`KIND` alone uses the defaults; options are `name=integer`, comma-separat
   tree[:k=2,depth=4,wide=1]     SpecInfer top-k expansion by the draft model (k children at `wide` depths)
   merge[:max_n=3]               the draft model's chain and the n-gram continuation merged into one tree
   stand[:max_n=4,min_n=2,k=2,depth=5,wide=1]   STAND: n-gram table of the target's own distributions
-  hybrid[:min_match=2,min_rate=30,max_n=4]     n-gram when its match is long enough, else the draft model
+  hybrid[:min_match=2,min_rate=30,max_n=4]     n-gram when its match is long enough, else the draft model;
+                                `draft=NAME`: another draft model, of the target's tokenizer or not (through the text)
   online[:rank=8,buffer_size=64,steps=40,eval_requests=2,replay=4,holdout=25,support=64]   the draft model, distilled toward the
                                 target between requests from its misses (`verispec.drafters.online`);
                                 `self_layers=L`: distil the target's own first L layers instead
@@ -80,6 +81,8 @@ def make_drafter(
         return NgramDrafter(**options)
     if kind == "stand":
         return StandDrafter(vocab, **options)
+    if kind == "hybrid":  # its draft model may be of another tokenizer (`draft=NAME`)
+        return HybridDrafter(model_drafter(spec.name, target, dtype, load), **options)
     self_layers = options.pop("self_layers", None)  # online: distil the target's own first layers (a self-speculative draft)
     model = derive_model(target, layers=self_layers) if self_layers is not None else draft_model(None, target, dtype, load)
     if kind == "triforce":

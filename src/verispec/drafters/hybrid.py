@@ -12,29 +12,27 @@ up on its next proposal.
 from __future__ import annotations
 
 from verispec.drafters.base import ComposedSession, Drafter, DraftSession
-from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.ngram import NgramDrafter
 from verispec.drafters.prefix import common_prefix_length
 from verispec.errors import InvalidParameterError
-from verispec.models.runner import LoadedModel
 from verispec.types import AcceptanceStats
 
 __all__ = ["HybridDrafter"]
 
 
 class HybridDrafter(Drafter):
-    def __init__(
-        self, model: LoadedModel, target_vocab_size: int, min_match: int = 2, min_rate: int = 30, max_n: int = 4
-    ):
+    """`model_drafter`: the draft model's drafter (`DraftModelDrafter`, or `CrossVocabDrafter` for a model of
+    another tokenizer: `hybrid:draft=NAME`)."""
+
+    def __init__(self, model_drafter: Drafter, min_match: int = 2, min_rate: int = 30, max_n: int = 4):
         if min_match < 1 or not 0 <= min_rate <= 100:
             raise InvalidParameterError(
                 f"hybrid drafter needs min_match ≥ 1 and 0 ≤ min_rate ≤ 100 (percent); got {min_match}, {min_rate}"
             )
-        self.model = model
-        self.model_drafter = DraftModelDrafter(model, target_vocab_size)
+        self.model_drafter, self.model = model_drafter, model_drafter.model
         self.ngram_drafter = NgramDrafter(max_n=max(max_n, min_match))
         self.min_match, self.min_rate = min_match, min_rate / 100
-        self.name = f"hybrid:min_match={min_match},min_rate={min_rate}"
+        self.name = f"hybrid:min_match={min_match},min_rate={min_rate},draft={self.model.name}"
 
     def start(self, prompt_ids: list[int]) -> DraftSession:
         return _HybridSession(self, prompt_ids)

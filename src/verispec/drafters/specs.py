@@ -54,7 +54,7 @@ FACTORIES: dict[str, Callable] = {
     "ngram": NgramDrafter, "tree": ExpansionDrafter, "merge": MergeDrafter.model_and_ngram, "stand": StandDrafter,
     "hybrid": HybridDrafter, "online": OnlineDrafter, "triforce": TriForceDrafter,
 }
-NOT_OPTIONS = frozenset({"self", "model", "target", "draft", "target_vocab_size", "vocab_size", "table", "paths", "lr",
+NOT_OPTIONS = frozenset({"self", "model", "model_drafter", "target", "draft", "target_vocab_size", "vocab_size", "table", "paths", "lr",
                          "tolerance", "store"})
 VARIANT_OPTIONS = ("layers", "vocab", "int8")  # a derived draft model: model:[NAME,]… and self:…
 # a cascade's options by its kind; `kind` and `draft` (a model name) are its only options that are not integers
@@ -72,6 +72,7 @@ KIND_OPTIONS: dict[str, dict[str, int | None]] = {
     "self": dict.fromkeys(VARIANT_OPTIONS), "model": dict.fromkeys(VARIANT_OPTIONS),
 }
 KIND_OPTIONS["online"]["self_layers"] = None  # distil the target's own first layers instead of the draft model
+NAMED_DRAFT = ("hybrid",)  # kinds that take `draft=NAME` (any model, of the target's tokenizer or not) besides their options
 
 
 def tree_nodes(k: int, depth: int, wide: int) -> int:
@@ -108,7 +109,8 @@ class DrafterSpec:
         if kind not in KIND_OPTIONS and kind != "cascade":
             return cls("model", text, text=text)  # a draft model's name or path
         cascade = _cascade_kind(text, rest) if kind == "cascade" else None
-        name, options = _options(kind, rest, text, CASCADE_OPTIONS[cascade] if cascade else tuple(KIND_OPTIONS[kind]))
+        allowed = CASCADE_OPTIONS[cascade] if cascade else tuple(KIND_OPTIONS[kind]) + (("draft",) if kind in NAMED_DRAFT else ())
+        name, options = _options(kind, rest, text, allowed)
         parsed = cls(kind, name, options, cascade, text)
         parsed._check_order_and_size()
         return parsed
@@ -141,7 +143,7 @@ def _cascade_kind(text: str, rest: str) -> str:
 
 def _options(kind: str, rest: str, text: str, allowed: tuple[str, ...]) -> tuple[str | None, dict[str, int]]:
     """(the model named, {option: value}) of `rest`: a leading model name (model specs only) or `draft=NAME`
-    (cascades), then `name=integer` options of `allowed`, each within its range."""
+    (cascades, `NAMED_DRAFT` kinds), then `name=integer` options of `allowed`, each within its range."""
     name, options = None, {}
     for index, item in enumerate(filter(None, (part.strip() for part in rest.split(",")))):
         key, sep, value = (part.strip() for part in item.partition("="))
