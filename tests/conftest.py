@@ -10,7 +10,7 @@ import torch
 
 def make_tiny_model(
     folder: Path, vocab_size: int = 48, seed: int = 0, layers: int = 2, arch: str = "qwen2", hidden: int = 32,
-    words: list[str] | None = None,
+    words: list[str] | None = None, context: int = 128,
 ) -> Path:
     """Save a random model + word-level tokenizer into `folder`: token i is `words[i]` (default "t{i}"),
     eos = token 0, unknown = token 1."""
@@ -20,7 +20,7 @@ def make_tiny_model(
     config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
     config = config_cls(
         vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, eos_token_id=0,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context, eos_token_id=0,
         bos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
     )
     torch.manual_seed(seed)

@@ -13,6 +13,7 @@ import json
 import pytest
 
 from verispec.control import CostModel
+from verispec.control.costs import LONG_CONTEXT, SHORT_CONTEXT
 from verispec.control.gamma import PROBE_EVERY, make_gamma_policy
 from verispec.control.plan import ALPHA_PRIORS, BACKEND_MARGIN, MARGIN, best_gamma, choose_plan
 from verispec.control.theory import expected_speedup
@@ -66,6 +67,44 @@ def test_the_auto_policy_pauses_when_speculation_loses_and_probes_to_resume():
         if policy.next_gamma() >= 1:
             break
     assert policy.next_gamma() >= 1
+
+
+def test_verification_costs_follow_the_context_a_step_attends():
+    """T(n)/T(1) is measured after SHORT_CONTEXT and LONG_CONTEXT tokens and interpolated linearly in
+    between (extrapolated past the long one); the auto policy that speculates after a short context
+    pauses after a long one, where each verified position attends far more."""
+    short, long = [1.0, 1.05, 1.10, 1.15], [1.0, 1.45, 1.90, 2.35]  # T(1…4), seconds after 64 and 1,024 tokens
+    costs = CostModel(short, 0.0, long_target_seconds=long)
+    assert costs.verify_cost(1) == costs.verify_cost(1, SHORT_CONTEXT) == pytest.approx(1.05)
+    assert costs.verify_cost(1, LONG_CONTEXT) == pytest.approx(1.45)
+    assert costs.verify_cost(1, (SHORT_CONTEXT + LONG_CONTEXT) // 2) == pytest.approx(1.25)
+    assert costs.verify_cost(1, 2 * LONG_CONTEXT - SHORT_CONTEXT) == pytest.approx(1.85)
+    assert costs.verify_cost(1, 0) == pytest.approx(1.05) and CostModel(short, 0.0).verify_cost(1, 5000) == pytest.approx(1.05)
+    after = {}
+    for context in (100, 1500):
+        policy = make_gamma_policy("auto", 2, costs)
+        for _ in range(6):
+            policy.update(2, 0, context)  # α ≈ 0.35 with the prior: pays only where verifying is cheap
+        after[context] = policy.next_gamma()
+    assert after[100] >= 1 and after[1500] == 0
+
+
+def test_the_long_curve_is_measured_and_cached_beside_the_short_one(tiny_target, tmp_path, monkeypatch):
+    """A target whose context holds LONG_CONTEXT tokens gets both curves (kept apart in the cache table,
+    read back later); one with a shorter context only the short one."""
+    from conftest import make_tiny_model
+
+    from verispec.models.loading import load_model
+    from verispec.paths import read_table
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    model = load_model(make_tiny_model(tmp_path / "long", seed=3, context=2 * LONG_CONTEXT))
+    costs = CostModel.calibrated(model, 3)
+    assert len(costs.target_seconds) == len(costs.long_target_seconds) == 3
+    keys = list(read_table("verify_costs.json"))
+    assert len(keys) == 2 and sum(key.endswith(f"|context={LONG_CONTEXT}") for key in keys) == 1
+    assert CostModel.calibrated(model, 3).long_target_seconds == costs.long_target_seconds  # read back, not measured
+    assert CostModel.calibrated(load_model(tiny_target), 3).long_target_seconds is None  # a 128-token context
 
 
 def test_cli_default_is_the_auto_plan(capsys, tiny_target):

@@ -3,7 +3,10 @@
 Both are measured once per (model folder and variant, dtype, threads, CPU kind, whether the C++
 decoder stack runs) and kept in the cache directory: the target's verification curve T(n) (seconds for a forward
 over n new positions; far from flat on a CPU in some dtypes) and the draft model's seconds per
-token. They are not re-measured during a generation on purpose: γ then depends only on acceptance,
+token. The curve is measured after `SHORT_CONTEXT` cached tokens and again after `LONG_CONTEXT`: each
+new position attends the whole context, so verifying n positions costs more, relative to one, as the
+context grows (kquant's T(5)/T(1): 1.22 after 64 tokens, 1.64 after 700); `verify_cost` interpolates
+the ratio linearly in the context a step attends. They are not re-measured during a generation on purpose: γ then depends only on acceptance,
 so a seed reproduces an output exactly.
 A model-free drafter (n-gram) counts as free (c = 0).
 """
@@ -20,9 +23,10 @@ from verispec.models.runner import LoadedModel, Runner
 from verispec.paths import cpu_key, read_table, store_in_table
 from verispec.progress import status
 
-__all__ = ["CostModel", "measure_verify_curve", "prefill_seconds_per_token"]
+__all__ = ["CostModel", "LONG_CONTEXT", "SHORT_CONTEXT", "measure_verify_curve", "prefill_seconds_per_token"]
 
 COSTS_TABLE = "verify_costs.json"  # measured seconds, per runner key (`_runner_key`), in the cache directory
+SHORT_CONTEXT, LONG_CONTEXT = 64, 1024  # cached tokens before the two measured verification curves
 
 
 def _best_seconds(runner: Runner, cache, positions: int, logits: str, repeats: int) -> float:
@@ -43,7 +47,7 @@ def _plausible(times: list[float]) -> bool:
     return all(t >= 0.5 * times[0] for t in times[1:])
 
 
-def measure_verify_curve(runner: Runner, max_positions: int, context: int = 64, repeats: int = 3,
+def measure_verify_curve(runner: Runner, max_positions: int, context: int = SHORT_CONTEXT, repeats: int = 3,
                          attempts: int = 3) -> list[float]:
     """Seconds of one forward over n = 1..max_positions new positions after `context` cached tokens:
     the best of `repeats` rounds over every n (so a drift of the machine's speed, which on a shared CPU
@@ -80,9 +84,9 @@ def _runner_key(runner: Runner, folder: str) -> str:
     return f"{folder}{variant}|{runner.dtype}|threads={torch.get_num_threads()}|cpu={cpu_key()}"
 
 
-def _cached_curve(runner: Runner, folder: str, max_positions: int) -> list[float]:
-    key = _runner_key(runner, folder)
-    return _cached(key, max_positions, lambda: measure_verify_curve(runner, max_positions))
+def _cached_curve(runner: Runner, folder: str, max_positions: int, context: int = SHORT_CONTEXT) -> list[float]:
+    key = _runner_key(runner, folder) + ("" if context == SHORT_CONTEXT else f"|context={context}")
+    return _cached(key, max_positions, lambda: measure_verify_curve(runner, max_positions, context))
 
 
 def measure_prefill(runner: Runner, chunk: int, repeats: int = 2) -> float:
@@ -102,8 +106,9 @@ def prefill_seconds_per_token(model: LoadedModel, chunk: int = 64) -> float:
 
 class CostModel:
     def __init__(self, target_seconds: list[float] | None = None, draft_token_seconds: float | None = None,
-                 draft_catch_up: float = 1.0):
-        self.target_seconds = target_seconds  # index n-1 -> T(n)
+                 draft_catch_up: float = 1.0, long_target_seconds: list[float] | None = None):
+        self.target_seconds = target_seconds  # index n-1 -> T(n) after SHORT_CONTEXT cached tokens
+        self.long_target_seconds = long_target_seconds  # the same after LONG_CONTEXT (None: unmeasured)
         self.draft_token_seconds = draft_token_seconds
         self.draft_catch_up = draft_catch_up  # the draft model's T_d(2)/T_d(1) (`theory.draft_step_cost`); 1 model-free
 
@@ -112,20 +117,33 @@ class CostModel:
         """T(n) of the target, the draft model's seconds per token and its T_d(2)/T_d(1), from the cache or
         measured now; a model-free drafter costs 0."""
         target_seconds = _cached_curve(target.runner, str(target.folder), max_positions)
+        long = None  # after LONG_CONTEXT tokens, where the target holds them
+        if target.context_length > LONG_CONTEXT + max_positions:
+            long = _cached_curve(target.runner, str(target.folder), max_positions, LONG_CONTEXT)
         if draft is None:
-            return cls(target_seconds, 0.0)
+            return cls(target_seconds, 0.0, long_target_seconds=long)
         draft_curve = _cached_curve(draft.runner, str(draft.folder), 2)
-        return cls(target_seconds, draft_curve[0], draft_curve[1] / draft_curve[0])
+        return cls(target_seconds, draft_curve[0], draft_curve[1] / draft_curve[0], long)
 
-    def verify_cost(self, gamma: int) -> float:
-        """T(γ+1) / T(1); 1 (free verification) when unmeasured."""
+    def verify_cost(self, gamma: int, context: int | None = None) -> float:
+        """T(γ+1) / T(1) for a step after `context` cached tokens (None: SHORT_CONTEXT): between the two
+        measured curves the ratio is interpolated linearly in the context, beyond LONG_CONTEXT extrapolated
+        (an attention's cost grows linearly with it); 1 (free verification) when unmeasured."""
         if not self.target_seconds:
             return 1.0
-        n = min(gamma + 1, len(self.target_seconds))
-        return self.target_seconds[n - 1] / self.target_seconds[0]
+        short = _ratio(self.target_seconds, gamma)
+        if context is None or not self.long_target_seconds:
+            return short
+        slope = (_ratio(self.long_target_seconds, gamma) - short) / (LONG_CONTEXT - SHORT_CONTEXT)
+        return max(1.0, short + slope * (max(context, SHORT_CONTEXT) - SHORT_CONTEXT))
 
     def draft_cost_ratio(self) -> float | None:
         """c = seconds per draft token / T(1), or None before both are known."""
         if self.draft_token_seconds is None or not self.target_seconds:
             return None
         return self.draft_token_seconds / self.target_seconds[0]
+
+
+def _ratio(curve: list[float], gamma: int) -> float:
+    """T(γ+1) / T(1) on a measured curve, its last entry standing in for longer verifications."""
+    return curve[min(gamma + 1, len(curve)) - 1] / curve[0]

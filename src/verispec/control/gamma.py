@@ -4,7 +4,8 @@
 - heuristic: Hugging Face's original schedule: start at 5 (or the given γ), +2 when every draft
   token was accepted, −1 otherwise, never below 1.
 - analytic: the γ that maximises E[tokens] / (γ·c + T(γ+1)/T(1)) for the α and costs measured in
-  this run (α: the geometric estimate from accepted counts; c and T(n) from timings).
+  this run (α: the geometric estimate from accepted counts; c and T(n) from timings, T(n)/T(1) at the
+  context the sequence has reached: `CostModel.verify_cost`).
 - auto: analytic, and γ = 0 (plain steps) while even the best γ is predicted slower than plain
   decoding; every `PROBE_EVERY` plain steps it drafts one token to measure α again, and resumes
   when speculation would pay (the policy `--draft auto` plans with).
@@ -28,8 +29,9 @@ class GammaPolicy(ABC):
     @abstractmethod
     def next_gamma(self) -> int: ...
 
-    def update(self, proposed: int, accepted: int) -> None:
-        """Told after each step how many of `proposed` draft tokens were accepted."""
+    def update(self, proposed: int, accepted: int, context: int | None = None) -> None:
+        """Told after each step how many of `proposed` draft tokens were accepted, and how many tokens the
+        sequence holds now (the context the next step attends; None: unknown)."""
 
 
 class ConstantGamma(GammaPolicy):
@@ -47,7 +49,7 @@ class HeuristicGamma(GammaPolicy):
     def next_gamma(self) -> int:
         return self.gamma
 
-    def update(self, proposed: int, accepted: int) -> None:
+    def update(self, proposed: int, accepted: int, context: int | None = None) -> None:
         if proposed == 0:
             return
         self.gamma = min(self.gamma + 2, self.max_gamma) if accepted == proposed else max(self.gamma - 1, 1)
@@ -76,7 +78,7 @@ class AnalyticGamma(GammaPolicy):
             return 1 if self.paused_steps % PROBE_EVERY == 0 else 0
         return self.gamma
 
-    def update(self, proposed: int, accepted: int) -> None:
+    def update(self, proposed: int, accepted: int, context: int | None = None) -> None:
         if proposed == 0:
             return
         self.seen.add(proposed, accepted)
@@ -84,8 +86,9 @@ class AnalyticGamma(GammaPolicy):
         if c is None:
             return
         catch_up = self.costs.draft_catch_up
-        gamma = optimal_gamma(self.alpha, c, self.max_gamma, self.costs.verify_cost, catch_up)
-        loses = expected_speedup(self.alpha, gamma, c, self.costs.verify_cost, catch_up) < 1.0
+        verify_cost = lambda gamma: self.costs.verify_cost(gamma, context)  # noqa: E731  (after this many tokens)
+        gamma = optimal_gamma(self.alpha, c, self.max_gamma, verify_cost, catch_up)
+        loses = expected_speedup(self.alpha, gamma, c, verify_cost, catch_up) < 1.0
         self.gamma = 0 if self.may_pause and loses else gamma
 
 

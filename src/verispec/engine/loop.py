@@ -465,7 +465,7 @@ class Generation:
         self._commit_tokens(shape, rows, new_tokens, scores)
         laps.mark("commit")
         self.stats.record(StepRecord(shape.depth, verdict.accepted, plan.draft_seconds, target_seconds + laps.since_target))
-        self.policy.update(shape.depth, verdict.accepted)
+        self.policy.update(shape.depth, verdict.accepted, len(self.ids))
         laps.mark("policy")
         origins = [Origin.ACCEPTED] * verdict.accepted + [Origin.TARGET if len(draft) == 0 else verdict.next_origin]
         logprobs = None if self.config.logprobs is None else token_logprobs(logits[rows], new_tokens, self.config.logprobs)
