@@ -167,13 +167,14 @@ def test_bad_shapes_are_clear_errors():
         KQuantLinear([KQuantWeight(Q4_K, blocks, 256), KQuantWeight(Q4_K, blocks, 512)])
 
 
+@pytest.mark.parametrize("heads", [6, 12, 14])  # query heads per KV head: 3, 6 (as Qwen2.5-1.5B), 7 (scored 4 at a time)
 @pytest.mark.parametrize("head_dim", [128, 64, 48])  # 128 and 64: the vector code where built; 48: the portable code
-def test_the_exact_attention_is_attention_and_each_position_is_computed_alone(head_dim):
+def test_the_exact_attention_is_attention_and_each_position_is_computed_alone(head_dim, heads):
     """`attend` (kernels/attention.h): every new position of a chain gets the bits it gets alone, a
     token-tree node the bits of the same path laid out as a chain, and all are softmax attention."""
     attend = kquant_kernels().attend
     torch.manual_seed(0)
-    heads, kv_heads, start, n, scale = 6, 2, 37, 5, head_dim**-0.5
+    kv_heads, start, n, scale = 2, 37, 5, head_dim**-0.5
     keys, values = torch.randn(kv_heads, 64, head_dim), torch.randn(kv_heads, 64, head_dim)  # [kv_heads, capacity, d]
     q = torch.randn(heads, n, head_dim)
     chain = attend(q, keys, values, start, None, scale)  # [heads, n, d]

@@ -173,17 +173,30 @@ struct Group {
 #if EXACT_ATTENTION_AVX512
 // The vector code for d = 16·C (C ≤ 8): a key row is loaded once into C registers and scored against
 // every head of the group; a value row is loaded once per 2 heads, whose sums stay in registers.
+// The scores of slot j (its key row in `row`) for query heads g0 … g0+M−1, the M dot products interleaved
+// (M independent chains of multiply-adds in flight instead of one at a time; each is the same sequence).
+template <int C, int M>
+inline void score_heads(const Group& w, const __m512* row, int64_t g0, int64_t j, float* scores) {
+  __m512 acc[M];
+  for (int b = 0; b < M; ++b) acc[b] = _mm512_mul_ps(_mm512_loadu_ps(w.q + (g0 + b) * w.q_stride), row[0]);
+  for (int u = 1; u < C; ++u)
+    for (int b = 0; b < M; ++b) acc[b] = _mm512_fmadd_ps(_mm512_loadu_ps(w.q + (g0 + b) * w.q_stride + 16 * u), row[u], acc[b]);
+  for (int b = 0; b < M; ++b) scores[(g0 + b) * w.count + j] = reduce16(acc[b]) * w.scale;
+}
+
 template <int C>
 void attend_group(const Group& w, float* scores, float* totals) {
   for (int64_t j = 0; j < w.count; ++j) {
     const float* key = w.k + w.seen[j] * w.d;
     __m512 row[C];
     for (int u = 0; u < C; ++u) row[u] = _mm512_loadu_ps(key + 16 * u);
-    for (int64_t g = 0; g < w.heads; ++g) {
-      const float* q = w.q + g * w.q_stride;
-      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), row[0]);
-      for (int u = 1; u < C; ++u) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * u), row[u], acc);
-      scores[g * w.count + j] = reduce16(acc) * w.scale;
+    int64_t g = 0;
+    for (; g + 4 <= w.heads; g += 4) score_heads<C, 4>(w, row, g, j, scores);
+    switch (w.heads - g) {
+      case 3: score_heads<C, 3>(w, row, g, j, scores); break;
+      case 2: score_heads<C, 2>(w, row, g, j, scores); break;
+      case 1: score_heads<C, 1>(w, row, g, j, scores); break;
+      default: break;
     }
   }
   for (int64_t g = 0; g < w.heads; ++g) totals[g] = normalize_weights(scores + g * w.count, w.count);
