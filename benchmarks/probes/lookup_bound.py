@@ -1,0 +1,88 @@
+"""How far prompt lookup could go: it replayed on a benchmark's plain greedy outputs, with free verification.
+
+Greedy output does not depend on what was drafted, so replaying a drafter over the plain output gives its exact
+acceptance at every step. Prints τ (tokens per target forward, = the speedup over plain decoding if verifying and
+drafting cost nothing) overall and per task group for: the chain verispec drafts (`ngram`, latest longest match, up
+to γ tokens) and a token tree of the continuations of every earlier match of the last 3, 2, 1 tokens (up to
+`--nodes` nodes, `--depth` deep), an upper bound for any tree built from the sequence.
+
+    python benchmarks/probes/lookup_bound.py bench.json --questions question.jsonl,humaneval   # a `verispec bench --json` run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+from verispec.drafters.ngram import NgramDrafter
+from verispec.models.loading import load_tokenizer, resolve_folder
+from verispec.tools.bench.questions import load_sources, select
+
+
+def replay(prompt: list[int], output: list[int], draft) -> int:
+    """Target forwards to produce `output` when each step verifies draft(ids, k) (a set of token paths)."""
+    done = steps = 0
+    while done < len(output):
+        paths = draft(prompt + output[:done], len(output) - done - 1)
+        accepted = 0
+        while accepted < len(output) - done - 1 and tuple(output[done : done + accepted + 1]) in paths:
+            accepted += 1
+        done, steps = done + accepted + 1, steps + 1
+    return steps
+
+
+def chain(gamma: int):
+    session = NgramDrafter(max_n=3).start([])
+
+    def draft(ids: list[int], room: int) -> set[tuple[int, ...]]:
+        tokens, _ = session.lookup(ids, min(gamma, room))
+        return {tuple(tokens[: i + 1]) for i in range(len(tokens))}
+    return draft
+
+
+def tree(nodes: int, depth: int):
+    def draft(ids: list[int], room: int) -> set[tuple[int, ...]]:
+        paths: set[tuple[int, ...]] = set()
+        for n in (3, 2, 1):
+            suffix = ids[-n:]
+            for i in range(len(ids) - n - 1, -1, -1):  # every earlier match, latest first
+                if ids[i : i + n] == suffix:
+                    for j in range(1, min(depth, room) + 1):
+                        if len(paths) >= nodes:
+                            return paths
+                        paths.add(tuple(ids[i + n : i + n + j]))
+        return paths
+    return draft
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("bench", help="a `verispec bench --json` file with a plain method's runs")
+    parser.add_argument("--questions", default="question.jsonl,humaneval", help="the run's --questions")
+    parser.add_argument("--method", default="vs:none[kquant]", help="the plain method whose outputs to replay")
+    parser.add_argument("--nodes", type=int, default=64)
+    parser.add_argument("--depth", type=int, default=12)
+    args = parser.parse_args()
+    run = json.load(open(args.bench))
+    tokenizer = load_tokenizer(resolve_folder(run["config"]["target"]))
+    prompts = {p.name: p.text for p in select(load_sources(args.questions), None, run["config"]["per_category"])}
+    cases = []
+    for record in (r for r in run["runs"] if r["method"] == args.method):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompts[record["prompt"]]}], tokenize=False,
+                                             add_generation_prompt=True)
+        output = record["token_ids"] if isinstance(record["token_ids"], list) else json.loads(record["token_ids"])
+        cases.append((record["category"], tokenizer(text, add_special_tokens=False)["input_ids"], output))
+    rules = {f"chain γ ≤ {g}": lambda g=g: chain(g) for g in (1, 4, 8, 12)}
+    rules[f"tree ≤ {args.nodes} nodes"] = lambda: tree(args.nodes, args.depth)
+    for name, make in rules.items():
+        tokens, steps = defaultdict(int), defaultdict(int)
+        for category, prompt, output in cases:
+            tokens[category] += len(output)
+            steps[category] += replay(prompt, output, make())
+        groups = " ".join(f"{c} {tokens[c] / steps[c]:.2f}" for c in tokens)
+        print(f"{name}: τ {sum(tokens.values()) / sum(steps.values()):.3f} ({groups})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
