@@ -6,8 +6,8 @@ over n new positions; far from flat on a CPU in some dtypes) and the draft model
 token. The curve is measured after `SHORT_CONTEXT` cached tokens and again after `LONG_CONTEXT`: each
 new position attends the whole context, so verifying n positions costs more, relative to one, as the
 context grows (kquant's T(5)/T(1): 1.22 after 64 tokens, 1.64 after 700); `verify_cost` interpolates
-the ratio linearly in the context a step attends. They are not re-measured during a generation on purpose: γ then depends only on acceptance,
-so a seed reproduces an output exactly.
+the ratio linearly in the context a step attends. They are not re-measured during a generation on
+purpose: γ then depends only on acceptance (and the context), so a seed reproduces an output exactly.
 A model-free drafter (n-gram) counts as free (c = 0).
 """
 

@@ -54,8 +54,8 @@ FACTORIES: dict[str, Callable] = {
     "ngram": NgramDrafter, "tree": ExpansionDrafter, "merge": MergeDrafter.model_and_ngram, "stand": StandDrafter,
     "hybrid": HybridDrafter, "online": OnlineDrafter, "triforce": TriForceDrafter,
 }
-NOT_OPTIONS = frozenset({"self", "model", "model_drafter", "target", "draft", "target_vocab_size", "vocab_size", "table", "paths", "lr",
-                         "tolerance", "store"})
+NOT_OPTIONS = frozenset({"self", "model", "model_drafter", "target", "draft", "target_vocab_size", "vocab_size", "table",
+                         "paths", "lr", "tolerance", "store"})
 VARIANT_OPTIONS = ("layers", "vocab", "int8")  # a derived draft model: model:[NAME,]… and self:…
 # a cascade's options by its kind; `kind` and `draft` (a model name) are its only options that are not integers
 CASCADE_OPTIONS = {"vertical": ("kind", "draft", "max_n", "inner_gamma"), "horizontal": ("kind", "draft", "max_n", "strong")}
