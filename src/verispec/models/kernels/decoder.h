@@ -86,7 +86,8 @@ class DecoderLayers {
   // -ffp-contract=off), so the bits are the same; the reductions and transcendental functions (the mean of
   // squares, SiLU) stay torch's own.
 
-  // x [n, h] -> (x · (1 / √(mean(x²) + eps))) · weight [h] (float32, contiguous), each row on its own (`Transformer._rms_norm`)
+  // x [n, h] -> (x · (1 / √(mean(x²) + eps))) · weight [h] (float32, contiguous), each row on its own
+  // (`Transformer._rms_norm`)
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const {
     const at::Tensor mean = x.pow(2).mean({-1}, true).contiguous();  // [n, 1]: torch's reduction, its summation order
     at::Tensor out = at::empty_like(x);
@@ -141,7 +142,8 @@ class DecoderLayers {
       for (int64_t h = 0; h < heads_; ++h) rotate(row + h * hd, c, s, qp + (h * n + j) * hd);
       for (int64_t h = 0; h < kv_heads_; ++h) {
         rotate(row + q_size + h * hd, c, s, kp + h * keys.stride(0) + (start + j) * keys.stride(1));
-        std::memcpy(vp + h * values.stride(0) + (start + j) * values.stride(1), row + q_size + kv_size + h * hd, hd * sizeof(float));
+        std::memcpy(vp + h * values.stride(0) + (start + j) * values.stride(1), row + q_size + kv_size + h * hd,
+                    hd * sizeof(float));
       }
     }
     return q;
