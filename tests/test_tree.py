@@ -51,6 +51,16 @@ def test_greedy_tree_decoding_is_token_identical_to_the_reference(target, draft,
         assert engine.generate(prompt, GenerationConfig(max_new_tokens=20)).token_ids == expected
 
 
+def test_hybrid_drafts_prompt_lookup_chains_past_the_models_gamma(target, draft, hf_target):
+    """γ sizes the draft model's steps; an n-gram chain costs no forward and takes its own length (from 4):
+    with γ 1 a repeated prompt still gets chains of several tokens, and the output stays the target's."""
+    engine = Engine(target, tree_drafters(target, draft, "hybrid"), gamma=1, gamma_policy="constant")
+    prompt = [5, 9, 2, 7, 11, 3] * 4
+    result = engine.generate(prompt, GenerationConfig(max_new_tokens=20))
+    assert result.token_ids == reference_generate(hf_target, prompt, 20, eos_ids=target.eos_ids)
+    assert max(record.proposed for record in result.stats.records) > 1
+
+
 def test_greedy_trees_with_repetition_penalty_match_the_reference(target, draft, hf_target):
     params = SamplingParams(repetition_penalty=1.8)
     engine = Engine(target, tree_drafters(target, draft, "expansion"), gamma=3, gamma_policy="constant")

@@ -50,6 +50,12 @@ class DraftSession(ABC):
 
     observes_target: bool = False
 
+    def budget(self, ids: list[int], gamma: int, most: int) -> int:
+        """How many tokens this step may draft after `ids`, given the γ policy's `gamma`: γ, or more (up to
+        `most`) for a step whose proposal costs no forward pass (the γ policy sizes a draft model's steps by
+        its cost). Default: γ."""
+        return gamma
+
     def commit(self, ids: list[int]) -> None:
         """`ids` is the committed sequence after verification; drop state past it."""
 

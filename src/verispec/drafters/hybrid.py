@@ -7,6 +7,11 @@ accepted / judged tokens as `AcceptanceStats` counts it, with an optimistic prio
 `min_rate` percent; otherwise the draft model proposes. Acceptance is measured by comparing each
 proposal with what was committed. The draft model's cache simply lags during n-gram steps and catches
 up on its next proposal.
+
+The γ policy sizes the draft model's steps (each token a forward). An n-gram chain costs none, and a long
+match often runs on for many tokens, so its length is its own (`budget`): Hugging Face's schedule over
+the n-gram steps alone, from 4, +2 after a chain accepted whole, −1 otherwise (with the model's γ, 2–3 on
+a CPU, prompt lookup inside `hybrid` lost to prompt lookup alone on summaries and code: BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from verispec.errors import InvalidParameterError
 from verispec.types import AcceptanceStats
 
 __all__ = ["HybridDrafter"]
+
+MAX_NGRAM_CHAIN = 16  # the longest n-gram chain the schedule grows to (a step drafts at most the engine's max γ)
 
 
 class HybridDrafter(Drafter):
@@ -46,13 +53,23 @@ class _HybridSession(ComposedSession):
         super().__init__([self.model, self.ngram])
         self.counts = {source: AcceptanceStats(proposed=2, accepted=1, judged=2) for source in ("ngram", "model")}  # prior 1/2
         self.last: tuple[str, list[int], int] | None = None  # (source, proposal, committed length then)
+        self.ngram_gamma = 4  # the n-gram chains' own length (module docstring)
 
     def rate(self, source: str) -> float:
         return self.counts[source].alpha
 
-    def propose(self, ids, gamma, params, generator):
+    def _ngram_chain(self, ids: list[int], gamma: int) -> list[int]:
+        """The n-gram continuation of up to `gamma` tokens if this step takes it, else []."""
         tokens, matched = self.ngram.lookup(ids, gamma)
-        if tokens and matched >= self.drafter.min_match and self.rate("ngram") >= self.drafter.min_rate:
+        return tokens if tokens and matched >= self.drafter.min_match and self.rate("ngram") >= self.drafter.min_rate else []
+
+    def budget(self, ids, gamma, most):
+        if gamma > 0 and self._ngram_chain(ids, 1):
+            return min(self.ngram_gamma, most)
+        return gamma
+
+    def propose(self, ids, gamma, params, generator):
+        if self._ngram_chain(ids, gamma):
             draft = self.ngram.propose(ids, gamma, params, generator)
             source = "ngram"
         else:
@@ -64,6 +81,10 @@ class _HybridSession(ComposedSession):
     def commit(self, ids):
         if self.last is not None:
             source, proposal, start = self.last
-            self.counts[source].add(len(proposal), common_prefix_length(proposal, ids[start : start + len(proposal)]))
+            accepted = common_prefix_length(proposal, ids[start : start + len(proposal)])
+            self.counts[source].add(len(proposal), accepted)
+            if source == "ngram":
+                whole = accepted == len(proposal)
+                self.ngram_gamma = min(self.ngram_gamma + 2, MAX_NGRAM_CHAIN) if whole else max(self.ngram_gamma - 1, 1)
             self.last = None
         super().commit(ids)

@@ -428,7 +428,9 @@ class Generation:
         if not self.prefilled:
             raise VerispecError("plan() needs the whole prompt prefilled: call prefill_step() until it returns True")
         remaining = self.max_new - len(self.output_ids)
-        gamma = min(self.policy.next_gamma(), remaining - 1) if self.session is not None else 0
+        gamma = 0
+        if self.session is not None:  # the policy's γ, or what the session's free source may take
+            gamma = min(self.session.budget(self.ids, self.policy.next_gamma(), self.engine.max_gamma), remaining - 1)
         start = time.perf_counter()
         shape = self._draft(gamma)
         last = torch.tensor(self.ids[-1:], device=self.device)
