@@ -37,6 +37,7 @@ def test_greedy_bench_is_identical_to_baseline(tiny_text_pair, questions, tmp_pa
         assert methods[name]["tokens_per_second"] > 0 and methods[name]["weights_mib"] > 0
     assert methods["vs:model"]["mean_accepted_length"] >= 1.0
     assert methods["vs:model"]["predicted_speedup"] is not None
+    assert methods["vs:model"]["cost_model_speedup"] > 0 and methods["vs:none"].get("cost_model_speedup") is None
     assert all(len(r["token_ids"]) > 0 for r in data["runs"])
     assert (tmp_path / "plots" / "speedup_vs_gamma.png").exists()
     assert "| vs:model |" in capsys.readouterr().out

@@ -43,6 +43,19 @@ def test_summary_metrics():
     assert vs["predicted_speedup"] == pytest.approx(expected_speedup(0.75, 3, 0.2))
     assert vs["memory_mib"] == pytest.approx(150.0 + 12.0)
     assert "predicted_speedup" not in summary["hf-plain"]
+    assert vs["cost_model_speedup"] is None  # records written without the cost model's prediction
+
+
+def test_the_cost_models_prediction_is_tokens_over_predicted_costs_summed():
+    """Per generation `cost_model_speedup` (its tokens over its predicted cost); over generations the tokens
+    over the summed costs, not the mean of the ratios."""
+    records = _records()
+    records[2]["stats"] |= {"new_tokens": 30, "cost_model_speedup": 1.5}  # cost 20
+    records[3]["stats"] |= {"new_tokens": 10, "cost_model_speedup": 1.0}  # cost 10
+    vs = summarize(records, ["hf-plain", "vs:model"])["vs:model"]
+    assert vs["cost_model_speedup"] == pytest.approx(40 / 30)
+    assert vs["per_category"]["code"]["cost_model_speedup"] == pytest.approx(1.5)
+    assert "predicted (costs)" in markdown_report(summarize(records, ["hf-plain", "vs:model"]), CONFIG)
 
 
 def test_speculative_outputs_are_compared_with_plain_decoding_on_their_own_backend():

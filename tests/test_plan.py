@@ -89,6 +89,17 @@ def test_verification_costs_follow_the_context_a_step_attends():
     assert after[100] >= 1 and after[1500] == 0
 
 
+def test_the_cost_model_predicts_the_steps_a_generation_took():
+    """Tokens over Σ (drafts · c + T(n)/T(1) at the step's context): by hand for three steps."""
+    from verispec.types import StepRecord
+
+    costs = CostModel([1.0, 1.2, 1.4], 0.1, long_target_seconds=[1.0, 1.2 + 0.96, 1.4])  # T(2)/T(1) grows 0.001 a token
+    steps = [StepRecord(0, 0, 0.0, 1.0), StepRecord(2, 2, 0.0, 1.0), StepRecord(1, 0, 0.0, 1.0)]  # prefill's token, then two
+    cost = 1.0 + (2 * 0.1 + 1.4) + (1 * 0.1 + 1.2 + 0.001 * (SHORT_CONTEXT + 4 - SHORT_CONTEXT))
+    assert costs.speedup_of_steps(steps, SHORT_CONTEXT) == pytest.approx(5 / cost)
+    assert CostModel().speedup_of_steps(steps, 10) is None and costs.speedup_of_steps([], 10) is None
+
+
 def test_the_long_curve_is_measured_and_cached_beside_the_short_one(tiny_target, tmp_path, monkeypatch):
     """A target whose context holds LONG_CONTEXT tokens gets both curves (kept apart in the cache table,
     read back later); one with a shorter context only the short one."""

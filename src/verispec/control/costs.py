@@ -14,7 +14,7 @@ A model-free drafter (n-gram) counts as free (c = 0).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -22,6 +22,7 @@ from verispec.models.device import device_tag, synchronize
 from verispec.models.runner import LoadedModel, Runner
 from verispec.paths import cpu_key, read_table, store_in_table
 from verispec.progress import status
+from verispec.types import StepRecord
 
 __all__ = ["CostModel", "LONG_CONTEXT", "SHORT_CONTEXT", "measure_verify_curve", "prefill_seconds_per_token"]
 
@@ -136,6 +137,21 @@ class CostModel:
             return short
         slope = (_ratio(self.long_target_seconds, gamma) - short) / (LONG_CONTEXT - SHORT_CONTEXT)
         return max(1.0, short + slope * (max(context, SHORT_CONTEXT) - SHORT_CONTEXT))
+
+    def speedup_of_steps(self, steps: Sequence[StepRecord], context: int) -> float | None:
+        """The speedup over plain decoding that this model predicts for the steps a generation took (after
+        `context` prompt tokens): its tokens over Σ (draft tokens · c + T(n)/T(1) at the step's context), n the
+        positions the step verified (a chain's drafts + 1; a tree counts its depth). What a measured speedup
+        is held against: acceptance as it happened, costs as measured. None without a cost ratio."""
+        c = self.draft_cost_ratio()
+        if c is None or not steps:
+            return None
+        tokens, cost = 0, 0.0
+        for step in steps:
+            cost += step.proposed * c + self.verify_cost(step.proposed, context)
+            context += step.accepted + 1
+            tokens += step.accepted + 1
+        return tokens / cost
 
     def draft_cost_ratio(self) -> float | None:
         """c = seconds per draft token / T(1), or None before both are known."""

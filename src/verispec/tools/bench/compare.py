@@ -259,8 +259,11 @@ class VerispecMethod:
         start = time.perf_counter()
         result = self.engine.generate(prompt_ids, config)
         seconds = time.perf_counter() - start
-        return Output(list(result.token_ids), seconds, result.stats.to_dict(), self.engine.target.precision,
-                      self.engine.drafter is None)
+        stats = result.stats.to_dict()
+        if self.engine.drafter is not None:  # what the γ policy's cost model predicts for the steps taken
+            costs = self.engine.costs_for(self.engine.drafter, self.engine.gamma_policy)
+            stats["cost_model_speedup"] = costs.speedup_of_steps(result.stats.records, len(prompt_ids))
+        return Output(list(result.token_ids), seconds, stats, self.engine.target.precision, self.engine.drafter is None)
 
     @property
     def context(self) -> int:

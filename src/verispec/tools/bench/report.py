@@ -20,6 +20,9 @@ method, overall and per category:
                            generation; cost_ratio c: mean over the generations;
   predicted_speedup        the theory's E[tokens](α, γ̄)/(γ̄·c + 1) from the run's own α, γ̄ and c: the
                            speedup over the target decoding alone, verification and prefill taken as free;
+  cost_model_speedup       what the γ policy's measured costs predict for the steps the generations took
+                           (`CostModel.speedup_of_steps`: T(n)/T(1) at each step's context, c per draft token),
+                           their tokens over their predicted costs summed; prefill not counted (None: no costs);
   weights_mib, peak_extra_mib, memory_mib: see `verispec.tools.bench.memory`.
 """
 
@@ -92,7 +95,10 @@ def _draft_metrics(stats: list[dict]) -> dict:
     """τ, α, acceptance per position, c, γ̄ and the predicted speedup over verispec generations' stats."""
     metrics = _acceptance_metrics(stats) | {"cost_ratio": _mean([s["cost_ratio"] for s in stats])}
     alpha, gamma, c = metrics["acceptance_rate"], metrics["mean_gamma"], metrics["cost_ratio"]
-    return metrics | {"predicted_speedup": expected_speedup(min(alpha, 1.0), gamma, c) if gamma is not None else None}
+    predicted = [(s["new_tokens"], s["cost_model_speedup"]) for s in stats if s.get("cost_model_speedup")]
+    by_costs = sum(n for n, _ in predicted) / sum(n / speedup for n, speedup in predicted) if predicted else None
+    return metrics | {"predicted_speedup": expected_speedup(min(alpha, 1.0), gamma, c) if gamma is not None else None,
+                      "cost_model_speedup": by_costs}
 
 
 def group_metrics(records: list[dict], baseline: dict[str, dict], sampled: bool = False,
@@ -157,6 +163,7 @@ COLUMNS = [  # (header, metric key, format)
     ("speedup", "speedup", "{:.2f}×"),
     ("speedup (median ratio)", "speedup_median_ratio", "{:.2f}×"),
     ("predicted", "predicted_speedup", "{:.2f}×"),
+    ("predicted (costs)", "cost_model_speedup", "{:.2f}×"),
     ("identical", "identical_to_baseline", "{:.0%}"),
     ("= plain", "identical_to_plain", "{:.0%}"),
     ("τ", "mean_accepted_length", "{:.2f}"),
