@@ -97,6 +97,8 @@ def test_the_cost_model_predicts_the_steps_a_generation_took():
     steps = [StepRecord(0, 0, 0.0, 1.0), StepRecord(2, 2, 0.0, 1.0), StepRecord(1, 0, 0.0, 1.0)]  # prefill's token, then two
     cost = 1.0 + (2 * 0.1 + 1.4) + (1 * 0.1 + 1.2 + 0.001 * (SHORT_CONTEXT + 4 - SHORT_CONTEXT))
     assert costs.speedup_of_steps(steps, SHORT_CONTEXT) == pytest.approx(5 / cost)
+    steps[2].width = 2  # a tree of depth 1 with two nodes: verified as three positions
+    assert costs.speedup_of_steps(steps, SHORT_CONTEXT) == pytest.approx(5 / (cost - 1.204 + 1.4))
     assert CostModel().speedup_of_steps(steps, 10) is None and costs.speedup_of_steps([], 10) is None
 
 

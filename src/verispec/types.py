@@ -169,10 +169,11 @@ class AcceptanceStats:
 
 @dataclass
 class StepRecord:
-    proposed: int
+    proposed: int  # the draft's depth (a chain's length)
     accepted: int
     draft_seconds: float
     target_seconds: float
+    width: int | None = None  # the draft tokens the verification scored (a tree's nodes); None: `proposed`
 
 
 @dataclass

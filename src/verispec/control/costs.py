@@ -140,15 +140,16 @@ class CostModel:
 
     def speedup_of_steps(self, steps: Sequence[StepRecord], context: int) -> float | None:
         """The speedup over plain decoding that this model predicts for the steps a generation took (after
-        `context` prompt tokens): its tokens over Σ (draft tokens · c + T(n)/T(1) at the step's context), n the
-        positions the step verified (a chain's drafts + 1; a tree counts its depth). What a measured speedup
-        is held against: acceptance as it happened, costs as measured. None without a cost ratio."""
+        `context` prompt tokens): its tokens over Σ (draft depth · c + T(n)/T(1) at the step's context), n the
+        positions the step verified (its draft tokens, a tree's nodes, + 1). What a measured speedup is held
+        against: acceptance as it happened, costs as measured. None without a cost ratio."""
         c = self.draft_cost_ratio()
         if c is None or not steps:
             return None
         tokens, cost = 0, 0.0
         for step in steps:
-            cost += step.proposed * c + self.verify_cost(step.proposed, context)
+            width = step.proposed if step.width is None else step.width
+            cost += step.proposed * c + self.verify_cost(width, context)
             context += step.accepted + 1
             tokens += step.accepted + 1
         return tokens / cost

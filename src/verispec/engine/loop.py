@@ -466,7 +466,8 @@ class Generation:
         new_tokens = (draft.tokens[path].tolist() if path else []) + [verdict.next_token]
         self._commit_tokens(shape, rows, new_tokens, scores)
         laps.mark("commit")
-        self.stats.record(StepRecord(shape.depth, verdict.accepted, plan.draft_seconds, target_seconds + laps.since_target))
+        self.stats.record(StepRecord(shape.depth, verdict.accepted, plan.draft_seconds, target_seconds + laps.since_target,
+                                     len(draft)))
         self.policy.update(shape.depth, verdict.accepted, len(self.ids))
         laps.mark("policy")
         origins = [Origin.ACCEPTED] * verdict.accepted + [Origin.TARGET if len(draft) == 0 else verdict.next_origin]
