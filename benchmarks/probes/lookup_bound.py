@@ -16,8 +16,8 @@ import json
 from collections import defaultdict
 
 from verispec.drafters.ngram import NgramDrafter
-from verispec.models.loading import load_tokenizer, resolve_folder
-from verispec.tools.bench.questions import load_sources, select
+from verispec.models.loading import load_model
+from verispec.tools.bench.questions import encoded_prompts
 
 
 def replay(prompt: list[int], output: list[int], draft) -> int:
@@ -33,7 +33,7 @@ def replay(prompt: list[int], output: list[int], draft) -> int:
 
 
 def chain(gamma: int):
-    session = NgramDrafter(max_n=3).start([])
+    session = NgramDrafter().start([])  # verispec's `ngram`
 
     def draft(ids: list[int], room: int) -> set[tuple[int, ...]]:
         tokens, _ = session.lookup(ids, min(gamma, room))
@@ -65,14 +65,12 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=12)
     args = parser.parse_args()
     run = json.load(open(args.bench))
-    tokenizer = load_tokenizer(resolve_folder(run["config"]["target"]))
-    prompts = {p.name: p.text for p in select(load_sources(args.questions), None, run["config"]["per_category"])}
+    target = load_model(run["config"]["target"], "gguf")  # its tokenizer and chat template: the ids the run fed
+    prompts = dict(zip(run["config"]["prompts"], encoded_prompts(target, args.questions, run["config"]["per_category"])))
     cases = []
     for record in (r for r in run["runs"] if r["method"] == args.method):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompts[record["prompt"]]}], tokenize=False,
-                                             add_generation_prompt=True)
         output = record["token_ids"] if isinstance(record["token_ids"], list) else json.loads(record["token_ids"])
-        cases.append((record["category"], tokenizer(text, add_special_tokens=False)["input_ids"], output))
+        cases.append((record["category"], prompts[record["prompt"]], output))
     rules = {f"chain γ ≤ {g}": lambda g=g: chain(g) for g in (1, 4, 8, 12)}
     rules[f"tree ≤ {args.nodes} nodes"] = lambda: tree(args.nodes, args.depth)
     for name, make in rules.items():

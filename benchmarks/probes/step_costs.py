@@ -1,8 +1,10 @@
 """A decode step's time and T(n)/T(1) after several context lengths, for shipped models on kquant.
 
 Each position of a verification attends the whole context, so T(n)/T(1) grows with it (the γ policy reads it at a
-request's context: `control/costs.py`). Prints, per model and context, T(1) in ms and T(n)/T(1) for each width: the
-fastest of `--rounds` rounds of 5 forwards each, rounds over every width so that a drift of the machine touches all.
+request's context: `control/costs.py`). Measured as the γ policy's costs are (`measure_verify_curve`: the fastest of
+rounds over every width), after each `--contexts` length; prints T(1) in ms and T(n)/T(1) for each of `--widths`.
+To time a kernel change, run it on the build before (`git checkout REV -- src/verispec/models/kernels`) and after,
+alternately.
 
     python benchmarks/probes/step_costs.py --models qwen2.5-coder-1.5b-instruct --contexts 64,700,1400 --widths 2,3,5,9
 """
@@ -10,23 +12,10 @@ fastest of `--rounds` rounds of 5 forwards each, rounds over every width so that
 from __future__ import annotations
 
 import argparse
-import time
 
-import torch
-
+from verispec.control.costs import measure_verify_curve
 from verispec.models.loading import load_model
 from verispec.paths import cpu_summary
-
-
-def step_seconds(runner, cache, context: int, n: int) -> float:
-    """The fastest of 5 forwards over n new positions after `context` cached ones (each rolled back)."""
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        runner.forward(cache, torch.randint(0, 1000, (n,)), logits="all")
-        best = min(best, time.perf_counter() - start)
-        cache.truncate(context)
-    return best
 
 
 def main() -> None:
@@ -36,20 +25,14 @@ def main() -> None:
     parser.add_argument("--widths", default="2,3,5,9")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    widths = [1, *map(int, args.widths.split(","))]
+    widths = [int(n) for n in args.widths.split(",")]
     print(cpu_summary())
     for name in args.models.split(","):
         runner = load_model(name, "kquant").runner
         for context in map(int, args.contexts.split(",")):
-            cache = runner.new_cache(context + max(widths) + 1)
-            runner.forward(cache, torch.randint(0, 1000, (context,)), logits="none")
-            best = dict.fromkeys(widths, float("inf"))
-            for _ in range(args.rounds):
-                for n in widths:
-                    best[n] = min(best[n], step_seconds(runner, cache, context, n))
-            cache.release()
-            ratios = " ".join(f"{n}: {best[n] / best[1]:.2f}" for n in widths[1:])
-            print(f"{name} after {context} tokens: T(1) {best[1] * 1e3:.1f} ms; T(n)/T(1) {ratios}", flush=True)
+            times = measure_verify_curve(runner, max(widths), context, repeats=args.rounds)  # seconds, n = 1 … max
+            ratios = " ".join(f"{n}: {times[n - 1] / times[0]:.2f}" for n in widths)
+            print(f"{name} after {context} tokens: T(1) {times[0] * 1e3:.1f} ms; T(n)/T(1) {ratios}", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,11 +16,13 @@ a CPU, prompt lookup inside `hybrid` lost to prompt lookup alone on summaries an
 
 from __future__ import annotations
 
+import torch
+
 from verispec.drafters.base import ComposedSession, Drafter, DraftSession
 from verispec.drafters.ngram import NgramDrafter
 from verispec.drafters.prefix import common_prefix_length
 from verispec.errors import InvalidParameterError
-from verispec.types import AcceptanceStats
+from verispec.types import AcceptanceStats, Draft
 
 __all__ = ["HybridDrafter"]
 
@@ -54,6 +56,7 @@ class _HybridSession(ComposedSession):
         self.counts = {source: AcceptanceStats(proposed=2, accepted=1, judged=2) for source in ("ngram", "model")}  # prior 1/2
         self.last: tuple[str, list[int], int] | None = None  # (source, proposal, committed length then)
         self.ngram_gamma = 4  # the n-gram chains' own length (module docstring)
+        self.found: tuple[int, list[int]] | None = None  # (len(ids), the n-gram chain `budget` found then; []: none)
 
     def rate(self, source: str) -> float:
         return self.counts[source].alpha
@@ -64,17 +67,17 @@ class _HybridSession(ComposedSession):
         return tokens if tokens and matched >= self.drafter.min_match and self.rate("ngram") >= self.drafter.min_rate else []
 
     def budget(self, ids, gamma, most):
-        if gamma > 0 and self._ngram_chain(ids, 1):
-            return min(self.ngram_gamma, most)
-        return gamma
+        chain = self._ngram_chain(ids, most) if gamma > 0 else []
+        self.found = (len(ids), chain)  # this step's lookup, which `propose` takes
+        return min(self.ngram_gamma, most) if chain else gamma
 
     def propose(self, ids, gamma, params, generator):
-        if self._ngram_chain(ids, gamma):
-            draft = self.ngram.propose(ids, gamma, params, generator)
-            source = "ngram"
+        found, self.found = self.found, None
+        chain = found[1] if found is not None and found[0] == len(ids) else self._ngram_chain(ids, gamma)
+        if chain:
+            draft, source = Draft(torch.tensor(chain[:gamma], dtype=torch.long)), "ngram"
         else:
-            draft = self.model.propose(ids, gamma, params, generator)
-            source = "model"
+            draft, source = self.model.propose(ids, gamma, params, generator), "model"
         self.last = (source, draft.tokens.tolist(), len(ids))
         return draft
 
