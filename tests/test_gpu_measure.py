@@ -76,3 +76,22 @@ def test_measure_runs_a_real_folder_on_questions(tiny_target, tmp_path):
                            ("hf", "prompt_lookup")}
     assert speeds[("verispec", "ngram")]["same_as_plain"] == 2 and speeds[("verispec", "stand")]["same_as_plain"] == 2
     assert not [r for r in records if r["kind"] == "predicted"]  # measured acceptance, nothing predicted
+
+
+def test_measure_takes_gamma_and_policy_per_method(tiny_target, tmp_path):
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps({"question_id": 0, "category": "rag", "turns": ["t9 t8 t7 t9 t8 t7 t9"]}))
+    out = tmp_path / "out.jsonl"
+    assert _script(SCRIPT).main(["--device", "cpu", "--real", str(tiny_target), "--questions", str(questions), "--max-n", "2",
+                                 "--new-tokens", "6", "--methods", "none,ngram@2,ngram@heuristic,ngram@sometimes",
+                                 "--hf-methods", "plain", "--no-launched", "--profile", "ngram@2", "--out", str(out)]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    runs = [(r["method"], r["gamma"], r["policy"], r.get("again", False)) for r in records
+            if r["kind"] == "speed" and r["system"] == "verispec"]
+    assert runs == [("none", 0, "constant", False), ("ngram", 2, "constant", False), ("ngram", 4, "heuristic", False),
+                    ("none", 0, "constant", True)]  # plain measured again after the methods
+    profile = next(r for r in records if r["kind"] == "profile")
+    assert profile["gamma"] == 2 and profile["steps"] > 0 and len(profile["top"]) == 30
+    assert any("loop.py" in row[0] for row in profile["top"])
+    errors = [r for r in records if r["kind"] == "error"]
+    assert len(errors) == 1 and "ngram@sometimes" in errors[0]["what"] and "unknown gamma policy" in errors[0]["error"]

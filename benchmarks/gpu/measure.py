@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from verispec.control.gamma import check_gamma_policy
 from verispec.control.theory import curve_verify_cost, expected_speedup
 from verispec.drafters.prefix import common_prefix_length
 from verispec.engine.build import EngineBuilder
@@ -131,12 +132,25 @@ def cost_curve(runner, device: torch.device, widths: list[int], context: int, re
     return seconds
 
 
+def method_and_policy(entry: str, gamma: int) -> tuple[str, int, str]:
+    """(drafter spec, γ, γ policy) of a --methods entry: SPEC (γ constant at --gamma), SPEC@N (constant N)
+    or SPEC@POLICY (that policy, starting from --gamma)."""
+    spec, _, how = entry.partition("@")
+    if not how:
+        return spec, gamma, "constant"
+    if how.isdigit():
+        return spec, int(how), "constant"
+    check_gamma_policy(how, gamma)
+    return spec, gamma, how
+
+
 def verispec_speed(builder: EngineBuilder, method: str, prompts: list[list[int]], new_tokens: int, gamma: int,
-                   device: torch.device, stop: bool) -> tuple[dict, list[list[int]]]:
-    """tok/s of verispec's `method` (a drafter spec; "none": plain) over the prompts, greedy, and the outputs
-    (stop: at the model's EOS, else exactly `new_tokens` each). A warm-up generation of the same length
-    first: it captures the graphs every timed request replays."""
-    engine = builder.engine(method, gamma, "constant")
+                   device: torch.device, stop: bool, policy: str = "constant") -> tuple[dict, list[list[int]]]:
+    """tok/s of verispec's `method` (a drafter spec; "none": plain) with `gamma` and its `policy` over the
+    prompts, greedy, and the outputs (stop: at the model's EOS, else exactly `new_tokens` each). A warm-up
+    generation of the same length first: it captures the graphs every timed request replays (and an
+    analytic policy measures its costs)."""
+    engine = builder.engine(method, gamma, policy)
     if not stop:
         engine.target.eos_ids = frozenset()
     config = GenerationConfig(max_new_tokens=new_tokens, chat=False)
@@ -153,10 +167,35 @@ def verispec_speed(builder: EngineBuilder, method: str, prompts: list[list[int]]
     seconds = time.perf_counter() - start
     tokens = sum(len(ids) for ids in outputs)
     failed = engine.target.runner._graphs.failed if engine.target.runner.graphs else None
-    return ({"kind": "speed", "system": "verispec", "method": method, "graphs": engine.target.runner.graphs,
+    return ({"kind": "speed", "system": "verispec", "method": method, "policy": policy, "graphs": engine.target.runner.graphs,
              "graph_failure": failed, "tokens": tokens,
              "seconds": seconds, "tok_s": tokens / seconds, "tau": tokens / max(steps, 1),
              "alpha": accepted / judged if judged else None}, outputs)
+
+
+def host_profile(builder: EngineBuilder, entry: str, prompts: list[list[int]], new_tokens: int, gamma: int,
+                 stop: bool, top: int) -> dict:
+    """Where the host's time goes in one pass of `entry` (a --methods entry) over the prompts (after a warm
+    pass): the `top` functions by own time, under cProfile (which slows Python: shares, not speeds)."""
+    import cProfile
+    import pstats
+
+    method, gamma, policy = method_and_policy(entry, gamma)
+    engine = builder.engine(method, gamma, policy)
+    if not stop:
+        engine.target.eos_ids = frozenset()
+    config = GenerationConfig(max_new_tokens=new_tokens, chat=False)
+    engine.generate(prompts[0], config)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    steps = sum(engine.generate(prompt, config).stats.steps for prompt in prompts)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, own, cumulative, callers)
+    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    return {"kind": "profile", "method": method, "gamma": gamma, "policy": policy, "steps": steps,
+            "seconds": sum(row[2] for row in stats.values()),
+            "top": [[f"{Path(file).name}:{line}({name})", calls, round(own, 4), round(cumulative, 4)]
+                    for (file, line, name), (calls, _, own, cumulative, _) in rows]}
 
 
 def hf_speed(target, assistant, method: str, prompts: list[list[int]], new_tokens: int, device: torch.device,
@@ -221,7 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per width (default 20; 2 with --tiny)")
     parser.add_argument("--methods", default=None,
                         help="verispec drafter specs (none: plain; default none,ngram,model,tree,hybrid, or with --real and no "
-                             "--real-draft none,ngram,stand)")
+                             "--real-draft none,ngram,stand), each at --gamma, or SPEC@N (γ N) or SPEC@POLICY (e.g. ngram@heuristic)")
+    parser.add_argument("--no-launched", action="store_true", help="skip plain decoding launched eagerly (slow on a GPU)")
+    parser.add_argument("--profile", default="", help="--methods entries whose host time is profiled too (cProfile, top 30)")
     parser.add_argument("--hf-methods", default=None,
                         help="Hugging Face generate() modes (default plain,assisted,prompt_lookup; assisted needs a draft)")
     parser.add_argument("--real", type=Path, default=None,
@@ -304,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
                        for _ in range(n_prompts)]
         stop = args.real is not None
         plain: dict[bool, list[list[int]]] = {}
-        for graphs in ([False, True] if device.type == "cuda" else [False]):  # plain decoding launched, then replayed
+        plain_modes = [True] if args.no_launched else [False, True]
+        for graphs in (plain_modes if device.type == "cuda" else [False]):  # plain decoding launched, then replayed
             def measure_plain(graphs=graphs):
                 runners["target"].use_graphs(graphs)
                 record, plain[graphs] = verispec_speed(builder, "none", prompts, new_tokens, args.gamma, device, stop)
@@ -312,11 +354,18 @@ def main(argv: list[str] | None = None) -> int:
             attempt(f"plain graphs={graphs}", measure_plain)
         runners["target"].use_graphs(device.type == "cuda")
         reference = plain.get(device.type == "cuda")
-        for method in [m.strip() for m in methods.split(",") if m.strip() != "none"]:
-            def measure_method(method=method):
-                record, outputs = verispec_speed(builder, method, prompts, new_tokens, args.gamma, device, stop)
-                emit({**record, "gamma": args.gamma, **agreement(outputs, reference)})
-            attempt(f"verispec {method}", measure_method)
+        for entry in [m.strip() for m in methods.split(",") if m.strip() != "none"]:
+            def measure_method(entry=entry):
+                method, gamma, policy = method_and_policy(entry, args.gamma)
+                record, outputs = verispec_speed(builder, method, prompts, new_tokens, gamma, device, stop, policy)
+                emit({**record, "gamma": gamma, **agreement(outputs, reference)})
+            attempt(f"verispec {entry}", measure_method)
+        for entry in [m.strip() for m in args.profile.split(",") if m.strip()]:
+            attempt(f"profile {entry}", lambda entry=entry: emit(host_profile(builder, entry, prompts, new_tokens, args.gamma,
+                                                                              stop, top=30)))
+        if reference is not None:  # plain again after the methods: how far the machine drifted meanwhile
+            attempt("plain again", lambda: emit({**verispec_speed(builder, "none", prompts, new_tokens, args.gamma, device,
+                                                                   stop)[0], "gamma": 0, "again": True}))
         if device.type == "cuda" and False in plain and True in plain:
             emit({"kind": "flips", "what": "plain replayed vs plain launched", **agreement(plain[False], reference)})
         from transformers import AutoModelForCausalLM

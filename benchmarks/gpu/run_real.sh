@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # The last of the back-to-back device calls that bring a real model over (`ship_weights.py`): keep this call's part,
-# join them all, then on the real weights: `measure.py --real` (plain launched / replayed, ngram, stand, HF plain and
-# prompt lookup, real acceptance) and `verispec analyze --flips` (1-wide against 5-wide argmax on the GPU).
-# On the GPU machine, from the repository root: benchmarks/gpu/run_real.sh NAME "$OUT"
+# join them all, then on the real weights: `measure.py --real` (by default plain launched / replayed, ngram, stand,
+# HF plain and prompt lookup, real acceptance; arguments after OUT go to measure.py) and `verispec analyze --flips`
+# (1-wide against 5-wide argmax on the GPU; FLIPS=0 skips it).
+# On the GPU machine, from the repository root: benchmarks/gpu/run_real.sh NAME "$OUT" [measure.py arguments]
 set -u
 name=${1:?model name, e.g. smollm2-135m-instruct}
 out=${2:-.}
+shift $(( $# < 2 ? $# : 2 ))
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 python3 benchmarks/gpu/ship_weights.py keep .gpu /tmp/weights && python3 benchmarks/gpu/ship_weights.py join /tmp/weights /tmp/real || exit 1
 timeout 400 python3 benchmarks/gpu/measure.py --real "/tmp/real/$name" --questions .gpu/question.jsonl --per-category 3 \
-    --out "$out/real.jsonl" 2>&1 | grep -v "Writing\|Loading weights" | cut -c1-600
-timeout 120 python3 -c "from verispec.cli import main; raise SystemExit(main())" analyze --flips --target "/tmp/real/$name" \
-    --dtype bfloat16 --device cuda --questions .gpu/question.jsonl --per-category 2 --max-new-tokens 64 2>&1 | tail -3
+    --out "$out/real.jsonl" "$@" 2>&1 | grep -v "Writing\|Loading weights" | cut -c1-600
+[ "${FLIPS:-1}" = 0 ] || timeout 120 python3 -c "from verispec.cli import main; raise SystemExit(main())" analyze --flips \
+    --target "/tmp/real/$name" --dtype bfloat16 --device cuda --questions .gpu/question.jsonl --per-category 2 \
+    --max-new-tokens 64 2>&1 | tail -3
