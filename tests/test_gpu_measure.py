@@ -78,18 +78,28 @@ def test_measure_runs_a_real_folder_on_questions(tiny_target, tmp_path):
     assert not [r for r in records if r["kind"] == "predicted"]  # measured acceptance, nothing predicted
 
 
-def test_measure_takes_gamma_and_policy_per_method(tiny_target, tmp_path):
+def test_measure_takes_gamma_and_policy_per_method(tmp_path):
+    from conftest import make_tiny_model
+
+    target = make_tiny_model(tmp_path / "model", vocab_size=300, seed=3)  # outputs that do not repeat themselves at once
     questions = tmp_path / "questions.jsonl"
-    questions.write_text(json.dumps({"question_id": 0, "category": "rag", "turns": ["t9 t8 t7 t9 t8 t7 t9"]}))
+    questions.write_text(json.dumps({"question_id": 0, "category": "rag", "turns": ["t19 t28 t7 t99 t18 t27 t9 t44 t51"]}))
     out = tmp_path / "out.jsonl"
-    assert _script(SCRIPT).main(["--device", "cpu", "--real", str(tiny_target), "--questions", str(questions), "--max-n", "2",
-                                 "--new-tokens", "6", "--methods", "none,ngram@2,ngram@heuristic,ngram@sometimes",
-                                 "--hf-methods", "plain", "--no-launched", "--profile", "ngram@2", "--out", str(out)]) == 0
+    assert _script(SCRIPT).main(["--device", "cpu", "--real", str(target), "--questions", str(questions), "--max-n", "2",
+                                 "--new-tokens", "40", "--methods", "none,ngram@2,ngram@heuristic,ngram@sometimes,stand@3,stand@3",
+                                 "--hf-methods", "none", "--no-launched", "--profile", "ngram@2", "--out", str(out)]) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     runs = [(r["method"], r["gamma"], r["policy"], r.get("again", False)) for r in records
             if r["kind"] == "speed" and r["system"] == "verispec"]
     assert runs == [("none", 0, "constant", False), ("ngram", 2, "constant", False), ("ngram", 4, "heuristic", False),
+                    ("stand", 3, "constant", False), ("stand", 3, "constant", False),
                     ("none", 0, "constant", True)]  # plain measured again after the methods
+    stands = [(r["tau"], r["alpha"]) for r in records if r.get("method") == "stand"]
+    # each pass drafts from an empty STAND table: a table kept from an earlier pass over the same prompt drafts
+    # its whole output (tau 3.6 here) where a fresh one drafts what this pass has seen (1.3)
+    assert stands[0] == stands[1] and stands[0][0] < 2
+    assert not [r for r in records if r["kind"] == "speed" and r["system"] == "hf"]
+    assert all(r["same_as_cold"] == 1 and r["cold_tok_s"] > 0 for r in records if r["kind"] == "speed")
     profile = next(r for r in records if r["kind"] == "profile")
     assert profile["gamma"] == 2 and profile["steps"] > 0 and len(profile["top"]) == 30
     assert any("loop.py" in row[0] for row in profile["top"])

@@ -43,8 +43,9 @@ import torch
 from verispec.control.gamma import check_gamma_policy
 from verispec.control.theory import curve_verify_cost, expected_speedup
 from verispec.drafters.prefix import common_prefix_length
+from verispec.drafters import make_drafter
 from verispec.engine.build import EngineBuilder
-from verispec.engine.loop import GenerationConfig
+from verispec.engine.loop import Engine, GenerationConfig
 from verispec.models.cuda_graphs import MAX_CHAIN
 from verispec.models.device import resolve_device, synchronize
 from verispec.tools.bench.questions import encoded_prompts
@@ -144,17 +145,20 @@ def method_and_policy(entry: str, gamma: int) -> tuple[str, int, str]:
     return spec, gamma, how
 
 
-def verispec_speed(builder: EngineBuilder, method: str, prompts: list[list[int]], new_tokens: int, gamma: int,
-                   device: torch.device, stop: bool, policy: str = "constant") -> tuple[dict, list[list[int]]]:
-    """tok/s of verispec's `method` (a drafter spec; "none": plain) with `gamma` and its `policy` over the
-    prompts, greedy, and the outputs (stop: at the model's EOS, else exactly `new_tokens` each). A warm-up
-    generation of the same length first: it captures the graphs every timed request replays (and an
-    analytic policy measures its costs)."""
-    engine = builder.engine(method, gamma, policy)
+def fresh_engine(builder: EngineBuilder, method: str, gamma: int, policy: str, stop: bool) -> Engine:
+    """An engine over a drafter built anew, not the builder's shared one: a drafter that learns across
+    requests (STAND's table) starts empty in every pass, so no pass is drafted from an earlier pass over
+    the same prompts."""
+    target = builder.target()
     if not stop:
-        engine.target.eos_ids = frozenset()
+        target.eos_ids = frozenset()
+    return Engine(target, make_drafter(method, target, load=builder.models), gamma, policy, drafter_spec=method,
+                  models=builder.models)
+
+
+def timed_pass(engine: Engine, prompts: list[list[int]], new_tokens: int, device: torch.device) -> dict:
+    """One greedy generation per prompt: seconds, outputs, steps and acceptance counts."""
     config = GenerationConfig(max_new_tokens=new_tokens, chat=False)
-    engine.generate(prompts[0], config)  # warm-up: the same cache sizes, so the same graphs
     synchronize(device)
     start, outputs, steps, accepted, judged = time.perf_counter(), [], 0, 0, 0
     for prompt in prompts:
@@ -164,31 +168,43 @@ def verispec_speed(builder: EngineBuilder, method: str, prompts: list[list[int]]
         accepted += result.stats.acceptance.accepted
         judged += result.stats.acceptance.judged
     synchronize(device)
-    seconds = time.perf_counter() - start
-    tokens = sum(len(ids) for ids in outputs)
+    return {"seconds": time.perf_counter() - start, "outputs": outputs, "steps": steps, "accepted": accepted, "judged": judged}
+
+
+def verispec_speed(builder: EngineBuilder, method: str, prompts: list[list[int]], new_tokens: int, gamma: int,
+                   device: torch.device, stop: bool, policy: str = "constant") -> tuple[dict, list[list[int]]]:
+    """tok/s of verispec's `method` (a drafter spec; "none": plain) with `gamma` and its `policy` over the
+    prompts, greedy, and the outputs (stop: at the model's EOS, else exactly `new_tokens` each). Two passes,
+    each with a fresh drafter: a cold one, which captures the graphs of the widths and cache capacities
+    the prompts meet (and an analytic policy measures its costs), reported as `cold_tok_s`; then the timed
+    one, which replays them. `same_as_cold`: outputs of the two passes that agree (captured = replayed)."""
+    cold = timed_pass(fresh_engine(builder, method, gamma, policy, stop), prompts, new_tokens, device)
+    engine = fresh_engine(builder, method, gamma, policy, stop)
+    run = timed_pass(engine, prompts, new_tokens, device)
+    tokens = sum(len(ids) for ids in run["outputs"])
     failed = engine.target.runner._graphs.failed if engine.target.runner.graphs else None
     return ({"kind": "speed", "system": "verispec", "method": method, "policy": policy, "graphs": engine.target.runner.graphs,
-             "graph_failure": failed, "tokens": tokens,
-             "seconds": seconds, "tok_s": tokens / seconds, "tau": tokens / max(steps, 1),
-             "alpha": accepted / judged if judged else None}, outputs)
+             "graph_failure": failed, "tokens": tokens, "seconds": run["seconds"], "tok_s": tokens / run["seconds"],
+             "cold_tok_s": sum(len(ids) for ids in cold["outputs"]) / cold["seconds"],
+             "same_as_cold": sum(a == b for a, b in zip(run["outputs"], cold["outputs"])),
+             "tau": tokens / max(run["steps"], 1),
+             "alpha": run["accepted"] / run["judged"] if run["judged"] else None}, run["outputs"])
 
 
 def host_profile(builder: EngineBuilder, entry: str, prompts: list[list[int]], new_tokens: int, gamma: int,
-                 stop: bool, top: int) -> dict:
-    """Where the host's time goes in one pass of `entry` (a --methods entry) over the prompts (after a warm
-    pass): the `top` functions by own time, under cProfile (which slows Python: shares, not speeds)."""
+                 device: torch.device, stop: bool, top: int) -> dict:
+    """Where the host's time goes in one pass of `entry` (a --methods entry) over the prompts (after an
+    untimed pass that captures the graphs): the `top` functions by own time, under cProfile (which slows
+    Python: shares, not speeds)."""
     import cProfile
     import pstats
 
     method, gamma, policy = method_and_policy(entry, gamma)
-    engine = builder.engine(method, gamma, policy)
-    if not stop:
-        engine.target.eos_ids = frozenset()
-    config = GenerationConfig(max_new_tokens=new_tokens, chat=False)
-    engine.generate(prompts[0], config)
+    timed_pass(fresh_engine(builder, method, gamma, policy, stop), prompts, new_tokens, device)
+    engine = fresh_engine(builder, method, gamma, policy, stop)
     profiler = cProfile.Profile()
     profiler.enable()
-    steps = sum(engine.generate(prompt, config).stats.steps for prompt in prompts)
+    steps = timed_pass(engine, prompts, new_tokens, device)["steps"]
     profiler.disable()
     stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, own, cumulative, callers)
     rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
@@ -264,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-launched", action="store_true", help="skip plain decoding launched eagerly (slow on a GPU)")
     parser.add_argument("--profile", default="", help="--methods entries whose host time is profiled too (cProfile, top 30)")
     parser.add_argument("--hf-methods", default=None,
-                        help="Hugging Face generate() modes (default plain,assisted,prompt_lookup; assisted needs a draft)")
+                        help="Hugging Face generate() modes (default plain,assisted,prompt_lookup; assisted needs a draft; none: no HF run)")
     parser.add_argument("--real", type=Path, default=None,
                         help="a real model folder as the target (`ship_weights.py` brings one): acceptance is real too")
     parser.add_argument("--real-draft", type=Path, default=None, help="a real draft model folder for --real")
@@ -362,20 +378,22 @@ def main(argv: list[str] | None = None) -> int:
             attempt(f"verispec {entry}", measure_method)
         for entry in [m.strip() for m in args.profile.split(",") if m.strip()]:
             attempt(f"profile {entry}", lambda entry=entry: emit(host_profile(builder, entry, prompts, new_tokens, args.gamma,
-                                                                              stop, top=30)))
+                                                                              device, stop, top=30)))
         if reference is not None:  # plain again after the methods: how far the machine drifted meanwhile
             attempt("plain again", lambda: emit({**verispec_speed(builder, "none", prompts, new_tokens, args.gamma, device,
                                                                    stop)[0], "gamma": 0, "again": True}))
         if device.type == "cuda" and False in plain and True in plain:
             emit({"kind": "flips", "what": "plain replayed vs plain launched", **agreement(plain[False], reference)})
-        from transformers import AutoModelForCausalLM
+        hf_runs = [m.strip() for m in hf_methods.split(",") if m.strip() not in ("", "none")]
+        if hf_runs:
+            from transformers import AutoModelForCausalLM
 
-        torch_dtype = getattr(torch, dtype)
-        hf = {role: AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(device).eval()
-              for role, folder in folders.items()}
-        eos = target.eos_ids if stop else None
-        for method in hf_methods.split(","):
-            attempt(f"hf {method}", lambda method=method: emit(hf_speed(hf["target"], hf.get("draft"), method.strip(), prompts,
+            torch_dtype = getattr(torch, dtype)
+            hf = {role: AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(device).eval()
+                  for role, folder in folders.items()}
+            eos = target.eos_ids if stop else None
+        for method in hf_runs:
+            attempt(f"hf {method}", lambda method=method: emit(hf_speed(hf["target"], hf.get("draft"), method, prompts,
                                                                         new_tokens, device, eos)))
     if args.real is None and ("target", "graph") in curves and ("draft", "graph") in curves:
         for row in predictions(curves, alphas):
