@@ -99,7 +99,8 @@ def test_measure_takes_gamma_and_policy_per_method(tmp_path):
     # its whole output (tau 3.6 here) where a fresh one drafts what this pass has seen (1.3)
     assert stands[0] == stands[1] and stands[0][0] < 2
     assert not [r for r in records if r["kind"] == "speed" and r["system"] == "hf"]
-    assert all(r["same_as_cold"] == 1 and r["cold_tok_s"] > 0 for r in records if r["kind"] == "speed")
+    assert all(r["same_as_cold"] == 1 and r["cold_common_prefix"] == [r["tokens"]] and r["cold_tok_s"] > 0
+               for r in records if r["kind"] == "speed")
     profile = next(r for r in records if r["kind"] == "profile")
     assert profile["gamma"] == 2 and profile["steps"] > 0 and len(profile["top"]) == 30
     assert any("loop.py" in row[0] for row in profile["top"])

@@ -177,7 +177,8 @@ def verispec_speed(builder: EngineBuilder, method: str, prompts: list[list[int]]
     prompts, greedy, and the outputs (stop: at the model's EOS, else exactly `new_tokens` each). Two passes,
     each with a fresh drafter: a cold one, which captures the graphs of the widths and cache capacities
     the prompts meet (and an analytic policy measures its costs), reported as `cold_tok_s`; then the timed
-    one, which replays them. `same_as_cold`: outputs of the two passes that agree (captured = replayed)."""
+    one, which replays them. `same_as_cold`: outputs of the two passes that agree (the same prompt, the same
+    graphs: they should all agree), and where each pair parts (`cold_common_prefix`)."""
     cold = timed_pass(fresh_engine(builder, method, gamma, policy, stop), prompts, new_tokens, device)
     engine = fresh_engine(builder, method, gamma, policy, stop)
     run = timed_pass(engine, prompts, new_tokens, device)
@@ -187,6 +188,7 @@ def verispec_speed(builder: EngineBuilder, method: str, prompts: list[list[int]]
              "graph_failure": failed, "tokens": tokens, "seconds": run["seconds"], "tok_s": tokens / run["seconds"],
              "cold_tok_s": sum(len(ids) for ids in cold["outputs"]) / cold["seconds"],
              "same_as_cold": sum(a == b for a, b in zip(run["outputs"], cold["outputs"])),
+             "cold_common_prefix": [common_prefix_length(a, b) for a, b in zip(run["outputs"], cold["outputs"])],
              "tau": tokens / max(run["steps"], 1),
              "alpha": run["accepted"] / run["judged"] if run["judged"] else None}, run["outputs"])
 
