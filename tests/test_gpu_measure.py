@@ -106,3 +106,14 @@ def test_measure_takes_gamma_and_policy_per_method(tmp_path):
     assert any("loop.py" in row[0] for row in profile["top"])
     errors = [r for r in records if r["kind"] == "error"]
     assert len(errors) == 1 and "ngram@sometimes" in errors[0]["what"] and "unknown gamma policy" in errors[0]["error"]
+
+
+def test_linear_widths_runs_on_cpu_with_tiny_shapes(tmp_path):
+    out = tmp_path / "widths.jsonl"
+    assert _script(GPU / "linear_widths.py").main(["--device", "cpu", "--tiny", "--max-m", "3", "--calls", "2", "--repeats", "2",
+                                                   "--out", str(out)]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    linears = [(r["name"], r["m"]) for r in records if r["kind"] == "linear"]
+    assert linears == [(name, m) for name in ("qkv", "o", "gate_up", "down", "head") for m in (1, 2, 3)]
+    assert [r["m"] for r in records if r["kind"] == "attention"] == [1, 2, 3]
+    assert all(r["seconds"] > 0 for r in records if r["kind"] != "env")

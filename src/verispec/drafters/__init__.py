@@ -10,7 +10,8 @@ Specs (`KIND` alone uses the defaults; options are `name=integer`, comma-separat
   tree[:k=2,depth=4,wide=1]     SpecInfer top-k expansion by the draft model (k children at `wide` depths)
   merge[:max_n=3]               the draft model's chain and the n-gram continuation merged into one tree
   stand[:max_n=4,min_n=2,k=2,depth=5,wide=1]   STAND: n-gram table of the target's own distributions
-  hybrid[:min_match=2,min_rate=30,max_n=4]     n-gram when its match is long enough, else the draft model;
+  hybrid[:min_match=2,min_rate=30,max_n=4,window=0]   n-gram when its match is long enough, else the draft model
+                                (window=W: it reads the prompt's last W tokens);
                                 `draft=NAME`: another draft model, of the target's tokenizer or not (through the text)
   online[:rank=8,buffer_size=64,steps=40,eval_requests=2,replay=4,holdout=25,support=64]   the draft model, distilled toward the
                                 target between requests from its misses (`verispec.drafters.online`);
@@ -32,7 +33,7 @@ does before it queues a request):
   gamma1, strong, inner_gamma 1…32 · gamma2 0…32 (γ itself: at most 32, `specs.MAX_GAMMA`)
   online: rank 1…64 · buffer_size, support 1…1024 · steps 1…500 · eval_requests 1…64 · replay 1…16 ·
           holdout 0…90 · self_layers 1…256
-  triforce: budget, recent, window 1…8192 · chunk 1…1024 · sinks 0…256
+  triforce: budget, recent 1…8192 · chunk 1…1024 · sinks 0…256 · window 1…8192 (triforce, hybrid)
   self/model: layers 1…256 · vocab 1…1048576
   and in order: min_n ≤ max_n, wide ≤ depth, chunk ≤ budget
 """

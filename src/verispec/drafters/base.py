@@ -103,9 +103,23 @@ class Drafter(ABC):
         return self.start(prompt_ids)
 
 
+SINK = 4  # prompt tokens a draft window keeps from the start (the chat template's opening; StreamingLLM's sinks)
+
+
+def window_cut(length: int, window: int | None) -> tuple[int, int] | None:
+    """Where a draft reading at most the last `window` tokens of a `length`-token prompt (and its first SINK)
+    leaves the prompt out: (SINK, the first prompt position it reads again), or None (it reads everything).
+    A draft only proposes, so what it reads never changes the output; a short view of a long prompt
+    prefills in a fraction of the time."""
+    skip = length - window if window else 0
+    return (SINK, skip) if skip > SINK else None
+
+
 class ModelSession(DraftSession):
     """A session drafting with `model` over a KV cache of its own that always holds a prefix of the
     sequence: `cached` is the ids whose keys/values it holds, the prompt but its last token at the start.
+
+    With a `window` it reads the sequence through `view`: the prompt's middle left out (`window_cut`).
 
     Subclasses feed it with `_feed` (tokens appended to the sequence) and `_catch_up` (the committed
     ids it lacks first); `commit` keeps the part of `cached` the committed sequence agrees with, never
@@ -113,8 +127,10 @@ class ModelSession(DraftSession):
     `finish` releases the cache.
     """
 
-    def __init__(self, model: LoadedModel, prompt_ids: list[int], prefill: bool = True):
+    def __init__(self, model: LoadedModel, prompt_ids: list[int], prefill: bool = True, window: int | None = None):
         self.runner = model.runner
+        self.cut = window_cut(len(prompt_ids), window)
+        prompt_ids = self.view(prompt_ids)
         self._prompt = list(prompt_ids[:-1])  # what the prefill feeds (the last token comes with the first step)
         if prefill:
             self.cache = self.runner.prefilled_cache(prompt_ids)
@@ -141,8 +157,17 @@ class ModelSession(DraftSession):
         self.cached += tokens
         return out
 
+    def view(self, ids: list[int]) -> list[int]:
+        """What the draft reads of the sequence `ids`: all of it, or without the middle of a long prompt
+        (`window_cut`)."""
+        if self.cut is None:
+            return ids
+        sink, skip = self.cut
+        return ids[:sink] + ids[skip:]
+
     def _catch_up(self, ids: list[int], extra: Sequence[int] = (), logits: str = "last") -> torch.Tensor | None:
         """Feed the committed `ids` the cache lacks (at least the last one), then `extra` tokens after them."""
+        ids = self.view(ids)
         return self._feed(list(ids[len(self.cached) :]) + list(extra), logits)
 
     def _rollback(self, length: int) -> None:
@@ -152,6 +177,7 @@ class ModelSession(DraftSession):
         self._checked = min(self._checked, length)
 
     def commit(self, ids):
+        ids = self.view(ids)
         start = min(self._checked, len(ids) - 1)
         keep = min(start + common_prefix_length(self.cached[start:], ids[start:]), len(ids) - 1)
         self._rollback(keep)

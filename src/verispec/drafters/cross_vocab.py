@@ -25,7 +25,7 @@ from functools import lru_cache
 
 import torch
 
-from verispec.drafters.base import Drafter, DraftSession, ModelSession
+from verispec.drafters.base import Drafter, DraftSession, ModelSession, window_cut
 from verispec.drafters.prefix import common_prefix_length
 from verispec.models.runner import LoadedModel
 from verispec.sampling.processors import SamplingParams, greedy_tokens, penalty_seen, to_probs
@@ -168,8 +168,8 @@ def retokenize(target_tokenizer, draft_tokenizer, target_ids: list[int], context
 class CrossVocabDrafter(Drafter):
     """A draft model whose tokenizer differs from the target's (see the module docstring)."""
 
-    def __init__(self, draft: LoadedModel, target: LoadedModel):
-        self.model, self.target = draft, target
+    def __init__(self, draft: LoadedModel, target: LoadedModel, window: int | None = None):
+        self.model, self.target, self.window = draft, target, window  # window: as DraftModelDrafter's, in draft ids
         self.name = f"model:{draft.name}"
         self.shared = shared_vocabulary(target.tokenizer, draft.tokenizer, target.vocab_size, draft.vocab_size)
 
@@ -189,9 +189,11 @@ class _CrossVocabSession(ModelSession):
         self.drafter = drafter
         self.context = DraftContext(drafter.target.tokenizer, drafter.model.tokenizer)
         context = self.context.ids(prompt_ids)
-        if not context or len(context) >= drafter.model.context_length:  # no text yet, or too long to draft for
+        cut = window_cut(len(context), drafter.window)
+        read = len(context) if cut is None else len(context) - cut[1] + cut[0]
+        if not context or read >= drafter.model.context_length:  # no text yet, or too long to draft for
             context = [0]  # an empty cache: a prefilled cache holds all but the last id
-        super().__init__(drafter.model, context, prefill)
+        super().__init__(drafter.model, context, prefill, drafter.window)
 
     def _sync(self, context: list[int]) -> torch.Tensor:
         """Cut the cache back to what it shares with `context`, feed the rest; logits [1, vocab] after it."""
@@ -202,7 +204,7 @@ class _CrossVocabSession(ModelSession):
         pass
 
     def propose(self, ids, gamma, params, generator):
-        context = self.context.ids(ids)
+        context = self.view(self.context.ids(ids))
         model = self.drafter.model
         if gamma <= 0 or not context or len(context) + gamma >= model.context_length:
             return Draft.empty()

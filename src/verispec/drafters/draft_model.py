@@ -57,8 +57,10 @@ def sample_chain(
 
 
 class DraftModelDrafter(Drafter):
-    def __init__(self, model: LoadedModel, target_vocab_size: int):
-        self.model = model
+    """window: the draft reads at most the last `window` prompt tokens (`base.window_cut`; None: all)."""
+
+    def __init__(self, model: LoadedModel, target_vocab_size: int, window: int | None = None):
+        self.model, self.window = model, window
         self.name = f"model:{model.name}"
         self.target_vocab_size = target_vocab_size
 
@@ -71,7 +73,7 @@ class DraftModelDrafter(Drafter):
 
 class _DraftModelSession(ModelSession):
     def __init__(self, drafter: DraftModelDrafter, prompt_ids: list[int], prefill: bool = True):
-        super().__init__(drafter.model, prompt_ids, prefill)
+        super().__init__(drafter.model, prompt_ids, prefill, drafter.window)
         self.target_vocab_size = drafter.target_vocab_size
 
     def propose(self, ids, gamma, params, generator):

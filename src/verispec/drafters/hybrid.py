@@ -16,6 +16,8 @@ a CPU, prompt lookup inside `hybrid` lost to prompt lookup alone on summaries an
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from verispec.drafters.base import ComposedSession, Drafter, DraftSession
@@ -31,17 +33,22 @@ MAX_NGRAM_CHAIN = 16  # the longest n-gram chain the schedule grows to (a step d
 
 class HybridDrafter(Drafter):
     """`model_drafter`: the draft model's drafter (`DraftModelDrafter`, or `CrossVocabDrafter` for a model of
-    another tokenizer: `hybrid:draft=NAME`)."""
+    another tokenizer: `hybrid:draft=NAME`). `window`: the draft model reads at most the prompt's last
+    `window` tokens (`base.window_cut`; 0: all of it), so that a long prompt does not cost a long draft
+    prefill where the n-gram index does the copying."""
 
-    def __init__(self, model_drafter: Drafter, min_match: int = 2, min_rate: int = 30, max_n: int = 4):
+    def __init__(self, model_drafter: Drafter, min_match: int = 2, min_rate: int = 30, max_n: int = 4, window: int = 0):
         if min_match < 1 or not 0 <= min_rate <= 100:
             raise InvalidParameterError(
                 f"hybrid drafter needs min_match ≥ 1 and 0 ≤ min_rate ≤ 100 (percent); got {min_match}, {min_rate}"
             )
+        if window:  # the draft model reads the prompt's last `window` tokens; the n-gram index reads all of it
+            model_drafter = copy.copy(model_drafter)
+            model_drafter.window = window
         self.model_drafter, self.model = model_drafter, model_drafter.model
         self.ngram_drafter = NgramDrafter(max_n=max(max_n, min_match))
         self.min_match, self.min_rate = min_match, min_rate / 100
-        self.name = f"hybrid:min_match={min_match},min_rate={min_rate},draft={self.model.name}"
+        self.name = f"hybrid:min_match={min_match},min_rate={min_rate},draft={self.model.name}" + (f",window={window}" if window else "")
 
     def start(self, prompt_ids: list[int]) -> DraftSession:
         return _HybridSession(self, prompt_ids)
