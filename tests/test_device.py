@@ -6,6 +6,8 @@ On a machine with a GPU the CUDA group runs with the rest; to run just these the
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -34,6 +36,18 @@ def test_resolve_device_names():
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
     with pytest.raises(InvalidParameterError, match="device must be one of"):
         resolve_device("tpu")
+
+
+def test_a_gpu_asks_cublas_for_its_reproducible_setting(monkeypatch):
+    """Captures of CUDA graphs run cuBLAS from several streams, where only a fixed workspace gives the same bits
+    run after run; a user's own setting is kept, and the CPU changes nothing."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert resolve_device("cpu").type == "cpu" and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    assert resolve_device("cuda").type == "cuda" and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    assert resolve_device("auto").type == "cuda" and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
 
 
 @no_cuda

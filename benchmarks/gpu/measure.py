@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -46,7 +47,7 @@ from verispec.drafters.prefix import common_prefix_length
 from verispec.drafters import make_drafter
 from verispec.engine.build import EngineBuilder
 from verispec.engine.loop import Engine, GenerationConfig
-from verispec.models.cuda_graphs import MAX_CHAIN
+from verispec.models.cuda_graphs import MAX_CHAIN, graphs_wanted
 from verispec.models.device import resolve_device, synchronize
 from verispec.tools.bench.questions import encoded_prompts
 
@@ -58,7 +59,8 @@ TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "nu
 def environment(device: torch.device) -> dict:
     """What the numbers were measured on."""
     info = {"kind": "env", "torch": torch.__version__, "cuda": torch.version.cuda, "device": str(device),
-            "python": platform.python_version(), "cpu": platform.processor() or platform.machine()}
+            "python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
+            "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
         try:
@@ -304,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = resolve_device(args.device)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    replay = graphs_wanted(device)  # steps replayed as graphs: on CUDA, or on a CPU with VERISPEC_CUDA_GRAPHS=everywhere
     tiny = args.tiny
     max_n = args.max_n or (4 if tiny else 64)
     repeats = args.repeats or (2 if tiny else 20)
@@ -353,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
                     emit({"kind": "cost", "model": name, "role": role, "mode": mode, "context": context, "widths": widths,
                           "seconds": seconds, "ratio": [t / seconds[0] for t in seconds]})
                 attempt(f"T(n) {role} {mode}", measure)
-            runners[role].use_graphs(device.type == "cuda")  # back to the default
+            runners[role].use_graphs(replay)  # back to the default
         target = builder.target()
         if args.real is not None:  # the questions' first turns in the target's chat template
             prompts = encoded_prompts(target, str(args.questions), args.per_category)
@@ -364,14 +367,14 @@ def main(argv: list[str] | None = None) -> int:
         stop = args.real is not None
         plain: dict[bool, list[list[int]]] = {}
         plain_modes = [True] if args.no_launched else [False, True]
-        for graphs in (plain_modes if device.type == "cuda" else [False]):  # plain decoding launched, then replayed
+        for graphs in (plain_modes if replay else [False]):  # plain decoding launched, then replayed
             def measure_plain(graphs=graphs):
                 runners["target"].use_graphs(graphs)
                 record, plain[graphs] = verispec_speed(builder, "none", prompts, new_tokens, args.gamma, device, stop)
                 emit({**record, "gamma": 0})
             attempt(f"plain graphs={graphs}", measure_plain)
-        runners["target"].use_graphs(device.type == "cuda")
-        reference = plain.get(device.type == "cuda")
+        runners["target"].use_graphs(replay)
+        reference = plain.get(replay)
         for entry in [m.strip() for m in methods.split(",") if m.strip() != "none"]:
             def measure_method(entry=entry):
                 method, gamma, policy = method_and_policy(entry, args.gamma)
@@ -384,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         if reference is not None:  # plain again after the methods: how far the machine drifted meanwhile
             attempt("plain again", lambda: emit({**verispec_speed(builder, "none", prompts, new_tokens, args.gamma, device,
                                                                    stop)[0], "gamma": 0, "again": True}))
-        if device.type == "cuda" and False in plain and True in plain:
+        if False in plain and True in plain:
             emit({"kind": "flips", "what": "plain replayed vs plain launched", **agreement(plain[False], reference)})
         hf_runs = [m.strip() for m in hf_methods.split(",") if m.strip() not in ("", "none")]
         if hf_runs:

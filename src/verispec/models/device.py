@@ -3,11 +3,13 @@
 One decision for every entry point (`load(device=…)`, the CLI's --device, `verispec serve`, `batch`,
 `bench`, Ray): "auto" is CUDA when torch sees a GPU and the CPU otherwise; "cuda" without a GPU, and a
 CPU-only backend (llama.cpp's gguf / gguf-wide, the fbgemm int8 kernels) on CUDA, are refused with an
-error that says what to change. The CPU is the default, and on it nothing moves: every tensor a step
+error that says what to change. On a GPU cuBLAS is asked for its reproducible setting. The CPU is the default, and on it nothing moves: every tensor a step
 makes is created where it always was (`.to(cpu)` of a CPU tensor is the tensor itself).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -16,6 +18,7 @@ from verispec.errors import InvalidParameterError
 __all__ = ["CPU", "DEVICES", "CPU_ONLY_PRECISIONS", "resolve_device", "check_device", "synchronize", "device_tag"]
 
 CPU = torch.device("cpu")
+DETERMINISTIC_CUBLAS = ":4096:8"  # CUBLAS_WORKSPACE_CONFIG on a GPU (`_with_deterministic_cublas`)
 DEVICES = ("cpu", "cuda", "auto")  # the names the CLI offers ("cuda:N" is accepted too)
 CPU_ONLY_PRECISIONS = {
     "int8": "its int8 kernels (fbgemm) run on the CPU only",
@@ -35,7 +38,7 @@ def resolve_device(device: str | torch.device | None = "cpu") -> torch.device:
     else:
         name = str(device).strip().lower()
     if name == "auto":
-        return torch.device("cuda") if torch.cuda.is_available() else CPU
+        return _with_deterministic_cublas(torch.device("cuda")) if torch.cuda.is_available() else CPU
     try:
         resolved = torch.device(name)
     except RuntimeError:
@@ -50,7 +53,17 @@ def resolve_device(device: str | torch.device | None = "cpu") -> torch.device:
             )
         if resolved.index is not None and resolved.index >= torch.cuda.device_count():
             raise InvalidParameterError(f"device {name!r}: torch sees {torch.cuda.device_count()} GPU(s)")
+        return _with_deterministic_cublas(resolved)
     return resolved
+
+
+def _with_deterministic_cublas(device: torch.device) -> torch.device:
+    """`device`, with cuBLAS asked for one fixed workspace per handle (unless the user chose a setting): cuBLAS
+    promises the same bits run after run only then when several streams share it, as captures of CUDA graphs
+    do (NVIDIA's reproducibility notes; PyTorch's "Reproducibility"). Read when cuBLAS first starts in this
+    process, so it is set before the first step."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", DETERMINISTIC_CUBLAS)
+    return device
 
 
 def check_device(precision: str, device: torch.device) -> None:
