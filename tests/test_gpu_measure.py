@@ -46,6 +46,7 @@ def test_weights_travel_in_parts_and_join_to_the_same_model(tiny_target, tmp_pat
     monkeypatch.setattr(ship, "PART_BYTES", 2000)  # a tiny model in several parts
     manifest = ship.split("tiny", tmp_path / "parts", source=tiny_target)
     assert len(manifest["parts"]) > 1
+    (tmp_path / "call" / "site").mkdir(parents=True)  # a carried folder beside the parts stays out of the store
     for part in manifest["parts"] + ["tiny.json"]:  # one call per part: each brings one file
         carried = tmp_path / "call" / part
         carried.parent.mkdir(parents=True, exist_ok=True)

