@@ -11,6 +11,8 @@ on one device, in one run:
    Face `generate()` plain, assisted (`assistant_model=`) and prompt lookup (`prompt_lookup_num_tokens=`),
    greedy, on the same random models and random prompts (no EOS: every run makes --new-tokens tokens);
    each speculative output compared with plain decoding's on the same device and dtype (`same_as_plain`);
+   every verispec method timed on its second pass over the prompts, after a cold one that captured its
+   graphs, each pass with a fresh drafter (`verispec_speed`); plain timed again at the end (drift);
 3. the speedups over replayed plain decoding that the theory predicts from the measured graph curves,
    the draft's c and acceptance measured on the real models on a CPU (--alpha): random weights agree
    with nothing, so measured speculative tok/s here show the cost of a step, not its gain.
@@ -43,8 +45,8 @@ import torch
 
 from verispec.control.gamma import check_gamma_policy
 from verispec.control.theory import curve_verify_cost, expected_speedup
-from verispec.drafters.prefix import common_prefix_length
 from verispec.drafters import make_drafter
+from verispec.drafters.prefix import common_prefix_length
 from verispec.engine.build import EngineBuilder
 from verispec.engine.loop import Engine, GenerationConfig
 from verispec.models.cuda_graphs import MAX_CHAIN, graphs_wanted

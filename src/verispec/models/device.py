@@ -3,8 +3,9 @@
 One decision for every entry point (`load(device=…)`, the CLI's --device, `verispec serve`, `batch`,
 `bench`, Ray): "auto" is CUDA when torch sees a GPU and the CPU otherwise; "cuda" without a GPU, and a
 CPU-only backend (llama.cpp's gguf / gguf-wide, the fbgemm int8 kernels) on CUDA, are refused with an
-error that says what to change. On a GPU cuBLAS is asked for its reproducible setting. The CPU is the default, and on it nothing moves: every tensor a step
-makes is created where it always was (`.to(cpu)` of a CPU tensor is the tensor itself).
+error that says what to change. On a GPU cuBLAS is asked for its reproducible setting. The CPU is the
+default, and on it nothing moves: every tensor a step makes is created where it always was (`.to(cpu)` of a
+CPU tensor is the tensor itself).
 """
 
 from __future__ import annotations
