@@ -118,3 +118,4 @@ def test_linear_widths_runs_on_cpu_with_tiny_shapes(tmp_path):
     assert linears == [(name, m) for name in ("qkv", "o", "gate_up", "down", "head") for m in (1, 2, 3)]
     assert [r["m"] for r in records if r["kind"] == "attention"] == [1, 2, 3]
     assert all(r["seconds"] > 0 for r in records if r["kind"] != "env")
+    assert all(r["weight_first_seconds"] > 0 for r in records if r["kind"] == "linear")

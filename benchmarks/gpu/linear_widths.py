@@ -4,7 +4,8 @@ On an H100, SmolLM2-135M's replayed step costs 2.03 ms at one position and 2.34 
 (1.27× at 64; BENCHMARKS.md "GPU"): speculation there is bounded by that first step. This times, for the
 shapes of a shipped model (`configs.json`), each linear layer (`F.linear`, bfloat16: cuBLAS picks a
 matrix-vector kernel for one row, a matrix kernel for more) and the static attention (`F.scaled_dot_product_attention`
-over a whole pooled storage under a mask, as `Transformer.forward_static` calls it) at M = 1 … --max-m query rows,
+over a whole pooled storage under a mask, as `Transformer.forward_static` calls it) at M = 1 … --max-m query rows
+(each linear also as W @ xᵀ, the rows as the product's small side: cuBLAS chooses its kernel by shape),
 each as the median of --repeats replays of a CUDA graph of --calls back-to-back calls (launch costs out), and the
 same linears with `torch.compile(mode="max-autotune-no-cudagraphs")` where --compile is given. One JSON line per
 (kernel, M). On the GPU machine: PYTHONPATH=src python benchmarks/gpu/linear_widths.py --model smollm2-135m-instruct
@@ -93,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         for m in range(1, args.max_m + 1):
             x = torch.randn(m, inputs, device=device, dtype=dtype)  # [m, in]
             record = {"kind": "linear", "name": name, "in": inputs, "out": outputs, "m": m,
-                      "seconds": timed(lambda: F.linear(x, weight), device, args.calls, args.repeats)}
+                      "seconds": timed(lambda: F.linear(x, weight), device, args.calls, args.repeats),
+                      # the same product with the rows as the small side of W @ xᵀ: another cuBLAS kernel choice
+                      "weight_first_seconds": timed(lambda: (weight @ x.T).T, device, args.calls, args.repeats)}
             if compiled is not None:
                 record["compiled_seconds"] = timed(lambda: compiled(x, weight), device, args.calls, args.repeats)
             emit(record)
