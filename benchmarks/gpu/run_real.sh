@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The last of the back-to-back device calls that bring a real model over (`ship_weights.py`): keep this call's part,
 # join them all, then on the real weights: `measure.py --real` (by default plain launched / replayed, ngram, stand,
-# HF plain and prompt lookup, real acceptance; arguments after OUT go to measure.py) and `verispec analyze --flips`
-# (1-wide against 5-wide argmax on the GPU; FLIPS=0 skips it).
+# HF plain and prompt lookup, real acceptance; arguments after OUT go to measure.py), `verispec analyze --flips`
+# (1-wide against 5-wide argmax on the GPU; FLIPS=0 skips it) and, with WIDTHS=1, `linear_widths.py` on the model's
+# shapes and the 1.5B target's (what each kernel costs at 1 … 16 rows: the T(2)/T(1) step).
 # On the GPU machine, from the repository root: benchmarks/gpu/run_real.sh NAME "$OUT" [measure.py arguments]
 set -u
 name=${1:?model name, e.g. smollm2-135m-instruct}
@@ -15,3 +16,8 @@ timeout 400 python3 benchmarks/gpu/measure.py --real "/tmp/real/$name" --questio
 [ "${FLIPS:-1}" = 0 ] || timeout 120 python3 -c "from verispec.cli import main; raise SystemExit(main())" analyze --flips \
     --target "/tmp/real/$name" --dtype bfloat16 --device cuda --questions .gpu/question.jsonl --per-category 2 \
     --max-new-tokens 64 2>&1 | tail -3
+if [ "${WIDTHS:-0}" = 1 ]; then
+    for model in "$name" qwen2.5-coder-1.5b-instruct; do
+        timeout 120 python3 benchmarks/gpu/linear_widths.py --model "$model" --out "$out/widths-$model.jsonl" 2>&1 | tail -1
+    done
+fi
