@@ -40,13 +40,21 @@ def auto_precision(target: str, device: str = "cpu") -> str:
 
 
 def backend_choices() -> dict:
-    """The backends `planned_engine` chose before (cache_dir()/backend_choices.json): a later run loads the
-    chosen one alone (delete the file to plan again)."""
+    """The backends `planned_engine` chose before (cache_dir()/backend_choices.json), with the plan made over
+    each: a later run loads the chosen backend and drafter alone (delete the file to plan again)."""
     return read_table(BACKEND_CHOICES)
 
 
 def remember_backend_choice(key: str, plan: Plan) -> None:
-    store_in_table(BACKEND_CHOICES, key, {"precision": plan.precision, "seconds": plan.backends})
+    store_in_table(BACKEND_CHOICES, key, {"precision": plan.precision, "seconds": plan.backends, "plan": dataclasses.asdict(plan)})
+
+
+def remembered_plan(choice: dict) -> Plan | None:
+    """The plan a remembered backend choice was made with (None for a choice remembered without it)."""
+    if "plan" not in choice:
+        return None
+    fields = choice["plan"]
+    return Plan(**{**fields, "predicted": {name: tuple(value) for name, value in fields["predicted"].items()}})
 
 
 def auto_backends(target: str, device: str = "cpu") -> list[str]:
@@ -117,10 +125,16 @@ class EngineBuilder:
         several `backends` (precisions of the same target), each is planned and the fastest kept
         (`choose_backend`); `settle`: it becomes the builder's precision and the others' models are let go,
         each as soon as it is measured (a first run never holds two copies of the target; the kept one is
-        loaded again if it was let go), and the choice is remembered (`backend_choices`): a later run with
-        the same target, candidates, threads and CPU loads and plans the chosen backend alone."""
+        loaded again if it was let go), and the choice is remembered with its plan (`backend_choices`): a later
+        run with the same target, candidates, default draft, threads and CPU loads the chosen backend and the
+        plan's drafter alone (no draft model the plan did not choose)."""
         if backends and len(backends) > 1 and settle and (chosen := backend_choices().get(self._choice_key(backends))):
-            plan = dataclasses.replace(self.plan(gamma, chosen["precision"]), backends=chosen["seconds"])  # loads one backend
+            # the plan as made then (its costs are cached): no candidate drafter is built again to read them, so a
+            # draft model the plan did not choose is not loaded
+            plan = remembered_plan(chosen)
+            if plan is None:  # an older record, without its plan: plan that backend again, and keep the plan
+                plan = dataclasses.replace(self.plan(gamma, chosen["precision"]), backends=chosen["seconds"])
+                remember_backend_choice(self._choice_key(backends), plan)
             self.dtype = precision = plan.precision
         elif backends and len(backends) > 1:
             plans = []
@@ -142,14 +156,15 @@ class EngineBuilder:
         return engine
 
     def _choice_key(self, backends: list[str]) -> str:
-        """What a backend choice depends on: the target (its file's size and time), the candidates, the
-        threads and the CPU kind (its measured costs are cached under the same things)."""
+        """What a backend choice and its plan depend on: the target (its file's size and time), the candidates,
+        the default draft model, the threads and the CPU kind (its measured costs are cached under the same things)."""
         path = Path(self.target_spec)
         if self.target_spec in SHIPPED_MODELS:
             path = gguf_file(self.target_spec) if "gguf" in backends else path
         stamp = f"{path.stat().st_size}:{int(path.stat().st_mtime)}" if path.exists() else "?"
         kernels = f"|kquant={build_key('kquant')}" if "kquant" in backends else ""  # a new kernel: choose again
-        return f"{self.target_spec}|{stamp}|{','.join(backends)}{kernels}|threads={torch.get_num_threads()}|cpu={cpu_key()}"
+        draft = f"|draft={self.models.default_draft}" if self.models.default_draft else ""
+        return f"{self.target_spec}|{stamp}|{','.join(backends)}{kernels}{draft}|threads={torch.get_num_threads()}|cpu={cpu_key()}"
 
     def release(self, precision: str) -> None:
         """Let the target in `precision` and the drafters built for it go (a backend the plan did not keep)."""

@@ -14,9 +14,12 @@ into its own buffer.
 
 from __future__ import annotations
 
+import functools
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import BinaryIO
 
 import numpy as np
@@ -79,8 +82,16 @@ def _value(f: BinaryIO, kind: int):
     return _read(f, _SCALARS[kind])
 
 
-def tensor_index(path: Path) -> tuple[str, dict[str, TensorInfo]]:
-    """(architecture, tensor name → where and what it is) from a GGUF file's header."""
+def tensor_index(path: Path) -> tuple[str, Mapping[str, TensorInfo]]:
+    """(architecture, tensor name → where and what it is) from a GGUF file's header, read once per version of
+    the file in a process (loading a model asks several times; its vocabulary alone is ~150,000 strings)."""
+    stat = path.stat()
+    return _header_index(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _header_index(path: Path, size: int, mtime_ns: int) -> tuple[str, Mapping[str, TensorInfo]]:
+    """`tensor_index` of the file at `path` of this size and modification time."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     with open(path, "rb") as f:
@@ -105,7 +116,7 @@ def tensor_index(path: Path) -> tuple[str, dict[str, TensorInfo]]:
         block, block_bytes = GGML_QUANT_SIZES[kind]
         index[name] = TensorInfo(kind.name, shape, start + offset, int(np.prod(shape)) // block * block_bytes)
     architecture = meta.get("general.architecture")
-    return architecture.decode() if isinstance(architecture, bytes) else "?", index
+    return architecture.decode() if isinstance(architecture, bytes) else "?", MappingProxyType(index)  # shared: read-only
 
 
 def gguf_name(name: str) -> str | None:
