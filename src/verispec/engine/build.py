@@ -127,7 +127,7 @@ class EngineBuilder:
         each as soon as it is measured (a first run never holds two copies of the target; the kept one is
         loaded again if it was let go), and the choice is remembered with its plan (`backend_choices`): a later
         run with the same target, candidates, default draft, threads and CPU loads the chosen backend and the
-        plan's drafter alone (no draft model the plan did not choose)."""
+        plan's drafter alone; a first run lets go of the draft models it loaded for candidates it did not choose."""
         if backends and len(backends) > 1 and settle and (chosen := backend_choices().get(self._choice_key(backends))):
             # the plan as made then (its costs are cached): no candidate drafter is built again to read them, so a
             # draft model the plan did not choose is not loaded
@@ -151,9 +151,20 @@ class EngineBuilder:
                 remember_backend_choice(self._choice_key(backends), plan)
         else:
             plan = self.plan(gamma, precision)
+        if settle:
+            self._let_go_of_candidates(plan)
         engine = self.engine(plan.drafter, max(plan.gamma, 1), gamma_policy or "auto", precision)
         engine.plan = plan
         return engine
+
+    def _let_go_of_candidates(self, plan: Plan) -> None:
+        """Let the draft models go that only a candidate the plan did not choose loaded (to read its cost): a
+        first run then holds what a later one does, which takes the remembered plan and loads none of them."""
+        precision = parse_precision(plan.precision).name
+        for spec in plan.predicted:
+            drafter = self._drafters.pop((spec, precision), None) if spec != plan.drafter else None
+            if (model := getattr(drafter, "model", None)) is not None:
+                self.models.drop(model.name, model.precision)
 
     def _choice_key(self, backends: list[str]) -> str:
         """What a backend choice and its plan depend on: the target (its file's size and time), the candidates,
