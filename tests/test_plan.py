@@ -190,5 +190,7 @@ def test_a_remembered_plan_loads_no_draft_model_it_did_not_choose(tiny_target, t
     again = later.planned_engine(backends=["float32", "int8"], settle=True)
     assert again.plan == engine.plan
     assert {key[0] for key in later.models._models} == expected
+    assert build.remembered_plan({"precision": "int8"}) is None  # an older record: planned again
+    assert build.remembered_plan({"plan": {"precision": "int8", "unknown": 1}}) is None  # another version's form
     other = build.EngineBuilder(str(tiny_target), default_draft=str(tiny_target))  # another default draft: planned anew
     assert other._choice_key(["float32", "int8"]) != later._choice_key(["float32", "int8"])

@@ -50,11 +50,13 @@ def remember_backend_choice(key: str, plan: Plan) -> None:
 
 
 def remembered_plan(choice: dict) -> Plan | None:
-    """The plan a remembered backend choice was made with (None for a choice remembered without it)."""
-    if "plan" not in choice:
+    """The plan a remembered backend choice was made with (None for a choice remembered without it, or in a
+    form this version does not read: it is planned again)."""
+    try:
+        fields = choice["plan"]
+        return Plan(**{**fields, "predicted": {name: tuple(value) for name, value in fields["predicted"].items()}})
+    except (KeyError, TypeError, AttributeError):
         return None
-    fields = choice["plan"]
-    return Plan(**{**fields, "predicted": {name: tuple(value) for name, value in fields["predicted"].items()}})
 
 
 def auto_backends(target: str, device: str = "cpu") -> list[str]:
