@@ -175,6 +175,14 @@ def timed_pass(engine: Engine, prompts: list[list[int]], new_tokens: int, device
     return {"seconds": time.perf_counter() - start, "outputs": outputs, "steps": steps, "accepted": accepted, "judged": judged}
 
 
+def cold_pass(builder: EngineBuilder, method: str, gamma: int, policy: str, stop: bool, prompts: list[list[int]],
+              new_tokens: int, device: torch.device) -> tuple[dict, Engine]:
+    """A pass over the prompts that captures the graphs of the widths and cache capacities they meet (and lets
+    an analytic policy measure its costs), and a fresh engine for the pass that is timed after it."""
+    cold = timed_pass(fresh_engine(builder, method, gamma, policy, stop), prompts, new_tokens, device)
+    return cold, fresh_engine(builder, method, gamma, policy, stop)
+
+
 def verispec_speed(builder: EngineBuilder, method: str, prompts: list[list[int]], new_tokens: int, gamma: int,
                    device: torch.device, stop: bool, policy: str = "constant") -> tuple[dict, list[list[int]]]:
     """tok/s of verispec's `method` (a drafter spec; "none": plain) with `gamma` and its `policy` over the
@@ -183,8 +191,7 @@ def verispec_speed(builder: EngineBuilder, method: str, prompts: list[list[int]]
     the prompts meet (and an analytic policy measures its costs), reported as `cold_tok_s`; then the timed
     one, which replays them. `same_as_cold`: outputs of the two passes that agree (the same prompt, the same
     graphs: they should all agree), and where each pair parts (`cold_common_prefix`)."""
-    cold = timed_pass(fresh_engine(builder, method, gamma, policy, stop), prompts, new_tokens, device)
-    engine = fresh_engine(builder, method, gamma, policy, stop)
+    cold, engine = cold_pass(builder, method, gamma, policy, stop, prompts, new_tokens, device)
     run = timed_pass(engine, prompts, new_tokens, device)
     tokens = sum(len(ids) for ids in run["outputs"])
     failed = engine.target.runner._graphs.failed if engine.target.runner.graphs else None
@@ -206,8 +213,7 @@ def host_profile(builder: EngineBuilder, entry: str, prompts: list[list[int]], n
     import pstats
 
     method, gamma, policy = method_and_policy(entry, gamma)
-    timed_pass(fresh_engine(builder, method, gamma, policy, stop), prompts, new_tokens, device)
-    engine = fresh_engine(builder, method, gamma, policy, stop)
+    _, engine = cold_pass(builder, method, gamma, policy, stop, prompts, new_tokens, device)
     profiler = cProfile.Profile()
     profiler.enable()
     steps = timed_pass(engine, prompts, new_tokens, device)["steps"]

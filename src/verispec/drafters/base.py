@@ -115,6 +115,14 @@ def window_cut(length: int, window: int | None) -> tuple[int, int] | None:
     return (SINK, skip) if skip > SINK else None
 
 
+def windowed(ids: list[int], cut: tuple[int, int] | None) -> list[int]:
+    """What a draft with this `window_cut` reads of the sequence `ids`: all of it, or without the prompt's middle."""
+    if cut is None:
+        return ids
+    sink, skip = cut
+    return ids[:sink] + ids[skip:]
+
+
 class ModelSession(DraftSession):
     """A session drafting with `model` over a KV cache of its own that always holds a prefix of the
     sequence: `cached` is the ids whose keys/values it holds, the prompt but its last token at the start.
@@ -158,12 +166,8 @@ class ModelSession(DraftSession):
         return out
 
     def view(self, ids: list[int]) -> list[int]:
-        """What the draft reads of the sequence `ids`: all of it, or without the middle of a long prompt
-        (`window_cut`)."""
-        if self.cut is None:
-            return ids
-        sink, skip = self.cut
-        return ids[:sink] + ids[skip:]
+        """What the draft reads of the sequence `ids` (`windowed`)."""
+        return windowed(ids, self.cut)
 
     def _catch_up(self, ids: list[int], extra: Sequence[int] = (), logits: str = "last") -> torch.Tensor | None:
         """Feed the committed `ids` the cache lacks (at least the last one), then `extra` tokens after them."""

@@ -25,7 +25,7 @@ from functools import lru_cache
 
 import torch
 
-from verispec.drafters.base import Drafter, DraftSession, ModelSession, window_cut
+from verispec.drafters.base import Drafter, DraftSession, ModelSession, window_cut, windowed
 from verispec.drafters.prefix import common_prefix_length
 from verispec.models.runner import LoadedModel
 from verispec.sampling.processors import SamplingParams, greedy_tokens, penalty_seen, to_probs
@@ -189,9 +189,8 @@ class _CrossVocabSession(ModelSession):
         self.drafter = drafter
         self.context = DraftContext(drafter.target.tokenizer, drafter.model.tokenizer)
         context = self.context.ids(prompt_ids)
-        cut = window_cut(len(context), drafter.window)
-        read = len(context) if cut is None else len(context) - cut[1] + cut[0]
-        if not context or read >= drafter.model.context_length:  # no text yet, or too long to draft for
+        read = windowed(context, window_cut(len(context), drafter.window))  # what the draft's cache will hold
+        if not context or len(read) >= drafter.model.context_length:  # no text yet, or too long to draft for
             context = [0]  # an empty cache: a prefilled cache holds all but the last id
         super().__init__(drafter.model, context, prefill, drafter.window)
 
