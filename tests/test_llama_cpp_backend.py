@@ -107,6 +107,24 @@ def test_a_token_tree_scores_each_node_as_its_own_chain(wide_target):
     torch.testing.assert_close(runner.forward(cache, after), runner.forward(reference, after), rtol=0, atol=1e-2)
 
 
+def test_steps_after_a_kept_tree_path_round_as_plain_decoding(target):
+    """Keeping root, c of the tree root → a → b, root → c skips the cells of a and b. The following
+    single-token steps give the logits of a cache that was fed root, c as a chain, bit for bit: the kept
+    cells are laid out in position order again, not left for the next tokens to fill the gap before c."""
+    runner = target.runner
+    prompt = target.encode_prompt(PROMPT)
+    root, a, b, c = _tokens(target, 4, 3).tolist()
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]], dtype=torch.bool)  # [4, 4]
+    cache, reference = runner.prefilled_cache(prompt), runner.prefilled_cache(prompt)
+    start = cache.length
+    runner.forward(cache, torch.tensor([root, a, b, c]), positions=start + torch.tensor([0, 1, 2, 1]), tree_mask=mask)
+    cache.keep(start, torch.tensor([0, 3]))
+    runner.forward(reference, torch.tensor([root, c]))
+    for token in _tokens(target, 6, 5):
+        assert torch.equal(runner.forward(cache, token[None]), runner.forward(reference, token[None]))
+    cache.release(), reference.release()
+
+
 def test_contexts_are_given_back_and_reused(target, monkeypatch):
     """More requests over time than the runner keeps contexts: each request ends and gives its context
     back (emptied) to a bounded pool, the next request reuses it, and a cache dropped without

@@ -238,6 +238,16 @@ class LlamaCppCache:
         self.context.seq_cp(leaf, self.seq, start, start + kept)
         self._drop_tree()
         self.length = start + kept
+        if self.runner.exact and slots.tolist() != list(range(kept)):
+            self._lay_out_in_order()
+
+    def _lay_out_in_order(self) -> None:
+        """Move the sequence's keys/values into cells 0 … length−1 in position order, as plain decoding lays
+        them out. After a token tree the kept path can skip a rejected node's cell, which the next token would
+        fill: attention sums the cells in their order, so that token's step would round differently."""
+        state = self.context.export(self.seq)
+        self.context.seq_rm(self.seq, -1, -1)
+        self.context.load(state, self.seq)
 
     def clone(self) -> LlamaCppCache:
         """An independent copy: a sequence of its own holding the same keys/values (copied within a
