@@ -84,6 +84,23 @@ def test_bench_runs_the_auto_plan(tiny_text_pair, questions, tmp_path, monkeypat
     assert "vs:auto: plan: float32 ·" in " ".join((captured.out + captured.err).split())
 
 
+def test_bench_loads_the_target_only_in_its_methods_precisions(tiny_text_pair, questions, tmp_path, monkeypatch):
+    """Methods that name their precision: the prompts are encoded by the first one's target, so the
+    target is never loaded in the unused --dtype (float32) for its tokenizer alone."""
+    from verispec.engine.build import EngineBuilder
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    loaded, target_in = [], EngineBuilder.target
+    monkeypatch.setattr(EngineBuilder, "target",
+                        lambda self, precision=None: loaded.append(precision or self.dtype) or target_in(self, precision))
+    target, draft = tiny_text_pair
+    out = tmp_path / "bench.json"
+    assert cli_main(["bench", "--target", str(target), "--draft", str(draft), "--methods", "vs:none[int8],vs:ngram[int8]",
+                     "--questions", str(questions), "--categories", "rag", "--max-new-tokens", "8", "--json", str(out)]) == 0
+    assert set(loaded) == {"int8"}
+    assert all(run["token_ids"] for run in json.loads(out.read_text())["runs"])
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal of a machine without a GPU")
 def test_bench_on_cuda_without_a_gpu_says_so(tiny_text_pair, questions, tmp_path, capsys):
     target, draft = tiny_text_pair

@@ -80,7 +80,7 @@ from verispec.tools.bench.questions import load_sources, select
 from verispec.tools.bench.report import BASELINE, markdown_report, measured, summarize, unmeasured, write_json
 from verispec.control import POLICIES
 from verispec.engine import Engine, EngineBuilder, GenerationConfig
-from verispec.engine.build import auto_backends
+from verispec.engine.build import auto_backends, auto_precision
 from verispec.engine.spec import AUTO
 from verispec.errors import InvalidParameterError, VerispecError
 from verispec.models.device import DEVICES, resolve_device, synchronize
@@ -275,16 +275,18 @@ class Models:
     by every drafter), the HF target, the HF assistant (in the activation dtype of --dtype: float32 for
     int8, which transformers does not run)."""
 
-    def __init__(self, target: str, draft: str, dtype: str, temperature: float = 0.0, device: str = "cpu"):
+    def __init__(self, target: str, draft: str, dtype: str, temperature: float = 0.0, device: str = "cpu",
+                 prompt_precision: str | None = None):
         self.target_spec, self.draft_spec, self.dtype, self.temperature = target, draft, dtype, temperature
+        self.prompt_precision = prompt_precision or dtype
         self.device = resolve_device(device)  # verispec's torch runners and the HF models (llama.cpp: the CPU)
         # `model`, `tree`, `hybrid`, … draft with --draft
         self.builder = EngineBuilder(target, dtype, default_draft=draft, device=str(self.device))
 
     @property
     def target(self) -> LoadedModel:
-        """The verispec target in --dtype (prompts are encoded and stop ids read from it)."""
-        return self.target_in(self.dtype)
+        """The verispec target that encodes the prompts and says the stop ids, in `prompt_precision`."""
+        return self.target_in(self.prompt_precision)
 
     def target_in(self, precision: str) -> LoadedModel:
         return self.builder.target(precision)
@@ -524,6 +526,17 @@ def split_methods(text: str | None) -> list[str]:
     return [item.strip() for item in re.split(r",(?=\s*(?:hf-|vs:|llama-cpp))", text or "") if item.strip()]
 
 
+def prompt_precision(specs: list[MethodSpec], dtype: str, target: str, device: str) -> str:
+    """The precision of the target that encodes the prompts: the first verispec method's (it loads that
+    target anyway; `[auto]`: the plan's first backend), else --dtype. A run of `llama-cpp,vs:ngram[kquant]`
+    then never loads the target in float32 (6 GB for the 1.5B) only for its tokenizer."""
+    for spec in specs:
+        if spec.is_verispec:
+            precision = spec.precision or dtype
+            return auto_precision(target, device) if precision == AUTO else precision
+    return dtype
+
+
 def gpu_name(device: str) -> str | None:
     """The GPU a run measured on (None on the CPU)."""
     resolved = resolve_device(device)
@@ -563,7 +576,8 @@ def main(argv: list[str] | None = None) -> int:
         prompts = select(load_sources(args.questions), _split(args.categories), args.per_category)
         results = Results(run_config(args, prompts, specs), [s.name for s in specs], args.temperature > 0, args.json)
         results.save()  # an unwritable --json fails now, not after the run
-        models = Models(args.target, args.draft, args.dtype, args.temperature, args.device)
+        models = Models(args.target, args.draft, args.dtype, args.temperature, args.device,
+                        prompt_precision(specs, args.dtype, args.target, args.device))
         prompt_ids = [models.target.encode_prompt(p.text, chat=True) for p in prompts]
         warmup_ids = models.target.encode_prompt(WARMUP_PROMPT, chat=True)
         methods = [models.method(s) for s in specs]
