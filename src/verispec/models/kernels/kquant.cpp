@@ -402,70 +402,69 @@ inline __m256i twice16(__m256i scale) { return _mm256_or_si256(_mm256_and_si256(
 
 inline __m256i broadcast4_avx2(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
 
-// Register pressure: an AVX2-only CPU has 16 vector registers, so a half (8 columns) is finished before the
-// next, and a sub-block's weights are unpacked four registers at a time (low nibbles, then high): built for
-// haswell, the one-row kernel's spills fell from 50 to 10 (static count: benchmarks/probes/kernel_spills.py).
-// The integer sums are exact, so their order does not change a bit.
+// Register pressure: an AVX2-only CPU has 16 vector registers. A tile is worked through one half (8 columns)
+// at a time, over every super-block, so a row keeps one float accumulator, and a sub-block's 32 weights are
+// unpacked into eight registers once, then each row's eight products are summed in int16 and scaled into its
+// int32 dot product. The integer sums are exact in any order, and each column's float operations run in block
+// order as in the AVX-512 code, so the bits are the same.
 template <int R>
 void dot_tile_q4k_avx2(const uint8_t* tile, const Activations& a, int64_t row0, float* acc) {
   const __m256i low = _mm256_set1_epi8(0x0f);
-  __m256 y[R][2];
-  for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < a.blocks; ++b) {
-    const uint8_t* t = tile + b * kQ4KTile;
-    const uint8_t* nibbles = t + 2 * 32 + 2 * 8 * 16;
-    for (int h = 0; h < 2; ++h) {
+  for (int h = 0; h < 2; ++h) {
+    __m256 y[R];
+    for (int r = 0; r < R; ++r) y[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      const uint8_t* t = tile + b * kQ4KTile;
+      const uint8_t* nibbles = t + 2 * 32 + 2 * 8 * 16;
       __m256i dot[R];
       for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
       for (int j = 0; j < 8; ++j) {
         const __m256i scale = twice16(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + 64 + 16 * j + 8 * h))));
-        __m256i sub[R];
-        for (int part = 0; part < 2; ++part) {  // weights 0 … 15 of each column (low nibbles), then 16 … 31 (high)
-          __m256i w[4];  // w[tt]: weights 16 part + 4tt … + 3 of each column, unpacked once for every row
-          for (int tt = 0; tt < 4; ++tt) {
-            const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + 256 * j + 64 * tt + 32 * h));
-            w[tt] = _mm256_and_si256(part == 0 ? packed : _mm256_srli_epi16(packed, 4), low);
-          }
-          for (int r = 0; r < R; ++r) {
-            const int8_t* q = a.q + (row0 + r) * a.k + b * kBlock + 32 * j + 16 * part;
-            __m256i sum = _mm256_maddubs_epi16(w[0], broadcast4_avx2(q));
-            for (int tt = 1; tt < 4; ++tt) sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(w[tt], broadcast4_avx2(q + 4 * tt)));
-            sub[r] = part == 0 ? sum : _mm256_add_epi16(sub[r], sum);
-          }
+        __m256i w[8];  // w[i]: weights 4i … 4i + 3 of each column (low nibbles: i < 4; high: i ≥ 4)
+        for (int i = 0; i < 4; ++i) {
+          const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + 256 * j + 64 * i + 32 * h));
+          w[i] = _mm256_and_si256(packed, low);
+          w[4 + i] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
         }
-        for (int r = 0; r < R; ++r) dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(sub[r], scale));
+        for (int r = 0; r < R; ++r) {
+          const int8_t* q = a.q + (row0 + r) * a.k + b * kBlock + 32 * j;
+          __m256i even = _mm256_maddubs_epi16(w[0], broadcast4_avx2(q)), odd = _mm256_maddubs_epi16(w[1], broadcast4_avx2(q + 4));
+          for (int i = 2; i < 8; i += 2) {
+            even = _mm256_add_epi16(even, _mm256_maddubs_epi16(w[i], broadcast4_avx2(q + 4 * i)));
+            odd = _mm256_add_epi16(odd, _mm256_maddubs_epi16(w[i + 1], broadcast4_avx2(q + 4 * i + 4)));
+          }
+          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_add_epi16(even, odd), scale));
+        }
       }
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16 * h)));
       const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * h)));
-      __m256i min_pairs[4];  // [8 columns × (m of sub-block 2i, m of 2i + 1)] int16
-      for (int i = 0; i < 4; ++i) min_pairs[i] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 192 + 32 * i + 16 * h)));
       for (int r = 0; r < R; ++r) {
         const int16_t* pairs = a.pair_sums + (row0 + r) * (a.k / 32) + b * 8;
         __m256i mins = _mm256_setzero_si256();
-        for (int i = 0; i < 4; ++i) {
+        for (int i = 0; i < 4; ++i) {  // [8 columns × (m of sub-block 2i, m of 2i + 1)] int16 against the row's pair
           int32_t pair;
           std::memcpy(&pair, pairs + 2 * i, 4);
-          mins = _mm256_add_epi32(mins, _mm256_madd_epi16(min_pairs[i], _mm256_set1_epi32(pair)));
+          const __m256i min_pairs = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 192 + 32 * i + 16 * h)));
+          mins = _mm256_add_epi32(mins, _mm256_madd_epi16(min_pairs, _mm256_set1_epi32(pair)));
         }
         const __m256 xd = _mm256_set1_ps(a.d[(row0 + r) * a.blocks + b]);
-        y[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(d, xd), y[r][h]);
-        y[r][h] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dmin, xd), y[r][h]);
+        y[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(d, xd), y[r]);
+        y[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dmin, xd), y[r]);
       }
     }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + r * kCols + 8 * h, y[r]);
   }
-  for (int r = 0; r < R; ++r)
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc + r * kCols + 8 * h, y[r][h]);
 }
 
 template <int R>
 void dot_tile_q6k_avx2(const uint8_t* tile, const Activations& a, int64_t row0, float* acc) {
   const __m256i nibble = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
-  __m256 y[R][2];
-  for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < a.blocks; ++b) {
-    const uint8_t* t = tile + b * kQ6KTile;
-    const uint8_t* values = t + 32 + 16 * 16;
-    for (int h = 0; h < 2; ++h) {  // a half (8 columns) finished before the next, as in the Q4_K kernel
+  for (int h = 0; h < 2; ++h) {  // a half (8 columns) over every super-block, as in the Q4_K kernel
+    __m256 y[R];
+    for (int r = 0; r < R; ++r) y[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      const uint8_t* t = tile + b * kQ6KTile;
+      const uint8_t* values = t + 32 + 16 * 16;
       __m256i dot[R];
       for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
       for (int j = 0; j < 16; ++j) {
@@ -487,24 +486,22 @@ void dot_tile_q6k_avx2(const uint8_t* tile, const Activations& a, int64_t row0, 
       }
       // the weights are stored as value + 32: minus 32 · Σ_j scale_j · (the activations' sum over sub-block j),
       // two sub-blocks per `vpmaddwd` (|sum| ≤ 16 · 128 fits 16 bits)
-      __m256i pairs[8];  // [8 columns × (scale of sub-block 2i, of 2i + 1)] int16
-      for (int i = 0; i < 8; ++i)
-        pairs[i] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + 32 + 16 * (2 * i) + 8 * h)),
-                                                          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + 32 + 16 * (2 * i + 1) + 8 * h))));
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16 * h)));
       for (int r = 0; r < R; ++r) {
         const int32_t* sums = a.sums + (row0 + r) * (a.k / 16) + b * 16;
         __m256i offset = _mm256_setzero_si256();
-        for (int i = 0; i < 8; ++i)
-          offset = _mm256_add_epi32(offset, _mm256_madd_epi16(pairs[i], _mm256_set1_epi32(int32_t((uint32_t(sums[2 * i]) & 0xffffu) | (uint32_t(sums[2 * i + 1]) << 16)))));
+        for (int i = 0; i < 8; ++i) {  // [8 columns × (scale of sub-block 2i, of 2i + 1)] int16 against the row's pair
+          const __m256i pairs = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + 32 + 16 * (2 * i) + 8 * h)),
+                                                                       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + 32 + 16 * (2 * i + 1) + 8 * h))));
+          offset = _mm256_add_epi32(offset, _mm256_madd_epi16(pairs, _mm256_set1_epi32(int32_t((uint32_t(sums[2 * i]) & 0xffffu) | (uint32_t(sums[2 * i + 1]) << 16)))));
+        }
         const __m256i total = _mm256_sub_epi32(dot[r], _mm256_slli_epi32(offset, 5));
         const __m256 xd = _mm256_set1_ps(a.d[(row0 + r) * a.blocks + b]);
-        y[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, xd), y[r][h]);
+        y[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, xd), y[r]);
       }
     }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + r * kCols + 8 * h, y[r]);
   }
-  for (int r = 0; r < R; ++r)
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc + r * kCols + 8 * h, y[r][h]);
 }
 
 void dot_tile_avx2(int64_t kind, const uint8_t* tile, const Activations& a, int64_t row0, int rows, float* acc) {
