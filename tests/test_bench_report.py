@@ -90,6 +90,7 @@ def test_markdown_and_json(tmp_path):
     text = markdown_report(summary, CONFIG)
     assert "## Per category" in text and "| vs:model | mt_bench |" in text and "predicted" in text
     assert "on Some CPU, 2 CPUs, avx2 fma" in text.splitlines()[0]  # every result names its CPU kind
+    assert "--dtype float32 (methods without their own)" in text.splitlines()[0]  # not the precision of every method
     write_json(tmp_path / "out.json", CONFIG, summary, _records())
     data = json.loads((tmp_path / "out.json").read_text())
     assert set(data) == {"config", "methods", "runs"}

@@ -206,7 +206,7 @@ def markdown_report(summary: dict[str, dict], config: dict, unmeasured_records: 
     temperature = config.get("temperature", 0.0)
     sampled = temperature > 0
     mode = f"sampled at temperature {temperature}" if sampled else "greedy"
-    head = (f"target {config['target']}, draft {config['draft']}, {config['dtype']}, {mode}, "
+    head = (f"target {config['target']}, draft {config['draft']}, --dtype {config['dtype']} (methods without their own), {mode}, "
             f"≤{config['max_new_tokens']} new tokens, {config['measured_prompts']} prompts")
     if config.get("process_peak_rss_mib") is not None:
         head += f", process peak RSS {config['process_peak_rss_mib']:.0f} MiB"
