@@ -438,14 +438,15 @@ void dot_tile_q4k_avx2(const uint8_t* tile, const Activations& a, int64_t row0, 
       }
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16 * h)));
       const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * h)));
+      __m256i min_pairs[4];  // [8 columns × (m of sub-block 2i, m of 2i + 1)] int16, unpacked once for every row
+      for (int i = 0; i < 4; ++i) min_pairs[i] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 192 + 32 * i + 16 * h)));
       for (int r = 0; r < R; ++r) {
         const int16_t* pairs = a.pair_sums + (row0 + r) * (a.k / 32) + b * 8;
         __m256i mins = _mm256_setzero_si256();
-        for (int i = 0; i < 4; ++i) {  // [8 columns × (m of sub-block 2i, m of 2i + 1)] int16 against the row's pair
+        for (int i = 0; i < 4; ++i) {
           int32_t pair;
           std::memcpy(&pair, pairs + 2 * i, 4);
-          const __m256i min_pairs = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 192 + 32 * i + 16 * h)));
-          mins = _mm256_add_epi32(mins, _mm256_madd_epi16(min_pairs, _mm256_set1_epi32(pair)));
+          mins = _mm256_add_epi32(mins, _mm256_madd_epi16(min_pairs[i], _mm256_set1_epi32(pair)));
         }
         const __m256 xd = _mm256_set1_ps(a.d[(row0 + r) * a.blocks + b]);
         y[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(d, xd), y[r]);
@@ -486,15 +487,16 @@ void dot_tile_q6k_avx2(const uint8_t* tile, const Activations& a, int64_t row0, 
       }
       // the weights are stored as value + 32: minus 32 · Σ_j scale_j · (the activations' sum over sub-block j),
       // two sub-blocks per `vpmaddwd` (|sum| ≤ 16 · 128 fits 16 bits)
+      __m256i pairs[8];  // [8 columns × (scale of sub-block 2i, of 2i + 1)] int16, unpacked once for every row
+      for (int i = 0; i < 8; ++i)
+        pairs[i] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + 32 + 16 * (2 * i) + 8 * h)),
+                                                          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + 32 + 16 * (2 * i + 1) + 8 * h))));
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16 * h)));
       for (int r = 0; r < R; ++r) {
         const int32_t* sums = a.sums + (row0 + r) * (a.k / 16) + b * 16;
         __m256i offset = _mm256_setzero_si256();
-        for (int i = 0; i < 8; ++i) {  // [8 columns × (scale of sub-block 2i, of 2i + 1)] int16 against the row's pair
-          const __m256i pairs = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + 32 + 16 * (2 * i) + 8 * h)),
-                                                                       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + 32 + 16 * (2 * i + 1) + 8 * h))));
-          offset = _mm256_add_epi32(offset, _mm256_madd_epi16(pairs, _mm256_set1_epi32(int32_t((uint32_t(sums[2 * i]) & 0xffffu) | (uint32_t(sums[2 * i + 1]) << 16)))));
-        }
+        for (int i = 0; i < 8; ++i)
+          offset = _mm256_add_epi32(offset, _mm256_madd_epi16(pairs[i], _mm256_set1_epi32(int32_t((uint32_t(sums[2 * i]) & 0xffffu) | (uint32_t(sums[2 * i + 1]) << 16)))));
         const __m256i total = _mm256_sub_epi32(dot[r], _mm256_slli_epi32(offset, 5));
         const __m256 xd = _mm256_set1_ps(a.d[(row0 + r) * a.blocks + b]);
         y[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, xd), y[r]);
