@@ -143,7 +143,7 @@ def test_the_profile_accounts_for_every_step(tiny_target):
     from verispec.drafters import DraftModelDrafter
     from verispec.engine import Engine
     from verispec.models.loading import load_model
-    from verispec.tools.profile import format_profile, profile_method
+    from verispec.tools.profile import format_loop_curve, format_profile, profile_method
 
     target = load_model(tiny_target)
     target.eos_ids = frozenset()  # every request runs its 9 tokens
@@ -158,8 +158,13 @@ def test_the_profile_accounts_for_every_step(tiny_target):
     assert plain.steps == plain.tokens and plain.proposed == 0
     assert len(spec.contexts) == spec.steps and min(plain.contexts) == 4  # each step's context: prompt + tokens so far
     assert spec.steps < spec.tokens and spec.alpha == 1.0 and spec.phases["draft"] > 0
-    table = format_profile([plain, spec], [0.01, 0.012, 0.013, 0.015], {"model": 0.002})
+    assert set(plain.forwards) == {1} and len(plain.forwards[1]) == plain.steps  # each step's forward, by its width
+    assert sum(map(len, spec.forwards.values())) == spec.steps and max(spec.forwards) == 4  # γ 3: 4 positions
+    curve = [0.01, 0.012, 0.013, 0.015]
+    table = format_profile([plain, spec], curve, {"model": 0.002})
     assert [line.split("|")[1].strip() for line in table.splitlines()[2:]] == ["none", "model"]
+    loop = format_loop_curve([plain, spec], curve, least_steps=1)
+    assert "1: 1.00 (1.00)" in loop and "(1.50)" in loop  # the curve's T(4)/T(1) beside the loop's
 
 
 def test_the_profile_command_runs_every_method_on_every_prompt(tiny_target, tmp_path, capsys):

@@ -12,18 +12,21 @@ left (the loop around them). The table gives milliseconds per step, then per tok
 speedup over the plain row: measured, and predicted by the cost model from the measured α, c, T(n) (measured
 after the steps' mean context: verifying n positions attends n times the context, so a curve taken after 64
 tokens understates long prompts) and a draft model's T_d(2)/T_d(1) (its catching-up forward:
-`theory.draft_step_cost`), with and without the per-step work outside the forwards.
+`theory.draft_step_cost`), with and without the per-step work outside the forwards. A line above it
+sets the target's forwards as the steps met them (median seconds per width) beside that curve: where
+measured and predicted part, it says whether the costs or the acceptance model are off.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from dataclasses import dataclass, field
 
 from verispec.types import GenerationStats
 
-__all__ = ["MethodProfile", "profile_method", "format_profile", "run_profile"]
+__all__ = ["MethodProfile", "profile_method", "format_profile", "format_loop_curve", "run_profile"]
 
 
 @dataclass
@@ -40,6 +43,7 @@ class MethodProfile:
     judged: int = 0
     widths: list[int] = field(default_factory=list)  # draft tokens proposed at each step
     contexts: list[int] = field(default_factory=list)  # tokens before each step (the verification's context)
+    forwards: dict[int, list[float]] = field(default_factory=dict)  # positions n a step verified -> its target seconds
 
     def add(self, stats: GenerationStats, seconds: float, before: dict[str, float]) -> None:
         """A request's steps: its statistics, their wall time and the phases recorded before the steps
@@ -57,6 +61,8 @@ class MethodProfile:
         for record in stats.records[1:]:
             self.contexts.append(context)
             context += record.accepted + 1
+            positions = 1 + (record.proposed if record.width is None else record.width)
+            self.forwards.setdefault(positions, []).append(record.target_seconds)
 
     @property
     def other(self) -> float:
@@ -98,7 +104,9 @@ def format_profile(rows: list[MethodProfile], curve: list[float], draft_seconds:
                    catch_ups: dict[str, float] | None = None) -> str:
     """A Markdown table: ms per step for each phase, ms per token, τ, α, measured and predicted speedup
     over the first row (plain decoding), from the target's curve T(n) and each method's draft cost
-    (seconds per token, and its draft model's T_d(2)/T_d(1) in `catch_ups`: `theory.draft_step_cost`)."""
+    (seconds per token, and its draft model's T_d(2)/T_d(1) in `catch_ups`: `theory.draft_step_cost`):
+    with the tokens and widths the steps took (what the costs alone predict), then with E[tokens] from
+    α at each step's γ (what the plan predicts), then with the per-step work outside the forwards."""
     from verispec.control.theory import curve_verify_cost, draft_step_cost, expected_tokens
 
     verify = curve_verify_cost(curve)
@@ -106,7 +114,7 @@ def format_profile(rows: list[MethodProfile], curve: list[float], draft_seconds:
     plain_token = plain.seconds / max(plain.tokens, 1)
     plain_overhead = plain.overhead / curve[0]  # per-step work of plain decoding, in T(1)
     headers = ["method", "steps", *GenerationStats.PHASES, "other", "ms/step", "ms/token", "τ", "α",
-               "speedup", "predicted (forwards only)", "predicted (+ per-step work)"]
+               "speedup", "predicted (steps as taken)", "predicted (forwards only)", "predicted (+ per-step work)"]
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for row in rows:
         per_step = [1e3 * row.phases.get(phase, 0.0) / max(row.steps, 1) for phase in GenerationStats.PHASES]
@@ -115,13 +123,34 @@ def format_profile(rows: list[MethodProfile], curve: list[float], draft_seconds:
         step_cost = sum(draft_step_cost(row.alpha, g, c, catch_up) + verify(g) for g in widths) / len(widths)  # in T(1)
         tokens = sum(expected_tokens(row.alpha, g) for g in widths) / len(widths)
         forwards = tokens / step_cost
+        taken = sum(draft_step_cost(row.alpha, g, c, catch_up) for g in row.widths) + sum(
+            len(seconds) * verify(n - 1) for n, seconds in row.forwards.items())  # the steps' widths as verified
+        as_taken = row.tokens / taken if taken else 1.0
         honest = tokens * (1 + plain_overhead) / (step_cost + row.overhead / curve[0])
         cells = [row.method, str(row.steps), *(f"{ms:.2f}" for ms in per_step),
                  f"{1e3 * row.other / max(row.steps, 1):.2f}", f"{1e3 * row.seconds / max(row.steps, 1):.2f}",
                  f"{1e3 * row.seconds / max(row.tokens, 1):.2f}", f"{row.tau:.2f}", f"{row.alpha:.2f}",
-                 f"{plain_token / (row.seconds / max(row.tokens, 1)):.3f}×", f"{forwards:.3f}×", f"{honest:.3f}×"]
+                 f"{plain_token / (row.seconds / max(row.tokens, 1)):.3f}×", f"{as_taken:.3f}×", f"{forwards:.3f}×",
+                 f"{honest:.3f}×"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def format_loop_curve(rows: list[MethodProfile], curve: list[float], least_steps: int = 5) -> str:
+    """The target's forwards as the steps met them: for each width n that `least_steps` or more steps
+    verified, the median seconds of their target phase over plain decoding's median (n = 1), next to the
+    measured curve's T(n)/T(1) in parentheses. Where the two part, the cost model mispredicts."""
+    loop: dict[int, list[float]] = {}
+    for row in rows:
+        for positions, seconds in row.forwards.items():
+            loop.setdefault(positions, []).extend(seconds)
+    if 1 not in loop:
+        return "the steps' target forwards: no plain step to compare with"
+    one = statistics.median(loop[1])
+    cells = [f"{n}: {statistics.median(loop[n]) / one:.2f} ({curve[n - 1] / curve[0]:.2f})"
+             for n in sorted(loop) if len(loop[n]) >= least_steps and n <= len(curve)]
+    return (f"the steps' target forwards, median T(n)/T(1) in the loop (T(1) {1e3 * one:.1f} ms) and (the curve's): "
+            + ", ".join(cells))
 
 
 def run_profile(args: argparse.Namespace) -> int:
@@ -175,6 +204,7 @@ def run_profile(args: argparse.Namespace) -> int:
     drafts = ", ".join(f"{method} {catch_up:.2f}" for method, catch_up in catch_ups.items() if draft_seconds[method])
     if drafts:
         print(f"draft models' T_d(2)/T_d(1) (the catching-up forward): {drafts}")
+    print(format_loop_curve(rows, curve))
     print("milliseconds per step (phases of `GenerationStats.phases`; other: the loop around them):\n")
     print(format_profile(rows, curve, draft_seconds, catch_ups))
     return 0
