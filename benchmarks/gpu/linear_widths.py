@@ -7,8 +7,9 @@ matrix-vector kernel for one row, a matrix kernel for more) and the static atten
 over a whole pooled storage under a mask, as `Transformer.forward_static` calls it) at M = 1 … --max-m query rows
 (each linear also as W @ xᵀ, the rows as the product's small side: cuBLAS chooses its kernel by shape),
 each as the median of --repeats replays of a CUDA graph of --calls back-to-back calls (launch costs out), and the
-same linears with `torch.compile(mode="max-autotune-no-cudagraphs")` where --compile is given. One JSON line per
-(kernel, M). On the GPU machine: PYTHONPATH=src python benchmarks/gpu/linear_widths.py --model smollm2-135m-instruct
+same linears with `torch.compile(mode="max-autotune-no-cudagraphs")` where --compile is given, and on a GPU
+verispec's row-invariant Triton kernel (`models/cuda_linear.py`, up to 16 rows). Each record also says whether
+row 0 got the same bits as alone (cuBLAS, the Triton kernel, the attention). One JSON line per (kernel, M). On the GPU machine: PYTHONPATH=src python benchmarks/gpu/linear_widths.py --model smollm2-135m-instruct
 Smoke test on a CPU (no graphs, tiny shapes): --device cpu --tiny.
 """
 
@@ -22,6 +23,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from verispec.models.cuda_linear import MAX_ROWS, RowsLinear
 
 CONFIGS = Path(__file__).with_name("configs.json")
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -91,26 +94,35 @@ def main(argv: list[str] | None = None) -> int:
     compiled = torch.compile(F.linear, mode="max-autotune-no-cudagraphs", dynamic=False) if args.compile else None
     for name, (inputs, outputs) in shapes(config).items():
         weight = torch.randn(outputs, inputs, device=device, dtype=dtype)  # [out, in]
+        rows = RowsLinear(weight) if device.type == "cuda" else None  # the row-invariant Triton kernel (cuda_linear.py)
+        first = torch.randn(1, inputs, device=device, dtype=dtype)  # [1, in]: the row whose bits are compared
         for m in range(1, args.max_m + 1):
-            x = torch.randn(m, inputs, device=device, dtype=dtype)  # [m, in]
+            x = torch.cat([first, torch.randn(m - 1, inputs, device=device, dtype=dtype)])  # [m, in]
             record = {"kind": "linear", "name": name, "in": inputs, "out": outputs, "m": m,
                       "seconds": timed(lambda: F.linear(x, weight), device, args.calls, args.repeats),
                       # the same product with the rows as the small side of W @ xᵀ: another cuBLAS kernel choice
-                      "weight_first_seconds": timed(lambda: (weight @ x.T).T, device, args.calls, args.repeats)}
+                      "weight_first_seconds": timed(lambda: (weight @ x.T).T, device, args.calls, args.repeats),
+                      # row 0 as alone: whether cuBLAS gives it the same bits at m rows
+                      "same_bits": torch.equal(F.linear(x, weight)[0], F.linear(first, weight)[0])}
             if compiled is not None:
                 record["compiled_seconds"] = timed(lambda: compiled(x, weight), device, args.calls, args.repeats)
+            if rows is not None and m <= MAX_ROWS:
+                record["rows_kernel_seconds"] = timed(lambda: rows(x), device, args.calls, args.repeats)
+                record["rows_kernel_same_bits"] = torch.equal(rows(x)[0], rows(first)[0])
             emit(record)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     keys = torch.randn(1, kv_heads, args.capacity, head_dim, device=device, dtype=dtype)  # [1, kv_heads, capacity, hd]
     values = torch.randn_like(keys)
+    first = torch.randn(1, heads, 1, head_dim, device=device, dtype=dtype)  # [1, heads, 1, hd]
+    attend = lambda q, mask: F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # noqa: E731
     for m in range(1, args.max_m + 1):
-        q = torch.randn(1, heads, m, head_dim, device=device, dtype=dtype)  # [1, heads, m, hd]
+        q = torch.cat([first, torch.randn(1, heads, m - 1, head_dim, device=device, dtype=dtype)], dim=2)  # [1, heads, m, hd]
         mask = torch.ones(m, args.capacity, dtype=torch.bool, device=device)  # [m, capacity]
         mask[:, args.capacity // 2:] = False
-        emit({"kind": "attention", "m": m, "capacity": args.capacity, "seconds": timed(
-            lambda: F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True), device, args.calls,
-            args.repeats)})
+        emit({"kind": "attention", "m": m, "capacity": args.capacity,
+              "seconds": timed(lambda: attend(q, mask), device, args.calls, args.repeats),
+              "same_bits": torch.equal(attend(q, mask)[:, :, 0], attend(first, mask[:1])[:, :, 0])})
     return 0
 
 

@@ -28,12 +28,18 @@ one-row call runs as two rows (the row twice): as fast, within noise (Qwen2.5-1.
 shapes, one thread, best of 40: two rows 13.8 ms, one row 13.9 ms on AVX-512; 11.5 and 11.3 ms with
 oneDNN held to AVX2). Where oneDNN cannot pack (bf16 without AVX-512, no mkldnn) the layer runs
 `F.linear`, and row invariance is not promised (`row_invariant` is False).
+
+On a GPU a target's layer runs `F.linear` (cuBLAS), or, with `VERISPEC_CUDA_LINEAR=rows`, the Triton kernel of
+`cuda_linear.py` for calls of up to `cuda_linear.MAX_ROWS` rows: row-invariant over those (a decode step and a
+verification of up to 15 draft tokens give a position the same bits), and as cheap for 16 rows as for one.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from verispec.models.cuda_linear import MAX_ROWS, RowsLinear, rows_kernel_wanted
 
 __all__ = ["PackedLinear", "packing_available", "MIN_PACKED_WEIGHTS", "VERIFY_ROWS"]
 
@@ -64,9 +70,12 @@ class PackedLinear:
                 self.weight = torch.ops.mkldnn._reorder_linear_weight(self.weight, rows)
             except RuntimeError:  # this CPU lacks the instructions oneDNN needs for this dtype
                 self.packed = False
-        self.row_invariant = self.row_invariant and self.packed
+        self.rows_kernel = RowsLinear(self.weight, self.bias) if rows > 1 and rows_kernel_wanted(weight.device) else None
+        self.row_invariant = self.row_invariant and (self.packed or self.rows_kernel is not None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [rows, in] -> [rows, out]
+        if self.rows_kernel is not None and x.shape[0] <= MAX_ROWS:
+            return self.rows_kernel(x)
         if not self.packed:
             return F.linear(x, self.weight, self.bias)
         if self.row_invariant and x.shape[0] == 1:  # oneDNN's multi-row kernel, as in any batched pass

@@ -1,0 +1,101 @@
+"""A row-invariant linear layer for a verifying target on a GPU: y = x Wᵀ (+ b) over up to `MAX_ROWS` rows in one
+Triton kernel whose blocking never depends on the rows.
+
+cuBLAS picks its kernel by shape: a matrix-vector kernel for one row, matrix kernels of several tilings for
+more. So on a GPU a position's logits change with the number of positions its forward holds, and greedy
+speculation parts from plain decoding wherever a near tie flips (BENCHMARKS.md "GPU": 12 of 28 outputs equal
+to plain's); and the step from one row to two is most of what verification costs there (T(2)/T(1) 1.15 of a
+replayed SmolLM2-135M step, 1.23 at 13). This kernel always multiplies a tile of `MAX_ROWS` rows (the
+missing rows read as zeros) in blocks fixed by the weight's shape alone, so row i's sums run in the same
+order in every call whatever the other rows hold, and a call of one row costs what one of sixteen does
+(the weight is read once; the matrix units idle either way). Wider calls (a prompt, a chain of more than
+`MAX_ROWS` positions) run `F.linear`.
+
+Not the default until a GPU measures it against cuBLAS (`benchmarks/gpu/linear_widths.py` times both;
+`VERISPEC_CUDA_LINEAR=rows` turns it on for a target's layers: `linear.PackedLinear`). Under
+`TRITON_INTERPRET=1` (Triton's CPU interpreter, which the tests use) the operands are widened to float32
+before the dot: the interpreter's bfloat16 dot returns garbage.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+__all__ = ["MAX_ROWS", "RowsLinear", "rows_kernel_wanted"]
+
+MAX_ROWS = 16  # the rows of every tile: the smallest a matrix-unit dot takes
+BLOCK_K = 64  # the reduction's block: every shipped model's widths are multiples of it (masked otherwise)
+
+
+def rows_kernel_wanted(device: torch.device) -> bool:
+    """Whether a verifying target's linear layers on `device` run `RowsLinear` (`VERISPEC_CUDA_LINEAR=rows`,
+    a CUDA device, Triton importable)."""
+    if device.type != "cuda" or os.environ.get("VERISPEC_CUDA_LINEAR", "cublas") != "rows":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _kernel():
+    """The Triton kernel, defined on first use (Triton is imported only where a layer runs it)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["rows"])  # one compiled kernel for every row count (Triton would fold rows == 1)
+    def rows_linear(x, w, b, y, rows, n, k, x_stride, w_stride, y_stride, HAS_BIAS: tl.constexpr,
+                    WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        row = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+        col = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] this program's output columns
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for start in range(0, k, BLOCK_K):
+            depth = start + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+            xs = tl.load(x + row[:, None] * x_stride + depth[None, :],
+                         mask=(row[:, None] < rows) & (depth[None, :] < k), other=0.0)  # [BLOCK_M, BLOCK_K]
+            ws = tl.load(w + col[:, None] * w_stride + depth[None, :],
+                         mask=(col[:, None] < n) & (depth[None, :] < k), other=0.0)  # [BLOCK_N, BLOCK_K]
+            if WIDEN:
+                xs, ws = xs.to(tl.float32), ws.to(tl.float32)
+            acc = tl.dot(xs, tl.trans(ws), acc)  # [BLOCK_M, BLOCK_N] float32
+        if HAS_BIAS:
+            acc += tl.load(b + col, mask=col < n, other=0.0).to(tl.float32)[None, :]
+        tl.store(y + row[:, None] * y_stride + col[None, :], acc.to(y.dtype.element_ty),
+                 mask=(row[:, None] < rows) & (col[None, :] < n))
+
+    return rows_linear
+
+
+def _block_n(out_features: int, processors: int) -> int:
+    """The widest column block (64, 32 or 16) that still gives every multiprocessor a program."""
+    return next((block for block in (64, 32) if -(-out_features // block) >= processors), 16)
+
+
+class RowsLinear:
+    """y = x Wᵀ + b with W [out, in] on the GPU: `RowsLinear.__call__` takes [rows ≤ MAX_ROWS, in]."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight = weight.contiguous()  # [out, in]
+        self.bias = bias.contiguous() if bias is not None else None  # [out]
+        self.out_features, self.in_features = weight.shape
+        device = weight.device
+        processors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+        self.block_n = _block_n(self.out_features, processors)  # fixed by the weight: the same blocking for any rows
+        self.widen = os.environ.get("TRITON_INTERPRET") == "1"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [rows, in] -> [rows, out]
+        rows = x.shape[0]
+        if not 1 <= rows <= MAX_ROWS:
+            raise ValueError(f"RowsLinear takes 1…{MAX_ROWS} rows, got {rows}")
+        x = x.contiguous()
+        y = torch.empty(rows, self.out_features, dtype=x.dtype, device=x.device)
+        grid = (-(-self.out_features // self.block_n),)
+        _kernel()[grid](x, self.weight, self.bias if self.bias is not None else self.weight, y, rows, self.out_features,
+                        self.in_features, x.stride(0), self.weight.stride(0), y.stride(0), HAS_BIAS=self.bias is not None,
+                        WIDEN=self.widen, BLOCK_M=MAX_ROWS, BLOCK_N=self.block_n, BLOCK_K=BLOCK_K, num_warps=4, num_stages=4)
+        return y
