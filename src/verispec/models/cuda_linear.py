@@ -12,9 +12,10 @@ order in every call whatever the other rows hold, and a call of one row costs wh
 `MAX_ROWS` positions) run `F.linear`.
 
 Not the default until a GPU measures it against cuBLAS (`benchmarks/gpu/linear_widths.py` times both;
-`VERISPEC_CUDA_LINEAR=rows` turns it on for a target's layers: `linear.PackedLinear`). Under
-`TRITON_INTERPRET=1` (Triton's CPU interpreter, which the tests use) the operands are widened to float32
-before the dot: the interpreter's bfloat16 dot returns garbage.
+`VERISPEC_CUDA_KERNELS=rows` turns it on for a target's layers: `linear.PackedLinear`). Under
+`TRITON_INTERPRET=1` (Triton's CPU interpreter, which the tests use) the dot is float32 products summed row
+by row: the interpreter's bfloat16 dot returns garbage, and its float32 dot (numpy's) sums a row differently
+by its place in the tile, which the matrix units do not.
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ BLOCK_K = 64  # the reduction's block: every shipped model's widths are multiple
 
 
 def rows_kernel_wanted(device: torch.device) -> bool:
-    """Whether a verifying target's linear layers on `device` run `RowsLinear` (`VERISPEC_CUDA_LINEAR=rows`,
-    a CUDA device, Triton importable)."""
-    if device.type != "cuda" or os.environ.get("VERISPEC_CUDA_LINEAR", "cublas") != "rows":
+    """Whether a verifying target on `device` runs verispec's row-invariant kernels (`VERISPEC_CUDA_KERNELS=rows`,
+    a CUDA device or Triton's CPU interpreter, Triton importable): its linears `RowsLinear`, its attention
+    `cuda_attention.static_attention`."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # the tests run the kernels on a CPU
+    if (device.type != "cuda" and not interpreted) or os.environ.get("VERISPEC_CUDA_KERNELS", "torch") != "rows":
         return False
     try:
         import triton  # noqa: F401
@@ -60,9 +63,10 @@ def _kernel():
                          mask=(row[:, None] < rows) & (depth[None, :] < k), other=0.0)  # [BLOCK_M, BLOCK_K]
             ws = tl.load(w + col[:, None] * w_stride + depth[None, :],
                          mask=(col[:, None] < n) & (depth[None, :] < k), other=0.0)  # [BLOCK_N, BLOCK_K]
-            if WIDEN:
-                xs, ws = xs.to(tl.float32), ws.to(tl.float32)
-            acc = tl.dot(xs, tl.trans(ws), acc)  # [BLOCK_M, BLOCK_N] float32
+            if WIDEN:  # the interpreter: float32 products summed per row (its dot is numpy's)
+                acc += tl.sum(xs.to(tl.float32)[:, None, :] * ws.to(tl.float32)[None, :, :], 2)
+            else:
+                acc = tl.dot(xs, tl.trans(ws), acc)  # [BLOCK_M, BLOCK_N] float32
         if HAS_BIAS:
             acc += tl.load(b + col, mask=col < n, other=0.0).to(tl.float32)[None, :]
         tl.store(y + row[:, None] * y_stride + col[None, :], acc.to(y.dtype.element_ty),

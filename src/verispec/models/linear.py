@@ -29,7 +29,7 @@ shapes, one thread, best of 40: two rows 13.8 ms, one row 13.9 ms on AVX-512; 11
 oneDNN held to AVX2). Where oneDNN cannot pack (bf16 without AVX-512, no mkldnn) the layer runs
 `F.linear`, and row invariance is not promised (`row_invariant` is False).
 
-On a GPU a target's layer runs `F.linear` (cuBLAS), or, with `VERISPEC_CUDA_LINEAR=rows`, the Triton kernel of
+On a GPU a target's layer runs `F.linear` (cuBLAS), or, with `VERISPEC_CUDA_KERNELS=rows`, the Triton kernel of
 `cuda_linear.py` for calls of up to `cuda_linear.MAX_ROWS` rows: row-invariant over those (a decode step and a
 verification of up to 15 draft tokens give a position the same bits), and as cheap for 16 rows as for one.
 """
@@ -63,14 +63,15 @@ class PackedLinear:
         self.nbytes = (weight.numel() + (bias.numel() if bias is not None else 0)) * weight.element_size()
         big = weight.numel() >= MIN_PACKED_WEIGHTS
         self.row_invariant = rows > 1  # packed whatever its size, and never called with a single row
-        self.packed = pack and (big or self.row_invariant) and weight.device.type == "cpu" and packing_available()
         self.weight = weight.contiguous()
+        self.rows_kernel = RowsLinear(self.weight, self.bias) if rows > 1 and rows_kernel_wanted(weight.device) else None
+        self.packed = (pack and (big or self.row_invariant) and weight.device.type == "cpu" and packing_available()
+                       and self.rows_kernel is None)
         if self.packed:
             try:
                 self.weight = torch.ops.mkldnn._reorder_linear_weight(self.weight, rows)
             except RuntimeError:  # this CPU lacks the instructions oneDNN needs for this dtype
                 self.packed = False
-        self.rows_kernel = RowsLinear(self.weight, self.bias) if rows > 1 and rows_kernel_wanted(weight.device) else None
         self.row_invariant = self.row_invariant and (self.packed or self.rows_kernel is not None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [rows, in] -> [rows, out]

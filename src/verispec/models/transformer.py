@@ -41,7 +41,9 @@ from safetensors import safe_open
 
 from verispec.errors import ModelNotFoundError
 from verispec.models import kernels
+from verispec.models.cuda_attention import static_attention, supports
 from verispec.models.cuda_graphs import GraphSteps, StoragePool, graphs_wanted
+from verispec.models.cuda_linear import rows_kernel_wanted
 from verispec.models.device import CPU
 from verispec.models.int8 import Int8Linear
 from verispec.models.int8_store import Int8Store
@@ -197,6 +199,18 @@ class _Row:
     slots: torch.Tensor | None = None  # [n] the slots written, on the device: a static forward (`forward_static`)
 
     @cached_property
+    def written(self) -> torch.Tensor:
+        """[n] the slots this row writes, on the device (`cuda_attention.static_attention` reads up to the last)."""
+        return self.slots if self.slots is not None else torch.arange(self.start, self.start + self.n, device=self.positions.device)
+
+    @cached_property
+    def visible(self) -> torch.Tensor:
+        """[n, ≥ start + n] bool: the slots each new token attends to (`mask`, or everything up to itself)."""
+        if self.mask is not None:
+            return self.mask
+        return torch.ones(self.n, self.start + self.n, dtype=torch.bool, device=self.positions.device)
+
+    @cached_property
     def seen(self) -> list[slice | torch.Tensor]:
         """Per new token, the cache slots it attends to, in the order a single-token decode step would
         see them: a chain position's prefix, or a tree node's context then its ancestors and itself (a
@@ -317,6 +331,10 @@ class Transformer:
         if quant == "kquant":  # its costs are the kernels' own: a new kernel build, or other code of it, is measured anew
             self.variant += f",kernels={kernels.build_key('kquant')}:{kquant_kernels().kernels_in_use()}"
         self.row_invariant = quant is not None
+        # a verifying target's replayed GPU steps on verispec's row-invariant kernels (`cuda_linear.py`, `cuda_attention.py`)
+        self._rows_attention = pack_rows > 1 and rows_kernel_wanted(device)
+        if self._rows_attention:  # other kernels, other costs: timed apart
+            self.variant += ",cuda-rows"
         # kquant's own attention (`kernels/attention.h`): every feed's positions each on its own, chains and trees
         self._exact_attend = kquant_kernels().attend if quant == "kquant" else None
         self._compiled: tuple = (None, None)  # (the layers it was built from, `Int8Layers`/`KQuantLayers` or None)
@@ -647,15 +665,24 @@ class Transformer:
             if row.slots is not None:  # a static forward: written at device-given slots, attention over the whole storage
                 row.cache.keys[layer].index_copy_(1, row.slots, k[:, offset : offset + row.n])
                 row.cache.values[layer].index_copy_(1, row.slots, v[:, offset : offset + row.n])
-                outputs.append(F.scaled_dot_product_attention(
-                    q[None, :, offset : offset + row.n], row.cache.keys[layer][None], row.cache.values[layer][None],
-                    attn_mask=row.mask, scale=scale, enable_gqa=True,
-                )[0])  # [heads, n, head_dim]
+                if self._rows_attention and supports(self.config.head_dim, row.n):  # each query as its decode step
+                    outputs.append(static_attention(q[:, offset : offset + row.n], row.cache.keys[layer],
+                                                    row.cache.values[layer], row.visible, row.written, scale))
+                else:
+                    outputs.append(F.scaled_dot_product_attention(
+                        q[None, :, offset : offset + row.n], row.cache.keys[layer][None], row.cache.values[layer][None],
+                        attn_mask=row.mask, scale=scale, enable_gqa=True,
+                    )[0])  # [heads, n, head_dim]
                 offset += row.n
                 continue
             end = row.start + row.n
             row.cache.keys[layer, :, row.start : end] = k[:, offset : offset + row.n]
             row.cache.values[layer, :, row.start : end] = v[:, offset : offset + row.n]
+            if self._rows_attention and supports(self.config.head_dim, row.n):  # a step launched eagerly: as replayed
+                outputs.append(static_attention(q[:, offset : offset + row.n], row.cache.keys[layer],
+                                                row.cache.values[layer], row.visible, row.written, scale))
+                offset += row.n
+                continue
             if self._exact_attend is not None:  # every position on its own, in one call (a prompt's too: as fast as SDPA)
                 mask = None if row.chain else row.mask
                 outputs.append(self._exact_attend(q[:, offset : offset + row.n], row.cache.keys[layer], row.cache.values[layer],
