@@ -105,8 +105,9 @@ DECODE = textwrap.dedent("""
     import torch
     from verispec.models.loading import load_model
 
-    runner = load_model(sys.argv[1]).runner  # a verifying target (its linears laid out for several rows)
-    assert runner._rows_attention and runner.layers[0].qkv.rows_kernel is not None and runner.graphs == (sys.argv[2] == "1")
+    folder, replayed, dtype, device = sys.argv[1:]
+    runner = load_model(folder, dtype, device=torch.device(device)).runner  # a verifying target (linears for several rows)
+    assert runner._rows_attention and runner.layers[0].qkv.rows_kernel is not None and runner.graphs == (replayed == "1")
     prompt = torch.tensor([3, 4, 5, 6, 7])
     cache = runner.new_cache(64)
     logits, tokens, plain = runner.forward(cache, prompt, logits="last"), [], []
@@ -122,7 +123,8 @@ DECODE = textwrap.dedent("""
 
 
 def _interpret(script: str, *args: str, **env: str) -> str:
-    """stdout of `script` run under Triton's CPU interpreter (a fresh process: Triton reads the flag on import)."""
+    """stdout of `script` run under Triton's CPU interpreter (a fresh process: Triton reads the flag on import;
+    TRITON_INTERPRET="0" in `env`: on the GPU)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path), **env}
     result = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -185,6 +187,37 @@ def test_a_target_on_the_kernels_scores_a_position_alike_at_every_width(tmp_path
     from tests.conftest import make_tiny_model
 
     folder = make_tiny_model(tmp_path / "target", seed=3, layers=2, hidden=64)  # 4 heads of 16
-    out = _interpret(DECODE, str(folder), str(int(replayed)), VERISPEC_CUDA_KERNELS="rows",
+    out = _interpret(DECODE, str(folder), str(int(replayed)), "float32", "cpu", VERISPEC_CUDA_KERNELS="rows",
                      VERISPEC_CUDA_GRAPHS="everywhere" if replayed else "0")
     assert "the same bits at 12 of 12 positions" in out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("replayed", [False, True], ids=["launched", "replayed"])
+def test_a_target_on_the_gpu_kernels_scores_a_position_alike_at_every_width(tmp_path, replayed):
+    """The same on a GPU, compiled, in bfloat16 (the matrix units), launched and as captured CUDA graphs."""
+    from tests.conftest import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "target", seed=3, layers=2, hidden=64)
+    out = _interpret(DECODE, str(folder), str(int(replayed)), "bfloat16", "cuda", TRITON_INTERPRET="0",
+                     VERISPEC_CUDA_KERNELS="rows", VERISPEC_CUDA_GRAPHS="1" if replayed else "0")
+    assert "the same bits at 12 of 12 positions" in out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_attention_on_the_gpu_gives_each_query_its_decode_steps_bits():
+    """On the GPU (bfloat16): close to SDPA, and each of 16 queries the same bits as alone at its position."""
+    from verispec.models.cuda_attention import static_attention
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    randn = lambda *shape: torch.randn(*shape, device="cuda", generator=generator, dtype=torch.bfloat16)  # noqa: E731
+    keys, values, q = randn(3, 512, 64), randn(3, 512, 64), randn(9, 16, 64)
+    slots = torch.arange(300, 316, device="cuda")
+    visible = torch.arange(512, device="cuda")[None, :] <= slots[:, None]  # [16, 512]
+    out = static_attention(q, keys, values, visible, slots)
+    want = torch.nn.functional.scaled_dot_product_attention(q[None].float(), keys[None].float(), values[None].float(),
+                                                            attn_mask=visible, enable_gqa=True)[0]
+    assert float((out.float() - want).norm() / want.norm()) < 2e-2
+    for i in range(16):
+        alone = static_attention(q[:, i : i + 1], keys, values, visible[i : i + 1], slots[i : i + 1])
+        assert torch.equal(alone[:, 0], out[:, i]), i

@@ -4,8 +4,9 @@
 # HF plain and prompt lookup, real acceptance; arguments after OUT go to measure.py), `verispec analyze --flips`
 # (1-wide against 5-wide argmax on the GPU; FLIPS=0 skips it) and, with WIDTHS=1, `linear_widths.py` on the model's
 # shapes and the 1.5B target's (what each kernel costs at 1 … 16 rows: the T(2)/T(1) step). With ROWS=1, measure.py
-# (without Hugging Face) and the flips run again with the target's linears on the row-invariant Triton kernel
-# (VERISPEC_CUDA_KERNELS=rows, `models/cuda_linear.py`) into real-rows.jsonl.
+# (without Hugging Face) and the flips run again with the target on verispec's row-invariant Triton kernels
+# (VERISPEC_CUDA_KERNELS=rows: `models/cuda_linear.py`, `models/cuda_attention.py`; their GPU tests first) into
+# real-rows.jsonl.
 # On the GPU machine, from the repository root: benchmarks/gpu/run_real.sh NAME "$OUT" [measure.py arguments]
 set -u
 name=${1:?model name, e.g. smollm2-135m-instruct}
@@ -22,6 +23,7 @@ flips() {
 }
 [ "${FLIPS:-1}" = 0 ] || flips
 if [ "${ROWS:-0}" = 1 ]; then
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py -k gpu 2>&1 | tail -5
     export VERISPEC_CUDA_KERNELS=rows
     timeout 300 python3 benchmarks/gpu/measure.py --real "/tmp/real/$name" --questions .gpu/question.jsonl --per-category 3 \
         --out "$out/real-rows.jsonl" "$@" --hf-methods none 2>&1 | grep -v "Writing\|Loading weights" | cut -c1-600

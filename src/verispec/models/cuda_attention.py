@@ -50,7 +50,7 @@ def _kernel():
         row = tl.arange(0, BLOCK_M)  # [BLOCK_M]
         dim = tl.arange(0, HEAD_DIM)  # [HEAD_DIM]
         queries = tl.load(q + head * q_head + row[:, None] * q_row + dim[None, :], mask=row[:, None] < n, other=0.0)
-        end = tl.load(slots + n - 1) + 1  # one past the step's last new slot: nothing beyond it is visible
+        end = (tl.load(slots + n - 1) + 1).to(tl.int32)  # one past the step's last new slot: nothing beyond it is visible
         best = tl.full((BLOCK_M,), MASKED, tl.float32)  # running max of each query's scores
         total = tl.zeros((BLOCK_M,), tl.float32)  # running sum of exp(score − best)
         acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)  # running Σ exp(score − best) · value
