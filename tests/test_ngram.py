@@ -7,7 +7,9 @@ import pytest
 
 from verispec import SamplingParams
 from verispec.drafters import NgramDrafter, make_drafter
+from verispec.drafters.ngram import MATCH_PRIORS
 from verispec.errors import InvalidParameterError
+from verispec.types import Hint
 
 #        0  1  2  3  4  5  6  7  8  9
 TEXT = [1, 2, 7, 1, 2, 8, 3, 3, 1, 2]  # the suffix [1, 2] occurred at 0 (→ 7) and at 3 (→ 8)
@@ -29,6 +31,19 @@ def test_oldest_is_a_factory_option_and_checked(target):
     assert make_drafter("ngram:oldest=1", target).name == "ngram:max_n=3,oldest=1"
     with pytest.raises(InvalidParameterError, match="oldest"):
         make_drafter("ngram:oldest=2", target)
+
+
+def test_a_step_is_hinted_by_the_length_of_the_suffix_it_matched(target):
+    """The γ policy's class for a step: the matched suffix's length (capped at 3) with its prior; no match, or
+    hints=0, gives no hint."""
+    session = NgramDrafter(max_n=4).start(TEXT)
+    assert session.hint([4, 1, 2, 5, 9, 4, 1, 2]) == Hint(3, MATCH_PRIORS[3])  # [4, 1, 2] seen before
+    assert session.hint([4, 1, 2, 5, 9, 2]) == Hint(1, MATCH_PRIORS[1])  # only [2]
+    assert session.hint([5, 6, 7]) is None and MATCH_PRIORS[1] < MATCH_PRIORS[2] < MATCH_PRIORS[3]
+    assert NgramDrafter(hints=0).start(TEXT).hint(TEXT) is None
+    assert make_drafter("ngram:hints=0", target).name == "ngram:max_n=3,hints=0"
+    with pytest.raises(InvalidParameterError, match="hints"):
+        make_drafter("ngram:hints=2", target)
 
 
 @pytest.mark.parametrize("oldest", [0, 1])

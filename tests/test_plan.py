@@ -17,6 +17,7 @@ from verispec.control.costs import LONG_CONTEXT, SHORT_CONTEXT
 from verispec.control.gamma import PROBE_EVERY, make_gamma_policy
 from verispec.control.plan import ALPHA_PRIORS, BACKEND_MARGIN, MARGIN, best_gamma, choose_plan
 from verispec.control.theory import expected_speedup
+from verispec.types import Hint
 
 FLAT = [1.0, 1.01, 1.08, 1.15, 1.31]  # T(n) of a flat verifier (int8 on AVX-512): speculation pays
 STEEP = [1.0, 1.89, 2.56, 3.13, 3.58]  # T(n) of ggml's Q4_K_M on the same CPU: nearly linear
@@ -67,6 +68,26 @@ def test_the_auto_policy_pauses_when_speculation_loses_and_probes_to_resume():
         if policy.next_gamma() >= 1:
             break
     assert policy.next_gamma() >= 1
+
+
+def test_the_policy_sizes_and_pauses_each_hinted_class_of_steps_apart():
+    """Prompt lookup's classes (`DraftSession.hint`): one-token matches always rejected, three-token matches
+    always accepted. The weak class pauses (γ 0, probing), the strong one drafts far, each from its own prior;
+    steps without a hint keep the starting γ. Without hints the same steps share one α and one γ, which drafts
+    after the weak matches too (control)."""
+    costs = CostModel([1.0, 1.15, 1.2, 1.25, 1.3, 1.45, 1.6, 1.75, 1.9, 2.05, 2.2, 2.35, 2.5], draft_token_seconds=0.0)
+    weak, strong = Hint(1, 0.25), Hint(3, 0.8)
+    hinted, shared = make_gamma_policy("auto", 2, costs), make_gamma_policy("auto", 2, costs)
+    assert hinted.next_gamma(strong) > hinted.next_gamma(weak) >= 1  # the priors alone part them
+    for _ in range(12):
+        hinted.update(hinted.next_gamma(weak) or 1, 0, hint=weak)
+        gamma = hinted.next_gamma(strong)
+        hinted.update(gamma, gamma, hint=strong)
+        shared.update(1, 0)
+        shared.update(gamma, gamma)
+    assert sorted(hinted.next_gamma(weak) for _ in range(PROBE_EVERY)) == [0] * (PROBE_EVERY - 1) + [1]  # one probe
+    assert hinted.next_gamma(strong) >= 6 and hinted.next_gamma() == 2  # unhinted steps: the starting γ
+    assert shared.next_gamma() >= 1 and shared.alpha == pytest.approx(hinted.alpha)  # one γ: drafts after weak matches too
 
 
 def test_verification_costs_follow_the_context_a_step_attends():

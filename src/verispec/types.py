@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import NamedTuple
 
 import torch
 
@@ -15,6 +16,15 @@ class Origin(str, Enum):
     RECOVERED = "recovered"  # sampled from the residual after a rejection (or the target's argmax)
     BONUS = "bonus"  # the target's extra token after every draft token was accepted
     TARGET = "target"  # plain decoding: no draft this step
+
+
+class Hint(NamedTuple):
+    """What a draft session knows of its next proposal before making it (`DraftSession.hint`): `key` names a
+    class of steps whose acceptance the γ policy measures apart (prompt lookup: how long a suffix it matched),
+    `prior` the acceptance rate expected of that class before the request has measured any."""
+
+    key: int
+    prior: float
 
 
 @dataclass

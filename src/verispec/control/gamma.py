@@ -9,16 +9,20 @@
 - auto: analytic, and γ = 0 (plain steps) while even the best γ is predicted slower than plain
   decoding; every `PROBE_EVERY` plain steps it drafts one token to measure α again, and resumes
   when speculation would pay (the policy `--draft auto` plans with).
+
+The analytic policies keep the steps a draft session hints at (`DraftSession.hint`: prompt lookup's
+matched suffix length) apart: each class has its own α, from its own prior, its own γ and its own pause.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 
 from verispec.control.theory import expected_speedup, optimal_gamma
 from verispec.control.costs import CostModel
 from verispec.errors import InvalidParameterError
-from verispec.types import AcceptanceStats
+from verispec.types import AcceptanceStats, Hint
 
 __all__ = ["GammaPolicy", "ConstantGamma", "HeuristicGamma", "AnalyticGamma", "make_gamma_policy", "check_gamma_policy", "POLICIES", "PROBE_EVERY"]
 
@@ -27,18 +31,19 @@ PROBE_EVERY = 16  # plain steps between the one-token drafts of a paused `auto` 
 
 class GammaPolicy(ABC):
     @abstractmethod
-    def next_gamma(self) -> int: ...
+    def next_gamma(self, hint: Hint | None = None) -> int:
+        """The next step's γ; `hint`: the draft session's class for that step (`DraftSession.hint`), if any."""
 
-    def update(self, proposed: int, accepted: int, context: int | None = None) -> None:
-        """Told after each step how many of `proposed` draft tokens were accepted, and how many tokens the
-        sequence holds now (the context the next step attends; None: unknown)."""
+    def update(self, proposed: int, accepted: int, context: int | None = None, hint: Hint | None = None) -> None:
+        """Told after each step how many of `proposed` draft tokens were accepted, how many tokens the
+        sequence holds now (the context the next step attends; None: unknown) and the step's hint."""
 
 
 class ConstantGamma(GammaPolicy):
     def __init__(self, gamma: int):
         self.gamma = gamma
 
-    def next_gamma(self) -> int:
+    def next_gamma(self, hint: Hint | None = None) -> int:
         return self.gamma
 
 
@@ -46,50 +51,81 @@ class HeuristicGamma(GammaPolicy):
     def __init__(self, gamma: int = 5, max_gamma: int = 32):
         self.gamma, self.max_gamma = gamma, max_gamma
 
-    def next_gamma(self) -> int:
+    def next_gamma(self, hint: Hint | None = None) -> int:
         return self.gamma
 
-    def update(self, proposed: int, accepted: int, context: int | None = None) -> None:
+    def update(self, proposed: int, accepted: int, context: int | None = None, hint: Hint | None = None) -> None:
         if proposed == 0:
             return
         self.gamma = min(self.gamma + 2, self.max_gamma) if accepted == proposed else max(self.gamma - 1, 1)
 
 
+@dataclass
+class _Steps:
+    """A class of steps (every step, or those of one `Hint` key): its acceptance so far, its γ, its pause."""
+
+    prior_alpha: float
+    gamma: int
+    seen: AcceptanceStats = field(default_factory=AcceptanceStats)
+    paused_steps: int = 0  # plain steps since speculation paused
+
+
 class AnalyticGamma(GammaPolicy):
     """α is estimated with a prior worth `prior_weight` judged tokens, so early steps do not swing γ.
-    may_pause: γ 0 while speculation is predicted to lose, with a one-token probe every PROBE_EVERY steps."""
+    may_pause: γ 0 while speculation is predicted to lose, with a one-token probe every PROBE_EVERY steps.
+    Steps the session hints at (`DraftSession.hint`) are measured, sized and paused by their class, each
+    from its own prior; the rest share one estimate."""
 
     def __init__(self, costs: CostModel, gamma: int = 4, max_gamma: int = 12, prior_alpha: float = 0.7, prior_weight: float = 8.0,
                  may_pause: bool = False):
         self.costs, self.max_gamma, self.may_pause = costs, max_gamma, may_pause
-        self.prior_alpha, self.prior_weight = prior_alpha, prior_weight
-        self.seen = AcceptanceStats()  # this request's steps
-        self.gamma = gamma
-        self.paused_steps = 0  # plain steps since speculation paused
+        self.prior_weight = prior_weight
+        self.overall = _Steps(prior_alpha, gamma)  # every step (α for reports); sizes the steps without a hint
+        self.classes: dict[int, _Steps] = {}  # hint key -> its steps
 
     @property
     def alpha(self) -> float:
-        accepted = self.prior_alpha * self.prior_weight + self.seen.accepted
-        return min(max(accepted / (self.prior_weight + self.seen.judged), 0.01), 0.99)
+        """This request's acceptance rate over every step so far (with the prior)."""
+        return self._alpha(self.overall)
 
-    def next_gamma(self) -> int:
-        if self.gamma == 0:
-            self.paused_steps += 1
-            return 1 if self.paused_steps % PROBE_EVERY == 0 else 0
-        return self.gamma
+    def _alpha(self, steps: _Steps) -> float:
+        accepted = steps.prior_alpha * self.prior_weight + steps.seen.accepted
+        return min(max(accepted / (self.prior_weight + steps.seen.judged), 0.01), 0.99)
 
-    def update(self, proposed: int, accepted: int, context: int | None = None) -> None:
+    def _steps(self, hint: Hint | None) -> _Steps:
+        if hint is None:
+            return self.overall
+        if hint.key not in self.classes:  # a new class starts at the γ its prior calls for
+            steps = self.classes[hint.key] = _Steps(hint.prior, self.overall.gamma)
+            self._retune(steps, None)
+        return self.classes[hint.key]
+
+    def next_gamma(self, hint: Hint | None = None) -> int:
+        steps = self._steps(hint)
+        if steps.gamma == 0:
+            steps.paused_steps += 1
+            return 1 if steps.paused_steps % PROBE_EVERY == 0 else 0
+        return steps.gamma
+
+    def update(self, proposed: int, accepted: int, context: int | None = None, hint: Hint | None = None) -> None:
         if proposed == 0:
             return
-        self.seen.add(proposed, accepted)
+        self.overall.seen.add(proposed, accepted)
+        steps = self._steps(hint)
+        if steps is not self.overall:
+            steps.seen.add(proposed, accepted)
+        self._retune(steps, context)
+
+    def _retune(self, steps: _Steps, context: int | None) -> None:
+        """The γ with the highest expected speedup at the class's α (0 while even that loses, if pausing)."""
         c = self.costs.draft_cost_ratio()
         if c is None:
             return
-        catch_up = self.costs.draft_catch_up
+        alpha, catch_up = self._alpha(steps), self.costs.draft_catch_up
         verify_cost = lambda gamma: self.costs.verify_cost(gamma, context)  # noqa: E731  (after this many tokens)
-        gamma = optimal_gamma(self.alpha, c, self.max_gamma, verify_cost, catch_up)
-        loses = expected_speedup(self.alpha, gamma, c, verify_cost, catch_up) < 1.0
-        self.gamma = 0 if self.may_pause and loses else gamma
+        gamma = optimal_gamma(alpha, c, self.max_gamma, verify_cost, catch_up)
+        loses = expected_speedup(alpha, gamma, c, verify_cost, catch_up) < 1.0
+        steps.gamma = 0 if self.may_pause and loses else gamma
 
 
 POLICIES = ("constant", "heuristic", "analytic", "auto")

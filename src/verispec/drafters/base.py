@@ -10,7 +10,9 @@ the verifier treats each token as a point mass. A session may return a token tre
 Two optional hooks show a session the target's side. `attach_target_cache` gets the target's prompt
 cache once (TriForce builds its retrieval cache from it). Sessions that learn from the target (STAND,
 the online drafter) set `observes_target = True`; the engine then calls `observe(ids, target_probs)`
-after each commit with the target's distributions at the newly committed positions. `finish()`
+after each commit with the target's distributions at the newly committed positions. Before drafting, the
+engine asks `hint(ids)` for the class of step this will be (prompt lookup: the length of the suffix it
+matched), whose acceptance the γ policy measures apart (`control/gamma.py`). `finish()`
 tells a session its request is over. `start_chunked` opens a session whose own prefill (a draft
 model's) is fed later, a chunk per `prefill_step` (a server interleaving a long prompt with other
 requests' steps); by default it is `start`, and sessions have nothing left to feed.
@@ -36,7 +38,7 @@ from verispec.drafters.prefix import common_prefix_length
 from verispec.errors import InvalidParameterError
 from verispec.models.runner import Cache, LoadedModel
 from verispec.sampling.processors import SamplingParams
-from verispec.types import Draft
+from verispec.types import Draft, Hint
 
 __all__ = ["Drafter", "DraftSession", "ModelSession", "ComposedSession"]
 
@@ -55,6 +57,13 @@ class DraftSession(ABC):
         `most`) for a step whose proposal costs no forward pass (the γ policy sizes a draft model's steps by
         its cost). Default: γ."""
         return gamma
+
+    def hint(self, ids: list[int]) -> Hint | None:
+        """What this session knows of its proposal after `ids` before making it: a class of steps whose
+        acceptance the `analytic`/`auto` γ policies measure apart, sizing each step by its class (prompt
+        lookup: a long matched suffix is right far more often than a one-token match). None (default): every
+        step is alike."""
+        return None
 
     def commit(self, ids: list[int]) -> None:
         """`ids` is the committed sequence after verification; drop state past it."""

@@ -39,7 +39,7 @@ MAX_TREE_NODES = 256  # draft tokens one token tree may hold (the target scores 
 # Every integer drafter option, whatever the kind: (lowest, highest) accepted. The highs bound the work
 # of one step (tree sizes, n-gram lengths, draft lengths) and the memory of one drafter (tables, caches).
 OPTION_RANGES: dict[str, tuple[int, int]] = {
-    "max_n": (1, 16), "min_n": (1, 16), "oldest": (0, 1), "min_match": (1, 16), "min_rate": (0, 100),
+    "max_n": (1, 16), "min_n": (1, 16), "oldest": (0, 1), "hints": (0, 1), "min_match": (1, 16), "min_rate": (0, 100),
     "k": (1, 8), "depth": (1, 12), "wide": (0, 12), "nodes": (0, MAX_TREE_NODES),
     "rank": (1, 64), "buffer_size": (1, 1024), "steps": (1, 500), "eval_requests": (1, 64), "replay": (1, 16),
     "holdout": (0, 90), "support": (1, 1024), "self_layers": (1, 256),

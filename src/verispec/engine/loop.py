@@ -63,7 +63,7 @@ from verispec.models.loading import ModelCache
 from verispec.models.runner import LoadedModel
 from verispec.sampling.grammar import Constraint, check_response_format
 from verispec.sampling.processors import MAX_TOP_LOGPROBS, SamplingParams, Scores, score_rows, token_logprobs
-from verispec.types import Draft, GenerationResult, GenerationStats, Origin, StepRecord, TokenEvent, TokenLogprobs
+from verispec.types import Draft, GenerationResult, GenerationStats, Hint, Origin, StepRecord, TokenEvent, TokenLogprobs
 
 __all__ = ["Engine", "Generation", "GenerationConfig", "StepPlan"]
 
@@ -260,6 +260,7 @@ class StepPlan:
     draft_seconds: float
     positions: torch.Tensor | None = None
     tree_mask: torch.Tensor | None = None
+    hint: Hint | None = None  # the session's class for this step (`DraftSession.hint`), told back to the γ policy
 
     @property
     def draft(self) -> Draft:
@@ -428,14 +429,15 @@ class Generation:
         if not self.prefilled:
             raise VerispecError("plan() needs the whole prompt prefilled: call prefill_step() until it returns True")
         remaining = self.max_new - len(self.output_ids)
-        gamma = 0
-        if self.session is not None:  # the policy's γ, or what the session's free source may take
-            gamma = min(self.session.budget(self.ids, self.policy.next_gamma(), self.engine.max_gamma), remaining - 1)
+        gamma, hint = 0, None
         start = time.perf_counter()
+        if self.session is not None:  # the policy's γ for this class of step, or what the session's free source may take
+            hint = self.session.hint(self.ids)
+            gamma = min(self.session.budget(self.ids, self.policy.next_gamma(hint), self.engine.max_gamma), remaining - 1)
         shape = self._draft(gamma)
         last = torch.tensor(self.ids[-1:], device=self.device)
         feed = torch.cat([last, shape.draft.tokens]) if len(shape.draft) else last  # [n+1] on the device
-        return StepPlan(shape, feed, time.perf_counter() - start, *shape.layout(len(self.ids) - 1))
+        return StepPlan(shape, feed, time.perf_counter() - start, *shape.layout(len(self.ids) - 1), hint=hint)
 
     def step(self) -> list[TokenEvent]:
         """One draft + verify step: the drafter proposes, the target scores the proposal in one forward,
@@ -468,7 +470,7 @@ class Generation:
         laps.mark("commit")
         self.stats.record(StepRecord(shape.depth, verdict.accepted, plan.draft_seconds, target_seconds + laps.since_target,
                                      len(draft)))
-        self.policy.update(shape.depth, verdict.accepted, len(self.ids))
+        self.policy.update(shape.depth, verdict.accepted, len(self.ids), plan.hint)
         laps.mark("policy")
         origins = [Origin.ACCEPTED] * verdict.accepted + [Origin.TARGET if len(draft) == 0 else verdict.next_origin]
         logprobs = None if self.config.logprobs is None else token_logprobs(logits[rows], new_tokens, self.config.logprobs)
