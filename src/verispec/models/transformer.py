@@ -662,50 +662,38 @@ class Transformer:
         scale = 1.0 / math.sqrt(self.config.head_dim)
         outputs, offset = [], 0
         for row in rows:
-            if row.slots is not None:  # a static forward: written at device-given slots, attention over the whole storage
-                row.cache.keys[layer].index_copy_(1, row.slots, k[:, offset : offset + row.n])
-                row.cache.values[layer].index_copy_(1, row.slots, v[:, offset : offset + row.n])
-                if self._rows_attention and supports(self.config.head_dim, row.n):  # each query as its decode step
-                    outputs.append(static_attention(q[:, offset : offset + row.n], row.cache.keys[layer],
-                                                    row.cache.values[layer], row.visible, row.written, scale))
-                else:
-                    outputs.append(F.scaled_dot_product_attention(
-                        q[None, :, offset : offset + row.n], row.cache.keys[layer][None], row.cache.values[layer][None],
-                        attn_mask=row.mask, scale=scale, enable_gqa=True,
-                    )[0])  # [heads, n, head_dim]
-                offset += row.n
-                continue
             end = row.start + row.n
-            row.cache.keys[layer, :, row.start : end] = k[:, offset : offset + row.n]
-            row.cache.values[layer, :, row.start : end] = v[:, offset : offset + row.n]
-            if self._rows_attention and supports(self.config.head_dim, row.n):  # a step launched eagerly: as replayed
-                outputs.append(static_attention(q[:, offset : offset + row.n], row.cache.keys[layer],
-                                                row.cache.values[layer], row.visible, row.written, scale))
-                offset += row.n
-                continue
-            if self._exact_attend is not None:  # every position on its own, in one call (a prompt's too: as fast as SDPA)
-                mask = None if row.chain else row.mask
-                outputs.append(self._exact_attend(q[:, offset : offset + row.n], row.cache.keys[layer], row.cache.values[layer],
-                                                  row.start, mask, scale))
-                offset += row.n
-                continue
-            if self.row_invariant and 1 < row.n <= ROW_INVARIANT_POSITIONS:
+            queries = q[:, offset : offset + row.n]  # [heads, n, hd]
+            storage_keys, storage_values = row.cache.keys[layer], row.cache.values[layer]  # [kv_heads, capacity, hd]
+            if row.slots is not None:  # a static forward: written at device-given slots
+                storage_keys.index_copy_(1, row.slots, k[:, offset : offset + row.n])
+                storage_values.index_copy_(1, row.slots, v[:, offset : offset + row.n])
+            else:
+                storage_keys[:, row.start : end] = k[:, offset : offset + row.n]
+                storage_values[:, row.start : end] = v[:, offset : offset + row.n]
+            offset += row.n
+            if self._rows_attention and supports(self.config.head_dim, row.n):  # each query as its decode step computes it
+                outputs.append(static_attention(queries, storage_keys, storage_values, row.visible, row.written, scale))
+            elif row.slots is not None:  # attention over the whole storage under the mask
+                outputs.append(F.scaled_dot_product_attention(
+                    queries[None], storage_keys[None], storage_values[None], attn_mask=row.mask, scale=scale, enable_gqa=True,
+                )[0])  # [heads, n, head_dim]
+            elif self._exact_attend is not None:  # every position on its own, in one call (a prompt's too: as fast as SDPA)
+                outputs.append(self._exact_attend(queries, storage_keys, storage_values, row.start,
+                                                  None if row.chain else row.mask, scale))
+            elif self.row_invariant and 1 < row.n <= ROW_INVARIANT_POSITIONS:
                 for i in range(row.n):  # each position exactly as a single-token decode step computes it
                     seen = row.seen[i]
-                    keys = row.cache.keys[layer][:, seen][None]  # [1, kv_heads, seen, hd]
-                    values = row.cache.values[layer][:, seen][None]
                     outputs.append(F.scaled_dot_product_attention(
-                        q[None, :, offset + i : offset + i + 1], keys, values, scale=scale, enable_gqa=True
+                        queries[None, :, i : i + 1], storage_keys[:, seen][None], storage_values[:, seen][None],
+                        scale=scale, enable_gqa=True,
                     )[0])  # [heads, 1, head_dim]
-                offset += row.n
-                continue
-            keys, values = row.cache.keys[layer, :, :end], row.cache.values[layer, :, :end]  # [kv_heads, end, hd]
-            causal = row.chain and row.start == 0 and row.n > 1  # a whole prompt: SDPA's own causal blocking, no mask
-            outputs.append(F.scaled_dot_product_attention(
-                q[None, :, offset : offset + row.n], keys[None], values[None], attn_mask=None if causal else row.mask,
-                is_causal=causal, scale=scale, enable_gqa=True,
-            )[0])  # [heads, n, head_dim]
-            offset += row.n
+            else:
+                causal = row.chain and row.start == 0 and row.n > 1  # a whole prompt: SDPA's own causal blocking, no mask
+                outputs.append(F.scaled_dot_product_attention(
+                    queries[None], storage_keys[None, :, :end], storage_values[None, :, :end],
+                    attn_mask=None if causal else row.mask, is_causal=causal, scale=scale, enable_gqa=True,
+                )[0])  # [heads, n, head_dim]
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
