@@ -9,7 +9,8 @@ over a whole pooled storage under a mask, as `Transformer.forward_static` calls 
 each as the median of --repeats replays of a CUDA graph of --calls back-to-back calls (launch costs out), and the
 same linears with `torch.compile(mode="max-autotune-no-cudagraphs")` where --compile is given, and on a GPU
 verispec's row-invariant Triton kernel (`models/cuda_linear.py`, up to 16 rows). Each record also says whether
-row 0 got the same bits as alone (cuBLAS, the Triton kernel, the attention). One JSON line per (kernel, M). On the GPU machine: PYTHONPATH=src python benchmarks/gpu/linear_widths.py --model smollm2-135m-instruct
+row 0 got the same bits as alone (cuBLAS, the Triton kernel, the attention). One JSON line per (kernel, M).
+On the GPU machine: PYTHONPATH=src python benchmarks/gpu/linear_widths.py --model smollm2-135m-instruct
 Smoke test on a CPU (no graphs, tiny shapes): --device cpu --tiny.
 """
 

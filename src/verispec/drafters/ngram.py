@@ -6,15 +6,13 @@ the tokens that followed it are the draft. Hugging Face's prompt lookup scans le
 takes the first (oldest) match; `oldest=1` does the same, so the two rules can be measured on one
 engine (BENCHMARKS.md). The index is a dict updated incrementally with the committed tokens,
 so a lookup costs microseconds whatever the context length. Deterministic: no draft probabilities.
-
-How long a suffix matched says how likely the continuation is right: on public prompts (Spec-Bench's groups
-and HumanEval, the 1.5B target's greedy outputs) the first drafted token was right after 23 % of one-token
-matches, 46 % of two-token ones and 80 % of three-token ones (then 85 %, 90 % for the next). So each step tells
-the γ policy its match length (`hint`, capped at `HINT_CLASSES`, with those rates as priors): it drafts one
-token or none after a weak match and five or six after a strong one, instead of one γ for both
-(BENCHMARKS.md). `hints=0` turns this off.
 The sequence may also shrink or change at its end between calls (a cascade drafts after speculative
 tokens that are later rolled back): the entries of n-grams that no longer occur are undone.
+
+How long a suffix matched says how likely its continuation is right (far more often after three tokens than
+after one: BENCHMARKS.md), so each step tells the γ policy its match length (`hint`, capped at
+`HINT_CLASSES`, with `MATCH_PRIORS` as priors), and the policy sizes each class of step by its own measured
+acceptance: a short draft or none after a weak match, a long one after a strong match. `hints=0` turns this off.
 """
 
 from __future__ import annotations
@@ -28,7 +26,8 @@ from verispec.types import Draft, Hint
 
 __all__ = ["NgramDrafter", "MATCH_PRIORS"]
 
-# acceptance of the first drafted token by matched suffix length (1, 2, ≥ 3): the priors of the γ policy's classes
+# acceptance of the first drafted token by matched suffix length (1, 2, ≥ 3), measured on public prompts (Spec-Bench's
+# groups and HumanEval, the 1.5B target's greedy outputs): the priors of the γ policy's classes
 MATCH_PRIORS = {1: 0.25, 2: 0.45, 3: 0.8}
 HINT_CLASSES = max(MATCH_PRIORS)
 

@@ -3,9 +3,8 @@ Triton kernel whose blocking never depends on the rows.
 
 cuBLAS picks its kernel by shape: a matrix-vector kernel for one row, matrix kernels of several tilings for
 more. So on a GPU a position's logits change with the number of positions its forward holds, and greedy
-speculation parts from plain decoding wherever a near tie flips (BENCHMARKS.md "GPU": 12 of 28 outputs equal
-to plain's); and the step from one row to two is most of what verification costs there (T(2)/T(1) 1.15 of a
-replayed SmolLM2-135M step, 1.23 at 13). This kernel always multiplies a tile of `MAX_ROWS` rows (the
+speculation parts from plain decoding wherever a near tie flips; and the step from one row to two is most of
+what verification costs there (BENCHMARKS.md "GPU"). This kernel always multiplies a tile of `MAX_ROWS` rows (the
 missing rows read as zeros) in blocks fixed by the weight's shape alone, so row i's sums run in the same
 order in every call whatever the other rows hold, and a call of one row costs what one of sixteen does
 (the weight is read once; the matrix units idle either way). Wider calls (a prompt, a chain of more than
@@ -15,7 +14,7 @@ Not the default until a GPU measures it against cuBLAS (`benchmarks/gpu/linear_w
 `VERISPEC_CUDA_KERNELS=rows` turns it on for a target's layers: `linear.PackedLinear`). Under
 `TRITON_INTERPRET=1` (Triton's CPU interpreter, which the tests use) the dot is float32 products summed row
 by row: the interpreter's bfloat16 dot returns garbage, and its float32 dot (numpy's) sums a row differently
-by its place in the tile, which the matrix units do not.
+by its place in the tile (the GPU tests check that the matrix units do not).
 """
 
 from __future__ import annotations
