@@ -111,7 +111,8 @@ def test_verification_costs_follow_the_context_a_step_attends():
 
 
 def test_the_cost_model_predicts_the_steps_a_generation_took():
-    """Tokens over Σ (drafts · c + T(n)/T(1) at the step's context): by hand for three steps."""
+    """Tokens over Σ (drafts · c + T(n)/T(1) at the step's context): by hand for three steps; a draft model's catching-up
+    forward after the step that kept its whole draft."""
     from verispec.types import StepRecord
 
     costs = CostModel([1.0, 1.2, 1.4], 0.1, long_target_seconds=[1.0, 1.2 + 0.96, 1.4])  # T(2)/T(1) grows 0.001 a token
@@ -121,6 +122,9 @@ def test_the_cost_model_predicts_the_steps_a_generation_took():
     steps[2].width = 2  # a tree of depth 1 with two nodes: verified as three positions
     assert costs.speedup_of_steps(steps, SHORT_CONTEXT) == pytest.approx(5 / (cost - 1.204 + 1.4))
     assert CostModel().speedup_of_steps(steps, 10) is None and costs.speedup_of_steps([], 10) is None
+    steps[2].width = None
+    catching = CostModel([1.0, 1.2, 1.4], 0.1, draft_catch_up=1.5, long_target_seconds=costs.long_target_seconds)
+    assert catching.speedup_of_steps(steps, SHORT_CONTEXT) == pytest.approx(5 / (cost + 0.1 * 0.5))  # after the whole draft
 
 
 def test_the_long_curve_is_measured_and_cached_beside_the_short_one(tiny_target, tmp_path, monkeypatch):

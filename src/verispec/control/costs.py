@@ -141,17 +141,21 @@ class CostModel:
     def speedup_of_steps(self, steps: Sequence[StepRecord], context: int) -> float | None:
         """The speedup over plain decoding that this model predicts for the steps a generation took (after
         `context` prompt tokens): its tokens over Σ (draft depth · c + T(n)/T(1) at the step's context), n the
-        positions the step verified (its draft tokens, a tree's nodes, + 1). What a measured speedup is held
-        against: acceptance as it happened, costs as measured. None without a cost ratio."""
+        positions the step verified (its draft tokens, a tree's nodes, + 1), a step after one that kept its whole
+        draft paying its draft model's catching-up forward (`draft_catch_up`, as `theory.draft_step_cost`).
+        What a measured speedup is held against: acceptance as it happened, costs as measured. None without a
+        cost ratio."""
         c = self.draft_cost_ratio()
         if c is None or not steps:
             return None
-        tokens, cost = 0, 0.0
+        tokens, cost, whole = 0, 0.0, False  # whole: the previous step kept every draft token
         for step in steps:
             width = step.proposed if step.width is None else step.width
-            cost += step.proposed * c + self.verify_cost(width, context)
+            catching_up = c * (self.draft_catch_up - 1.0) if whole and step.proposed else 0.0
+            cost += step.proposed * c + catching_up + self.verify_cost(width, context)
             context += step.accepted + 1
             tokens += step.accepted + 1
+            whole = step.proposed > 0 and step.accepted == step.proposed
         return tokens / cost
 
     def draft_cost_ratio(self) -> float | None:
