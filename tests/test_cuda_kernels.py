@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from verispec.models.cuda_linear import MAX_ROWS, RowsLinear, _block_n, rows_kernel_wanted
+from verispec.models.cuda_linear import TILE_ROWS, RowsLinear, _block_n, rows_kernel_wanted
 from verispec.models.linear import PackedLinear
 
 triton = pytest.importorskip("triton")
@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 # run in a fresh interpreter: TRITON_INTERPRET is read when Triton is imported
 INTERPRETED = textwrap.dedent("""
     import torch
-    from verispec.models.cuda_linear import MAX_ROWS, RowsLinear
+    from verispec.models.cuda_linear import RowsLinear
 
     generator = torch.Generator().manual_seed(0)
     for dtype, bound in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
@@ -25,12 +25,12 @@ INTERPRETED = textwrap.dedent("""
             weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
             bias = torch.randn(out_features, generator=generator).to(dtype) if with_bias else None
             layer = RowsLinear(weight, bias)
-            x = torch.randn(MAX_ROWS, in_features, generator=generator).to(dtype)
-            whole = layer(x)  # [16, out]
+            x = torch.randn(40, in_features, generator=generator).to(dtype)
+            whole = layer(x)  # [40, out]: three tiles of rows
             reference = x.double() @ weight.double().T + (bias.double() if with_bias else 0)
             error = float((whole.double() - reference).norm() / reference.norm())
             assert whole.dtype == dtype and error < bound, (dtype, out_features, error)
-            for rows in range(1, MAX_ROWS + 1):  # any rows, any other rows beside them, any place: the same bits
+            for rows in (1, 2, 5, 15, 16, 17, 31, 40):  # any rows, any other rows beside them, any place: the same bits
                 assert torch.equal(layer(x[:rows]), whole[:rows]), rows
                 assert torch.equal(layer(x[-rows:]), whole[-rows:]), rows
                 other = torch.randn(rows, in_features, generator=generator).to(dtype)
@@ -58,19 +58,22 @@ ATTENTION = textwrap.dedent("""
 
     for dtype, bound in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         keys, values = randn(kv_heads, capacity, head_dim).to(dtype), randn(kv_heads, capacity, head_dim).to(dtype)
-        q = randn(heads, 16, head_dim).to(dtype)
-        for start, n in ((0, 1), (0, 16), (63, 2), (130, 5), (184, 16)):
+        q = randn(heads, 40, head_dim).to(dtype)
+        for start, n in ((0, 1), (0, 40), (63, 2), (130, 5), (160, 40)):  # a prompt, steps, 40 queries from slot 160
             slots, visible = torch.arange(start, start + n), chain(start, n, capacity)
             out = static_attention(q[:, :n], keys, values, visible, slots)
             want = reference(q[:, :n], keys, values, visible)
             error = float((out.double() - want).norm() / want.norm())
             assert out.dtype == dtype and error < bound, (dtype, start, n, error)
-            for i in range(n):  # as the decode step at that position computes it, later slots holding anything
+            for i in sorted({*range(0, n, 3), n - 1}):  # as the decode step there computes it, later slots holding anything
                 later = slice(start + i + 1, None)
                 keys_then, values_then = keys.clone(), values.clone()
                 keys_then[:, later], values_then[:, later] = randn(kv_heads, capacity - start - i - 1, head_dim).to(dtype), 0
                 alone = static_attention(q[:, i : i + 1], keys_then, values_then, visible[i : i + 1], slots[i : i + 1])
                 assert torch.equal(alone[:, 0], out[:, i]), (dtype, start, n, i)
+        slots, visible = torch.arange(0, 40), chain(0, 40, capacity)  # a prompt whole or in two chunks: the same bits
+        chunks = [static_attention(q[:, part], keys, values, visible[part], slots[part]) for part in (slice(0, 13), slice(13, 40))]
+        assert torch.equal(torch.cat(chunks, dim=1), static_attention(q, keys, values, visible, slots))
         wider = torch.cat([keys, randn(kv_heads, 56, head_dim).to(dtype)], dim=1)  # a larger storage, same first slots
         slots, visible = torch.arange(100, 104), chain(100, 4, capacity)
         padded = torch.cat([visible, torch.zeros(4, 56, dtype=torch.bool)], dim=1)
@@ -118,7 +121,7 @@ def _interpret(script: str, *args: str, **env: str) -> str:
 
 def test_the_linear_gives_each_row_the_same_bits_at_any_rows_in_the_interpreter():
     """Against a float64 product (float32 and bfloat16 operands; column counts off the blocks, a bias or none),
-    and bit-identical for a row alone, among up to 16 others, at any place: what makes a decode step and a
+    and bit-identical for a row alone, among others (up to three tiles), at any place: what makes a decode step and a
     verification agree. (The interpreter sums float32 products row by row; the GPU test checks the matrix units.)"""
     assert "every row the same bits" in _interpret(INTERPRETED)
 
@@ -130,16 +133,14 @@ def test_the_attention_gives_each_query_the_same_bits_as_its_decode_step_in_the_
     assert "every query the same bits" in _interpret(ATTENTION)
 
 
-def test_the_kernels_refuse_what_their_tile_does_not_hold():
-    """Up to 16 rows (queries) and a power-of-two head size, refused before any launch."""
+def test_the_kernels_refuse_what_they_cannot_compute():
+    """No rows, no queries or a head size that is no power of two: refused before any launch."""
     from verispec.models.cuda_attention import static_attention
 
-    layer = RowsLinear(torch.zeros(8, 64))
-    for rows in (0, MAX_ROWS + 1):
-        with pytest.raises(ValueError, match="rows"):
-            layer(torch.zeros(rows, 64))
-    for n, head_dim in ((17, 32), (4, 48)):
-        with pytest.raises(ValueError, match="queries"):
+    with pytest.raises(ValueError, match="row"):
+        RowsLinear(torch.zeros(8, 64))(torch.zeros(0, 64))
+    for n, head_dim in ((0, 32), (4, 48)):
+        with pytest.raises(ValueError, match="query or more"):
             static_attention(torch.zeros(6, n, head_dim), torch.zeros(2, 64, head_dim), torch.zeros(2, 64, head_dim),
                              torch.ones(n, 64, dtype=torch.bool), torch.arange(n))
 
@@ -163,18 +164,18 @@ def test_only_a_verifying_target_on_cuda_asks_for_the_kernel(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_targets_layer_on_the_gpu_gives_each_row_the_same_bits(monkeypatch):
-    """On the GPU (bfloat16, the matrix units): a verifying target's layer routes ≤ 16 rows to the kernel, and a
-    position's output is the same bits at 1 … 16 rows; a draft's layer (one row) stays cuBLAS."""
+    """On the GPU (bfloat16, the matrix units): a verifying target's layer routes to the kernel, and a position's
+    output is the same bits at 1 … 35 rows, at any place; a draft's layer (one row) stays cuBLAS."""
     monkeypatch.setenv("VERISPEC_CUDA_KERNELS", "rows")
     generator = torch.Generator(device="cuda").manual_seed(0)
     weight = torch.randn(1536, 576, device="cuda", generator=generator, dtype=torch.bfloat16)
     target, draft = PackedLinear(weight, rows=4), PackedLinear(weight, rows=1)
     assert target.rows_kernel is not None and draft.rows_kernel is None
-    x = torch.randn(MAX_ROWS, 576, device="cuda", generator=generator, dtype=torch.bfloat16)
+    x = torch.randn(2 * TILE_ROWS + 3, 576, device="cuda", generator=generator, dtype=torch.bfloat16)
     whole = target(x)
     reference = x.double() @ weight.double().T
     assert float((whole.double() - reference).norm() / reference.norm()) < 1e-2
-    for rows in range(1, MAX_ROWS + 1):
+    for rows in range(1, x.shape[0] + 1):
         assert torch.equal(target(x[:rows]), whole[:rows]) and torch.equal(target(x[-rows:]), whole[-rows:])
 
 

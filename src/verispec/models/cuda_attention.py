@@ -1,17 +1,18 @@
-"""Row-invariant attention for a replayed GPU step: up to `MAX_ROWS` queries over a pooled KV storage under a
-mask, in one Triton kernel whose blocking never depends on the queries.
+"""Row-invariant attention for a target's GPU steps: queries over a KV storage under a mask, in one Triton kernel
+whose blocking never depends on the queries.
 
 `scaled_dot_product_attention` chooses its kernel and blocking by the number of queries, so a position's
 attention output changes with the positions its forward holds (`benchmarks/gpu/linear_widths.py` records
-whether it does), and it runs over the whole storage whatever part of it holds keys. This kernel gives every
-query head one program that walks the storage in blocks of `BLOCK_KV` slots from slot 0 up to the step's last
-new slot, with an online softmax; the queries of a step are one tile of `MAX_ROWS` rows (missing rows zero,
-never stored). A query's sums therefore run in the same order whether it is a decode step's only row or one
-of a verification's rows (a fully masked block leaves its running sums bit for bit as they were), and the
-storage's capacity and the slots past the step cost nothing. With the row-invariant linears
-(`cuda_linear.py`) a target's replayed decode and verification steps give a position the same logits.
+whether it does), and in a replayed step it runs over the whole storage whatever part of it holds keys. Here
+each program takes one query head and a tile of `TILE_ROWS` queries (missing rows zero, never stored) and
+walks the storage in blocks of `BLOCK_KV` slots, from slot 0 up to the last slot its tile's queries write,
+with an online softmax. A query's sums therefore run in the same order whether it is a decode step's only
+query, one of a verification's or of a prompt's: a block it sees nothing of leaves its running sums bit for
+bit as they were, so walking further for a later query of its tile changes nothing, and the storage's
+capacity past the step costs nothing. With the row-invariant linears (`cuda_linear.py`) a target's decode
+steps, verifications and prompts give a position the same logits.
 
-Turned on with the linears (`VERISPEC_CUDA_KERNELS=rows`; `Transformer.forward_static` calls it). Under
+Turned on with the linears (`VERISPEC_CUDA_KERNELS=rows`; `Transformer._attend_rows` calls it). Under
 `TRITON_INTERPRET=1` the dots are float32 products summed row by row, as in `cuda_linear.py`.
 """
 
@@ -23,7 +24,7 @@ import os
 
 import torch
 
-from verispec.models.cuda_linear import MAX_ROWS
+from verispec.models.cuda_linear import TILE_ROWS
 
 __all__ = ["BLOCK_KV", "static_attention", "supports"]
 
@@ -31,9 +32,9 @@ BLOCK_KV = 64  # storage slots per block of the walk
 MASKED = -1.0e30  # a masked score: finite, so a block with nothing visible yet leaves no NaN behind
 
 
-def supports(head_dim: int, rows: int) -> bool:
-    """Whether the kernel takes this step: a power-of-two head size (the tile's width) and ≤ MAX_ROWS queries."""
-    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and 1 <= rows <= MAX_ROWS
+def supports(head_dim: int) -> bool:
+    """Whether the kernel takes a model's heads: a power-of-two head size of 16 or more (the tile's width)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
 @functools.cache
@@ -47,10 +48,11 @@ def _kernel():
                WIDEN: tl.constexpr, MASKED: tl.constexpr):
         head = tl.program_id(0)
         kv_head = head // group  # grouped-query attention: `group` query heads share a key/value head
-        row = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+        row = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] this program's queries
         dim = tl.arange(0, HEAD_DIM)  # [HEAD_DIM]
         queries = tl.load(q + head * q_head + row[:, None] * q_row + dim[None, :], mask=row[:, None] < n, other=0.0)
-        end = (tl.load(slots + n - 1) + 1).to(tl.int32)  # one past the step's last new slot: nothing beyond it is visible
+        last = tl.minimum(tl.program_id(1) * BLOCK_M + BLOCK_M, n) - 1  # the tile's last query
+        end = (tl.load(slots + last) + 1).to(tl.int32)  # one past its slot: no query of the tile sees beyond
         best = tl.full((BLOCK_M,), MASKED, tl.float32)  # running max of each query's scores
         total = tl.zeros((BLOCK_M,), tl.float32)  # running sum of exp(score − best)
         acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)  # running Σ exp(score − best) · value
@@ -84,18 +86,18 @@ def _kernel():
 def static_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
                      slots: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Attention of q [heads, n, head_dim] over a storage keys, values [kv_heads, capacity, head_dim] where
-    visible [n, capacity] (bool) says which slots each query sees, the step's new keys at slots [n] (ascending:
-    nothing past slots[-1] is read) -> [heads, n, head_dim] in q's dtype. n ≤ MAX_ROWS, a power-of-two head size."""
+    visible [n, ≥ slots[-1] + 1] (bool) says which slots each query sees, the queries' own keys at slots [n]
+    (ascending, and no query sees past its own slot) -> [heads, n, head_dim] in q's dtype. A power-of-two head size."""
     heads, n, head_dim = q.shape
-    if not supports(head_dim, n):
-        raise ValueError(f"static_attention takes 1…{MAX_ROWS} queries of a power-of-two head size, got {n} of {head_dim}")
+    if n < 1 or not supports(head_dim):
+        raise ValueError(f"static_attention takes one query or more of a power-of-two head size ≥ 16, got {n} of {head_dim}")
     if keys.stride(-1) != 1 or values.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("static_attention needs the head dimension contiguous")
     visible = visible.contiguous()
     out = torch.empty(heads, n, head_dim, dtype=q.dtype, device=q.device)
-    _kernel()[(heads,)](
+    _kernel()[(heads, -(-n // TILE_ROWS))](
         q, keys, values, visible, slots, out, n, heads // keys.shape[0], scale or 1.0 / math.sqrt(head_dim),
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), visible.stride(0),
-        out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_M=MAX_ROWS, BLOCK_KV=BLOCK_KV,
+        out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_M=TILE_ROWS, BLOCK_KV=BLOCK_KV,
         WIDEN=os.environ.get("TRITON_INTERPRET") == "1", MASKED=MASKED, num_warps=4, num_stages=2)
     return out

@@ -1,14 +1,15 @@
-"""A row-invariant linear layer for a verifying target on a GPU: y = x Wᵀ (+ b) over up to `MAX_ROWS` rows in one
-Triton kernel whose blocking never depends on the rows.
+"""A row-invariant linear layer for a verifying target on a GPU: y = x Wᵀ (+ b) in one Triton kernel whose
+blocking never depends on the rows.
 
 cuBLAS picks its kernel by shape: a matrix-vector kernel for one row, matrix kernels of several tilings for
 more. So on a GPU a position's logits change with the number of positions its forward holds, and greedy
 speculation parts from plain decoding wherever a near tie flips; and the step from one row to two is most of
-what verification costs there (BENCHMARKS.md "GPU"). This kernel always multiplies a tile of `MAX_ROWS` rows (the
-missing rows read as zeros) in blocks fixed by the weight's shape alone, so row i's sums run in the same
-order in every call whatever the other rows hold, and a call of one row costs what one of sixteen does
-(the weight is read once; the matrix units idle either way). Wider calls (a prompt, a chain of more than
-`MAX_ROWS` positions) run `F.linear`.
+what verification costs there (BENCHMARKS.md "GPU"). This kernel multiplies tiles of `TILE_ROWS` rows (the
+missing rows of the last tile read as zeros) in blocks fixed by the weight's shape alone, so row i's sums run
+in the same order in every call whatever the other rows hold, and a call of one row costs what one of sixteen
+does (the weight is read once; the matrix units idle either way). Every call takes it: a decode step, a
+verification, a server's batch of requests' rows and a prompt alike, so a position gets the same bits
+whichever of them computes it (a long prompt pays for it: each tile of 16 rows reads the weight again).
 
 Not the default until a GPU measures it against cuBLAS (`benchmarks/gpu/linear_widths.py` times both;
 `VERISPEC_CUDA_KERNELS=rows` turns it on for a target's layers: `linear.PackedLinear`). Under
@@ -24,9 +25,9 @@ import os
 
 import torch
 
-__all__ = ["MAX_ROWS", "RowsLinear", "rows_kernel_wanted"]
+__all__ = ["TILE_ROWS", "RowsLinear", "rows_kernel_wanted"]
 
-MAX_ROWS = 16  # the rows of every tile: the smallest a matrix-unit dot takes
+TILE_ROWS = 16  # the rows of every tile: the smallest a matrix-unit dot takes
 BLOCK_K = 64  # the reduction's block: every shipped model's widths are multiples of it (masked otherwise)
 
 
@@ -53,8 +54,8 @@ def _kernel():
     @triton.jit(do_not_specialize=["rows"])  # one compiled kernel for every row count (Triton would fold rows == 1)
     def rows_linear(x, w, b, y, rows, n, k, x_stride, w_stride, y_stride, HAS_BIAS: tl.constexpr,
                     WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        row = tl.arange(0, BLOCK_M)  # [BLOCK_M]
-        col = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] this program's output columns
+        row = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] this program's rows
+        col = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] its output columns
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for start in range(0, k, BLOCK_K):
             depth = start + tl.arange(0, BLOCK_K)  # [BLOCK_K]
@@ -80,7 +81,7 @@ def _block_n(out_features: int, processors: int) -> int:
 
 
 class RowsLinear:
-    """y = x Wᵀ + b with W [out, in] on the GPU: `RowsLinear.__call__` takes [rows ≤ MAX_ROWS, in]."""
+    """y = x Wᵀ + b with W [out, in] on the GPU, x [rows ≥ 1, in]."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight = weight.contiguous()  # [out, in]
@@ -93,12 +94,12 @@ class RowsLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [rows, in] -> [rows, out]
         rows = x.shape[0]
-        if not 1 <= rows <= MAX_ROWS:
-            raise ValueError(f"RowsLinear takes 1…{MAX_ROWS} rows, got {rows}")
+        if rows < 1:
+            raise ValueError(f"RowsLinear takes one row or more, got {rows}")
         x = x.contiguous()
         y = torch.empty(rows, self.out_features, dtype=x.dtype, device=x.device)
-        grid = (-(-self.out_features // self.block_n),)
+        grid = (-(-self.out_features // self.block_n), -(-rows // TILE_ROWS))
         _kernel()[grid](x, self.weight, self.bias if self.bias is not None else self.weight, y, rows, self.out_features,
                         self.in_features, x.stride(0), self.weight.stride(0), y.stride(0), HAS_BIAS=self.bias is not None,
-                        WIDEN=self.widen, BLOCK_M=MAX_ROWS, BLOCK_N=self.block_n, BLOCK_K=BLOCK_K, num_warps=4, num_stages=4)
+                        WIDEN=self.widen, BLOCK_M=TILE_ROWS, BLOCK_N=self.block_n, BLOCK_K=BLOCK_K, num_warps=4, num_stages=4)
         return y

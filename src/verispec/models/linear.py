@@ -30,8 +30,8 @@ oneDNN held to AVX2). Where oneDNN cannot pack (bf16 without AVX-512, no mkldnn)
 `F.linear`, and row invariance is not promised (`row_invariant` is False).
 
 On a GPU a target's layer runs `F.linear` (cuBLAS), or, with `VERISPEC_CUDA_KERNELS=rows`, the Triton kernel of
-`cuda_linear.py` for calls of up to `cuda_linear.MAX_ROWS` rows: row-invariant over those (a decode step and a
-verification of up to 15 draft tokens give a position the same bits), and as cheap for 16 rows as for one.
+`cuda_linear.py`: row-invariant at any row count (a decode step, a verification, a server's batch and a prompt
+give a position the same bits), a tile of 16 rows as cheap as one row.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from verispec.models.cuda_linear import MAX_ROWS, RowsLinear, rows_kernel_wanted
+from verispec.models.cuda_linear import RowsLinear, rows_kernel_wanted
 
 __all__ = ["PackedLinear", "packing_available", "MIN_PACKED_WEIGHTS", "VERIFY_ROWS"]
 
@@ -75,7 +75,7 @@ class PackedLinear:
         self.row_invariant = self.row_invariant and (self.packed or self.rows_kernel is not None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [rows, in] -> [rows, out]
-        if self.rows_kernel is not None and x.shape[0] <= MAX_ROWS:
+        if self.rows_kernel is not None:
             return self.rows_kernel(x)
         if not self.packed:
             return F.linear(x, self.weight, self.bias)

@@ -331,9 +331,10 @@ class Transformer:
         if quant == "kquant":  # its costs are the kernels' own: a new kernel build, or other code of it, is measured anew
             self.variant += f",kernels={kernels.build_key('kquant')}:{kquant_kernels().kernels_in_use()}"
         self.row_invariant = quant is not None
-        # a verifying target's replayed GPU steps on verispec's row-invariant kernels (`cuda_linear.py`, `cuda_attention.py`)
-        self._rows_attention = pack_rows > 1 and rows_kernel_wanted(device)
-        if self._rows_attention:  # other kernels, other costs: timed apart
+        # a verifying target's GPU forwards on verispec's row-invariant kernels (`cuda_linear.py`, `cuda_attention.py`)
+        rows_kernels = pack_rows > 1 and rows_kernel_wanted(device)  # its linears take them (`PackedLinear`)
+        self._rows_attention = rows_kernels and supports(config.head_dim)
+        if rows_kernels:  # other kernels, other costs: timed apart
             self.variant += ",cuda-rows"
         # kquant's own attention (`kernels/attention.h`): every feed's positions each on its own, chains and trees
         self._exact_attend = kquant_kernels().attend if quant == "kquant" else None
@@ -672,7 +673,7 @@ class Transformer:
                 storage_keys[:, row.start : end] = k[:, offset : offset + row.n]
                 storage_values[:, row.start : end] = v[:, offset : offset + row.n]
             offset += row.n
-            if self._rows_attention and supports(self.config.head_dim, row.n):  # each query as its decode step computes it
+            if self._rows_attention:  # each query as its decode step computes it, in any call
                 outputs.append(static_attention(queries, storage_keys, storage_values, row.visible, row.written, scale))
             elif row.slots is not None:  # attention over the whole storage under the mask
                 outputs.append(F.scaled_dot_product_attention(
