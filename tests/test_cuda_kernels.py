@@ -107,6 +107,12 @@ DECODE = textwrap.dedent("""
     runner.forward(cache, prompt, logits="last")
     wide = [row for i in range(0, 12, 4) for row in runner.forward(cache, torch.cat(tokens[i : i + 4]), logits="all")]
     print(f"the same bits at {sum(torch.equal(a, b) for a, b in zip(plain, wide))} of 12 positions")
+    other, alone = runner.new_cache(64), runner.new_cache(64)  # another request's prompt beside a step of this one
+    cache.truncate(len(prompt) + 8)
+    runner.forward(alone, prompt, logits="none")
+    runner.forward(alone, torch.cat(tokens[:8]), logits="none")
+    batched = runner.forward_ragged([cache, other], [torch.cat(tokens[8:12]), torch.tensor([9, 8, 7, 6, 5, 4])])[0]
+    print("batched as alone:", torch.equal(batched, runner.forward(alone, torch.cat(tokens[8:12]), logits="all")))
 """)
 
 
@@ -183,13 +189,14 @@ def test_a_targets_layer_on_the_gpu_gives_each_row_the_same_bits(monkeypatch):
 def test_a_target_on_the_kernels_scores_a_position_alike_at_every_width(tmp_path, replayed):
     """A whole target on the row-invariant kernels (interpreted, float32; a power-of-two head size): the logits of
     a position verified four at a time are the same bits as plain decoding's, launched or through the static
-    forward that a GPU replays. (The same runner on SDPA and oneDNN is not held to bits here.)"""
+    forward that a GPU replays, and a step batched with another request's prompt (`forward_ragged`, as a server
+    batches) the same as alone. (The same runner on SDPA and oneDNN is not held to bits here: 0 of 12.)"""
     from tests.conftest import make_tiny_model
 
     folder = make_tiny_model(tmp_path / "target", seed=3, layers=2, hidden=64)  # 4 heads of 16
     out = _interpret(DECODE, str(folder), str(int(replayed)), "float32", "cpu", VERISPEC_CUDA_KERNELS="rows",
                      VERISPEC_CUDA_GRAPHS="everywhere" if replayed else "0")
-    assert "the same bits at 12 of 12 positions" in out
+    assert "the same bits at 12 of 12 positions" in out and "batched as alone: True" in out
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -201,7 +208,7 @@ def test_a_target_on_the_gpu_kernels_scores_a_position_alike_at_every_width(tmp_
     folder = make_tiny_model(tmp_path / "target", seed=3, layers=2, hidden=64)
     out = _interpret(DECODE, str(folder), str(int(replayed)), "bfloat16", "cuda", TRITON_INTERPRET="0",
                      VERISPEC_CUDA_KERNELS="rows", VERISPEC_CUDA_GRAPHS="1" if replayed else "0")
-    assert "the same bits at 12 of 12 positions" in out
+    assert "the same bits at 12 of 12 positions" in out and "batched as alone: True" in out
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from verispec.models.cuda_linear import TILE_ROWS
+from verispec.models.cuda_linear import TILE_ROWS, dot_precision
 
 __all__ = ["BLOCK_KV", "static_attention", "supports"]
 
@@ -45,7 +45,7 @@ def _kernel():
     @triton.jit(do_not_specialize=["n"])  # one compiled kernel for any number of queries
     def attend(q, k, v, visible, slots, out, n, group, scale, q_head, q_row, k_head, k_slot, v_head, v_slot, visible_row,
                out_head, out_row, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_KV: tl.constexpr,
-               WIDEN: tl.constexpr, MASKED: tl.constexpr):
+               WIDEN: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr):
         head = tl.program_id(0)
         kv_head = head // group  # grouped-query attention: `group` query heads share a key/value head
         row = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] this program's queries
@@ -65,7 +65,7 @@ def _kernel():
             if WIDEN:  # the interpreter: float32 products summed per row (its dot is numpy's)
                 products = tl.sum(queries.to(tl.float32)[:, None, :] * keys.to(tl.float32)[None, :, :], 2)
             else:
-                products = tl.dot(queries, tl.trans(keys))
+                products = tl.dot(queries, tl.trans(keys), input_precision=PRECISION)
             scores = tl.where(seen, products * scale, MASKED)  # [BLOCK_M, BLOCK_KV]
             new_best = tl.maximum(best, tl.max(scores, 1))
             weights = tl.where(seen, tl.exp(scores - new_best[:, None]), 0.0)  # [BLOCK_M, BLOCK_KV]
@@ -74,7 +74,8 @@ def _kernel():
             if WIDEN:
                 acc = acc * correction[:, None] + tl.sum(weights[:, :, None] * values.to(tl.float32)[None, :, :], 1)
             else:
-                acc = tl.dot(weights.to(values.dtype), values, acc * correction[:, None])  # [BLOCK_M, HEAD_DIM]
+                rescaled = acc * correction[:, None]  # [BLOCK_M, HEAD_DIM]
+                acc = tl.dot(weights.to(values.dtype), values, rescaled, input_precision=PRECISION)
             best = new_best
         result = acc / tl.maximum(total, 1e-30)[:, None]  # a row beyond n has total 0 (and is not stored)
         tl.store(out + head * out_head + row[:, None] * out_row + dim[None, :], result.to(out.dtype.element_ty),
@@ -99,5 +100,6 @@ def static_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         q, keys, values, visible, slots, out, n, heads // keys.shape[0], scale or 1.0 / math.sqrt(head_dim),
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), visible.stride(0),
         out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_M=TILE_ROWS, BLOCK_KV=BLOCK_KV,
-        WIDEN=os.environ.get("TRITON_INTERPRET") == "1", MASKED=MASKED, num_warps=4, num_stages=2)
+        WIDEN=os.environ.get("TRITON_INTERPRET") == "1", PRECISION=dot_precision(q.dtype), MASKED=MASKED, num_warps=4,
+        num_stages=2)
     return out

@@ -25,7 +25,7 @@ import os
 
 import torch
 
-__all__ = ["TILE_ROWS", "RowsLinear", "rows_kernel_wanted"]
+__all__ = ["TILE_ROWS", "RowsLinear", "dot_precision", "rows_kernel_wanted"]
 
 TILE_ROWS = 16  # the rows of every tile: the smallest a matrix-unit dot takes
 BLOCK_K = 64  # the reduction's block: every shipped model's widths are multiples of it (masked otherwise)
@@ -52,8 +52,8 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["rows"])  # one compiled kernel for every row count (Triton would fold rows == 1)
-    def rows_linear(x, w, b, y, rows, n, k, x_stride, w_stride, y_stride, HAS_BIAS: tl.constexpr,
-                    WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def rows_linear(x, w, b, y, rows, n, k, x_stride, w_stride, y_stride, HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr,
+                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         row = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] this program's rows
         col = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] its output columns
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -66,13 +66,19 @@ def _kernel():
             if WIDEN:  # the interpreter: float32 products summed per row (its dot is numpy's)
                 acc += tl.sum(xs.to(tl.float32)[:, None, :] * ws.to(tl.float32)[None, :, :], 2)
             else:
-                acc = tl.dot(xs, tl.trans(ws), acc)  # [BLOCK_M, BLOCK_N] float32
+                acc = tl.dot(xs, tl.trans(ws), acc, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] float32
         if HAS_BIAS:
             acc += tl.load(b + col, mask=col < n, other=0.0).to(tl.float32)[None, :]
         tl.store(y + row[:, None] * y_stride + col[None, :], acc.to(y.dtype.element_ty),
                  mask=(row[:, None] < rows) & (col[None, :] < n))
 
     return rows_linear
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """How a Triton dot multiplies `dtype` operands: float32 in full ("ieee"; Triton's default, tf32, keeps 10
+    bits of mantissa where cuBLAS keeps all 23), half types on the matrix units as they are."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _block_n(out_features: int, processors: int) -> int:
@@ -101,5 +107,5 @@ class RowsLinear:
         grid = (-(-self.out_features // self.block_n), -(-rows // TILE_ROWS))
         _kernel()[grid](x, self.weight, self.bias if self.bias is not None else self.weight, y, rows, self.out_features,
                         self.in_features, x.stride(0), self.weight.stride(0), y.stride(0), HAS_BIAS=self.bias is not None,
-                        WIDEN=self.widen, BLOCK_M=TILE_ROWS, BLOCK_N=self.block_n, BLOCK_K=BLOCK_K, num_warps=4, num_stages=4)
+                        WIDEN=self.widen, PRECISION=dot_precision(x.dtype), BLOCK_M=TILE_ROWS, BLOCK_N=self.block_n, BLOCK_K=BLOCK_K, num_warps=4, num_stages=4)
         return y
