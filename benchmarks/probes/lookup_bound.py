@@ -4,7 +4,9 @@ Greedy output does not depend on what was drafted, so replaying a drafter over t
 acceptance at every step. Prints τ (tokens per target forward, = the speedup over plain decoding if verifying and
 drafting cost nothing) overall and per task group for: the chain verispec drafts (`ngram`, latest longest match, up
 to γ tokens) and a token tree of the continuations of every earlier match of the last 3, 2, 1 tokens (up to
-`--nodes` nodes, `--depth` deep), an upper bound for any tree built from the sequence.
+`--nodes` nodes, `--depth` deep), an upper bound for any tree built from the sequence. Then, per length of the
+suffix the lookup matched (1, 2, ≥ 3: the classes prompt lookup hints to the γ policy), how often the first j
+drafted tokens were all right: where `drafters/ngram.py`'s MATCH_PRIORS come from.
 
     python benchmarks/probes/lookup_bound.py bench.json --questions question.jsonl,humaneval   # a `verispec bench --json` run
 """
@@ -56,6 +58,22 @@ def tree(nodes: int, depth: int):
     return draft
 
 
+def by_match_length(cases: list[tuple[str, list[int], list[int]]], longest: int = 4) -> dict[int, list[int]]:
+    """Per matched suffix length (capped at 3): [positions, positions whose first 1 … `longest` drafted tokens were right]."""
+    counts: dict[int, list[int]] = defaultdict(lambda: [0] * (longest + 1))
+    for _, prompt, output in cases:
+        session = NgramDrafter().start([])
+        for done in range(len(output) - 1):
+            tokens, matched = session.lookup(prompt + output[:done], longest)
+            if matched:
+                right = next((j for j, (a, b) in enumerate(zip(tokens, output[done:])) if a != b), min(len(tokens), len(output) - done))
+                row = counts[min(matched, 3)]
+                row[0] += 1
+                for j in range(1, right + 1):
+                    row[j] += 1
+    return counts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("bench", help="a `verispec bench --json` file with a plain method's runs")
@@ -80,6 +98,9 @@ def main() -> None:
             steps[category] += replay(prompt, output, make())
         groups = " ".join(f"{c} {tokens[c] / steps[c]:.2f}" for c in tokens)
         print(f"{name}: τ {sum(tokens.values()) / sum(steps.values()):.3f} ({groups})", flush=True)
+    for matched, (positions, *right) in sorted(by_match_length(cases).items()):
+        shares = " ".join(f"{count / positions:.2f}" for count in right)
+        print(f"matched {matched}{'+' if matched == 3 else ''} tokens: {positions} positions, first 1…{len(right)} drafted right: {shares}")
 
 
 if __name__ == "__main__":

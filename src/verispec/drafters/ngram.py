@@ -27,7 +27,7 @@ from verispec.types import Draft, Hint
 __all__ = ["NgramDrafter", "MATCH_PRIORS"]
 
 # acceptance of the first drafted token by matched suffix length (1, 2, ≥ 3), measured on public prompts (Spec-Bench's
-# groups and HumanEval, the 1.5B target's greedy outputs): the priors of the γ policy's classes
+# groups and HumanEval, the 1.5B target's greedy outputs: `benchmarks/probes/lookup_bound.py`): the classes' priors
 MATCH_PRIORS = {1: 0.25, 2: 0.45, 3: 0.8}
 HINT_CLASSES = max(MATCH_PRIORS)
 
