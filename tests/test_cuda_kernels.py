@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from verispec.models.cuda_linear import TILE_ROWS, RowsLinear, _block_n, rows_kernel_wanted
+from verispec.models.cuda_linear import TILE_ROWS, RowsLinear, _block_n, row_kernels_wanted
 from verispec.models.linear import PackedLinear
 
 triton = pytest.importorskip("triton")
@@ -89,13 +89,16 @@ ATTENTION = textwrap.dedent("""
 
 
 DECODE = textwrap.dedent("""
+    import os
     import sys
     import torch
     from verispec.models.loading import load_model
 
     folder, replayed, dtype, device = sys.argv[1:]
     runner = load_model(folder, dtype, device=torch.device(device)).runner  # a verifying target (linears for several rows)
-    assert runner._rows_attention and runner.layers[0].qkv.rows_kernel is not None and runner.graphs == (replayed == "1")
+    kernels = os.environ["VERISPEC_CUDA_KERNELS"] == "rows"  # verispec's kernels, or torch's (the control)
+    assert runner._rows_attention == kernels == (runner.layers[0].qkv.rows_kernel is not None)
+    assert runner.graphs == (replayed == "1")
     prompt = torch.tensor([3, 4, 5, 6, 7])
     cache = runner.new_cache(64)
     logits, tokens, plain = runner.forward(cache, prompt, logits="last"), [], []
@@ -162,9 +165,9 @@ def test_only_a_verifying_target_on_cuda_asks_for_the_kernel(monkeypatch):
     cuda = torch.device("cuda")
     monkeypatch.delenv("VERISPEC_CUDA_KERNELS", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert not rows_kernel_wanted(cuda)
+    assert not row_kernels_wanted(cuda)
     monkeypatch.setenv("VERISPEC_CUDA_KERNELS", "rows")
-    assert rows_kernel_wanted(cuda) and not rows_kernel_wanted(torch.device("cpu"))
+    assert row_kernels_wanted(cuda) and not row_kernels_wanted(torch.device("cpu"))
     assert PackedLinear(torch.randn(8, 8), rows=4).rows_kernel is None
 
 
@@ -190,13 +193,18 @@ def test_a_target_on_the_kernels_scores_a_position_alike_at_every_width(tmp_path
     """A whole target on the row-invariant kernels (interpreted, float32; a power-of-two head size): the logits of
     a position verified four at a time are the same bits as plain decoding's, launched or through the static
     forward that a GPU replays, and a step batched with another request's prompt (`forward_ragged`, as a server
-    batches) the same as alone. (The same runner on SDPA and oneDNN is not held to bits here: 0 of 12.)"""
+    batches) the same as alone. Control: the same runner on torch's kernels (oneDNN, SDPA, whose blocking follows
+    the queries) does not keep every position's bits."""
     from tests.conftest import make_tiny_model
 
     folder = make_tiny_model(tmp_path / "target", seed=3, layers=2, hidden=64)  # 4 heads of 16
+    graphs = "everywhere" if replayed else "0"
     out = _interpret(DECODE, str(folder), str(int(replayed)), "float32", "cpu", VERISPEC_CUDA_KERNELS="rows",
-                     VERISPEC_CUDA_GRAPHS="everywhere" if replayed else "0")
+                     VERISPEC_CUDA_GRAPHS=graphs)
     assert "the same bits at 12 of 12 positions" in out and "batched as alone: True" in out
+    control = _interpret(DECODE, str(folder), str(int(replayed)), "float32", "cpu", VERISPEC_CUDA_KERNELS="torch",
+                         VERISPEC_CUDA_GRAPHS=graphs)
+    assert "the same bits at " in control and "the same bits at 12 of 12 positions" not in control
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -25,13 +25,13 @@ import os
 
 import torch
 
-__all__ = ["TILE_ROWS", "RowsLinear", "dot_precision", "rows_kernel_wanted"]
+__all__ = ["TILE_ROWS", "RowsLinear", "dot_precision", "row_kernels_wanted"]
 
 TILE_ROWS = 16  # the rows of every tile: the smallest a matrix-unit dot takes
 BLOCK_K = 64  # the reduction's block: every shipped model's widths are multiples of it (masked otherwise)
 
 
-def rows_kernel_wanted(device: torch.device) -> bool:
+def row_kernels_wanted(device: torch.device) -> bool:
     """Whether a verifying target on `device` runs verispec's row-invariant kernels (`VERISPEC_CUDA_KERNELS=rows`,
     a CUDA device or Triton's CPU interpreter, Triton importable): its linears `RowsLinear`, its attention
     `cuda_attention.static_attention`."""

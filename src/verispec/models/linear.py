@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from verispec.models.cuda_linear import RowsLinear, rows_kernel_wanted
+from verispec.models.cuda_linear import RowsLinear, row_kernels_wanted
 
 __all__ = ["PackedLinear", "packing_available", "MIN_PACKED_WEIGHTS", "VERIFY_ROWS"]
 
@@ -64,7 +64,7 @@ class PackedLinear:
         big = weight.numel() >= MIN_PACKED_WEIGHTS
         self.row_invariant = rows > 1  # packed whatever its size, and never called with a single row
         self.weight = weight.contiguous()
-        self.rows_kernel = RowsLinear(self.weight, self.bias) if rows > 1 and rows_kernel_wanted(weight.device) else None
+        self.rows_kernel = RowsLinear(self.weight, self.bias) if rows > 1 and row_kernels_wanted(weight.device) else None
         self.packed = (pack and (big or self.row_invariant) and weight.device.type == "cpu" and packing_available()
                        and self.rows_kernel is None)
         if self.packed:

@@ -43,7 +43,7 @@ from verispec.errors import ModelNotFoundError
 from verispec.models import kernels
 from verispec.models.cuda_attention import static_attention, supports
 from verispec.models.cuda_graphs import GraphSteps, StoragePool, graphs_wanted
-from verispec.models.cuda_linear import rows_kernel_wanted
+from verispec.models.cuda_linear import row_kernels_wanted
 from verispec.models.device import CPU
 from verispec.models.int8 import Int8Linear
 from verispec.models.int8_store import Int8Store
@@ -332,7 +332,7 @@ class Transformer:
             self.variant += f",kernels={kernels.build_key('kquant')}:{kquant_kernels().kernels_in_use()}"
         self.row_invariant = quant is not None
         # a verifying target's GPU forwards on verispec's row-invariant kernels (`cuda_linear.py`, `cuda_attention.py`)
-        rows_kernels = pack_rows > 1 and rows_kernel_wanted(device)  # its linears take them (`PackedLinear`)
+        rows_kernels = pack_rows > 1 and row_kernels_wanted(device)  # its linears take them (`PackedLinear`)
         self._rows_attention = rows_kernels and supports(config.head_dim)
         if rows_kernels:  # other kernels, other costs: timed apart
             self.variant += ",cuda-rows"
