@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -73,10 +74,19 @@ def compiled_kernels():
 
 @pytest.fixture(autouse=True)
 def private_cache(request, tmp_path_factory, monkeypatch):
-    """Tests on tiny models keep their int8 values, measured costs and online drafts out of the user's
-    cache directory. Tests marked `real` use it: the shipped models' conversions live there."""
+    """Tests on tiny models keep their int8 values, kquant tiles, measured costs and online drafts out of the
+    user's cache directory. Tests marked `real` use it: the shipped models' conversions live there."""
     if not request.node.get_closest_marker("real"):
         monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@contextmanager
+def tiny_models_cache(tmp_path_factory):
+    """`private_cache` for a module-scoped fixture that loads tiny models (it runs before any test's own
+    fixtures, so before `private_cache`)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VERISPEC_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import make_tiny_model, tiny_models_cache
 from distribution import assert_rejected, assert_same_distribution, bonus_from_the_wrong_row, sample_sequences
 
 from verispec import Engine, GenerationConfig, SamplingParams
@@ -36,40 +36,42 @@ PROMPTS = [[5, 9, 2, 7], [11, 3, 3, 3, 8, 1, 30, 12, 5], [40]]
 
 
 @pytest.fixture(scope="module")
-def target8(tiny_target):
-    return load_model(tiny_target, "int8")
+def target8(tiny_target, tmp_path_factory):
+    with tiny_models_cache(tmp_path_factory):
+        return load_model(tiny_target, "int8")
 
 
 @pytest.fixture(scope="module")
-def draft8(tiny_draft):
-    return load_model(tiny_draft, "int8")
+def draft8(tiny_draft, tmp_path_factory):
+    with tiny_models_cache(tmp_path_factory):
+        return load_model(tiny_draft, "int8")
 
 
 def test_int8_values_are_cached_once_and_requantized_when_the_weights_change(tmp_path, monkeypatch):
-    from verispec.models import int8_store
+    from verispec.models import layer_cache
 
     folder = make_tiny_model(tmp_path / "m", vocab_size=12, seed=31, layers=2)
     root = tmp_path / "int8"
-    store = int8_store.Int8Store(folder, root)
+    store = layer_cache.Int8Store(folder, root)
     assert not store.cached
-    fresh = Transformer(*_config_and_weights(folder), torch.float32, quant="int8", int8_store=store)
+    fresh = Transformer(*_config_and_weights(folder), torch.float32, quant="int8", store=store)
     store.save()
     assert len(list(root.glob("*.safetensors"))) == 1
 
     def no_quantizing(weight):
         raise AssertionError("a cached load must not quantize")
 
-    monkeypatch.setattr(int8_store, "quantize_per_channel", no_quantizing)
-    again = int8_store.Int8Store(folder, root)
+    monkeypatch.setattr(layer_cache, "quantize_per_channel", no_quantizing)
+    again = layer_cache.Int8Store(folder, root)
     assert again.cached
-    cached = Transformer(*_config_and_weights(folder), torch.float32, quant="int8", int8_store=again)
+    cached = Transformer(*_config_and_weights(folder), torch.float32, quant="int8", store=again)
     ids = torch.tensor([3, 7, 1, 9, 4])
     logits = [runner.forward(runner.new_cache(8), ids, logits="all") for runner in (fresh, cached)]
     assert torch.equal(logits[0], logits[1])
 
     weights = next(folder.glob("*.safetensors"))
     os.utime(weights, ns=(0, weights.stat().st_mtime_ns + 10**9))  # "rewritten": the fingerprint no longer matches
-    assert not int8_store.Int8Store(folder, root).cached
+    assert not layer_cache.Int8Store(folder, root).cached
 
 
 def _config_and_weights(folder):
@@ -315,8 +317,9 @@ def test_factory_loads_the_draft_in_the_targets_precision(target8, tiny_draft):
 @pytest.fixture(scope="module")
 def small_pair8(tmp_path_factory):
     folder = tmp_path_factory.mktemp("small8")
-    target = load_model(make_tiny_model(folder / "t", vocab_size=12, seed=21, layers=2), "int8")
-    draft = load_model(make_tiny_model(folder / "d", vocab_size=12, seed=22, layers=1), "int8")
+    with tiny_models_cache(tmp_path_factory):
+        target = load_model(make_tiny_model(folder / "t", vocab_size=12, seed=21, layers=2), "int8")
+        draft = load_model(make_tiny_model(folder / "d", vocab_size=12, seed=22, layers=1), "int8")
     target.eos_ids = frozenset()  # fixed-length sequences, so the exact distribution is a simple product
     return target, draft
 

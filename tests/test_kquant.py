@@ -12,12 +12,13 @@ exact distribution (chi-square, stated power, with a positive control).
 from __future__ import annotations
 
 import asyncio
+import os
 from contextlib import contextmanager
 
 import numpy as np
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import make_tiny_model, tiny_models_cache
 from distribution import assert_rejected, assert_same_distribution, bonus_from_the_wrong_row, sample_sequences
 from server_helpers import token_ids
 
@@ -274,7 +275,9 @@ def tiny(request, tmp_path_factory, tiny_draft48):
     config, floats = write_tiny_gguf(path, request.param, vocab=48, seed=7)
     reference = Transformer(config, floats, torch.float32, pack=False)
     tokenizer = tiny_draft48.tokenizer
-    return kquant_model(path, config, tokenizer), LoadedModel("float", path, reference, tokenizer, frozenset({0}))
+    with tiny_models_cache(tmp_path_factory):
+        model = kquant_model(path, config, tokenizer)
+    return model, LoadedModel("float", path, reference, tokenizer, frozenset({0}))
 
 
 PROMPTS = [[5, 9, 2, 7], [11, 3, 3, 3, 8, 1, 30, 12, 5], [40]]
@@ -292,6 +295,23 @@ def test_the_file_runs_as_its_dequantized_weights_do(tiny):
     kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True, reduction="batchmean")
     assert float(kl) < 0.02
     assert model.precision == "kquant" and model.runner.row_invariant
+
+
+def test_the_tiles_are_repacked_once_per_file_and_again_when_it_changes(tmp_path, monkeypatch):
+    """A second load reads the tiles the first one repacked (none repacked: same logits, bit for bit); a
+    file rewritten (another modification time) is repacked again."""
+    from verispec.models import kquant
+
+    path = tmp_path / "t.gguf"
+    config, _ = write_tiny_gguf(path, "qwen2", vocab=16, seed=3)
+    ids = torch.tensor(PROMPTS[1][:6])
+    logits = lambda runner: runner.forward(runner.new_cache(), ids, logits="all")  # noqa: E731
+    fresh = logits(Transformer.from_gguf(path, config))
+    repacked, repack = [], kquant.KQuantTiles.repack
+    monkeypatch.setattr(kquant.KQuantTiles, "repack", classmethod(lambda cls, weight: repacked.append(weight) or repack(weight)))
+    assert torch.equal(logits(Transformer.from_gguf(path, config)), fresh) and not repacked
+    os.utime(path, ns=(0, path.stat().st_mtime_ns + 10**9))
+    assert torch.equal(logits(Transformer.from_gguf(path, config)), fresh) and len(repacked) == 4 * LAYERS + 1  # + the head
 
 
 def test_forward_rows_equal_single_position_decoding(tiny):
@@ -351,7 +371,8 @@ def small_pair(tmp_path_factory):
     folder = tmp_path_factory.mktemp("kquant-small")
     config, _ = write_tiny_gguf(folder / "t.gguf", "qwen2", vocab=12, seed=21)
     draft = load_model(make_tiny_model(folder / "d", vocab_size=12, seed=22, layers=1, arch="llama"))
-    target = kquant_model(folder / "t.gguf", config, draft.tokenizer)
+    with tiny_models_cache(tmp_path_factory):
+        target = kquant_model(folder / "t.gguf", config, draft.tokenizer)
     target.eos_ids = frozenset()  # fixed-length sequences
     return target, draft
 

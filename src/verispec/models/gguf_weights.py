@@ -7,20 +7,20 @@ permuted for ggml's RoPE; those rows are put back in Hugging Face order (a permu
 so the blocks stay as they are).
 
 `tensor_index` reads the file's header itself: the `gguf` package's reader parses every metadata
-array into Python objects (the 1.5B's tokenizer: ~12 s), and a memory map would count the whole file
-in the process's memory while it loads; here the tokenizer arrays are skipped and each tensor is read
-into its own buffer.
+array into Python objects (the 1.5B's tokenizer: ~12 s); here the header is read through a memory map,
+the tokenizer arrays skipped by their lengths, and each tensor is read into its own buffer when asked for
+(a map of the whole file would count all of it in the process's memory while it loads).
 """
 
 from __future__ import annotations
 
 import functools
+import mmap
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -59,27 +59,37 @@ class TensorInfo:
     nbytes: int
 
 
-def _read(f: BinaryIO, fmt: str):
-    return struct.unpack("<" + fmt, f.read(struct.calcsize(fmt)))[0]
+class _Header:
+    """A cursor over a GGUF file's bytes (a read-only memory map: only the pages read are loaded)."""
 
+    def __init__(self, data: mmap.mmap):
+        self.data, self.at = data, 0
 
-def _string(f: BinaryIO) -> bytes:
-    return f.read(_read(f, "Q"))
+    def read(self, fmt: str):
+        (value,) = struct.unpack_from("<" + fmt, self.data, self.at)
+        self.at += struct.calcsize(fmt)
+        return value
 
+    def string(self) -> bytes:
+        size = self.read("Q")
+        self.at += size
+        return self.data[self.at - size : self.at]
 
-def _value(f: BinaryIO, kind: int):
-    """One metadata value; arrays are skipped (None): the tensors need none of them."""
-    if kind == _STRING:
-        return _string(f)
-    if kind == _ARRAY:
-        item, count = _read(f, "I"), _read(f, "Q")
-        if item == _STRING:
-            for _ in range(count):
-                f.seek(_read(f, "Q"), 1)
-        else:
-            f.seek(count * struct.calcsize(_SCALARS[item]), 1)
-        return None
-    return _read(f, _SCALARS[kind])
+    def value(self, kind: int):
+        """One metadata value; arrays are skipped (None): the tensors need none of them."""
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY:
+            item, count = self.read("I"), self.read("Q")
+            if item == _STRING:  # the tokenizer's ~150,000 strings: skipped by their lengths alone
+                at, data, length = self.at, self.data, struct.Struct("<Q").unpack_from
+                for _ in range(count):
+                    at += 8 + length(data, at)[0]
+                self.at = at
+            else:
+                self.at += count * struct.calcsize(_SCALARS[item])
+            return None
+        return self.read(_SCALARS[kind])
 
 
 def tensor_index(path: Path) -> tuple[str, Mapping[str, TensorInfo]]:
@@ -97,19 +107,21 @@ def _header_index(path: Path, size: int, mtime_ns: int) -> tuple[str, Mapping[st
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ModelNotFoundError(f"{path} is not a GGUF file")
-        _read(f, "I")  # the format version: 2 and 3 share this layout
-        tensors, fields = _read(f, "Q"), _read(f, "Q")
-        meta = {}
-        for _ in range(fields):
-            key = _string(f).decode()
-            meta[key] = _value(f, _read(f, "I"))
-        infos = []
-        for _ in range(tensors):
-            name = _string(f).decode()
-            shape = tuple(_read(f, "Q") for _ in range(_read(f, "I")))
-            infos.append((name, _read(f, "I"), shape, _read(f, "Q")))
-        alignment = int(meta.get("general.alignment") or 32)
-        start = -(-f.tell() // alignment) * alignment
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            header = _Header(data)
+            header.at = 8  # past the magic and the format version: 2 and 3 share this layout
+            tensors, fields = header.read("Q"), header.read("Q")
+            meta = {}
+            for _ in range(fields):
+                key = header.string().decode()
+                meta[key] = header.value(header.read("I"))
+            infos = []
+            for _ in range(tensors):
+                name = header.string().decode()
+                shape = tuple(header.read("Q") for _ in range(header.read("I")))
+                infos.append((name, header.read("I"), shape, header.read("Q")))
+            alignment = int(meta.get("general.alignment") or 32)
+            start = -(-header.at // alignment) * alignment
     index = {}
     for name, type_number, shape, offset in infos:
         kind = GGMLQuantizationType(type_number)

@@ -34,7 +34,7 @@ import torch
 from verispec.errors import InvalidParameterError, ModelNotFoundError
 from verispec.models.kernels import extension
 
-__all__ = ["KQUANT_TYPES", "KQuantWeight", "KQuantLinear", "KQuantEmbedding", "concat_rows", "kquant_kernels", "kquant_suits"]
+__all__ = ["KQUANT_TYPES", "KQuantWeight", "KQuantTiles", "KQuantLinear", "KQuantEmbedding", "concat_rows", "kquant_kernels", "kquant_suits"]
 
 KQUANT_TYPES = {"Q4_K": 12, "Q6_K": 14}  # ggml type name -> type number (what the kernels take)
 TILE_COLUMNS = 16  # output columns per packed tile (`kCols` in kernels/kquant.cpp)
@@ -98,22 +98,49 @@ def concat_rows(*weights):
     return list(weights)
 
 
-class KQuantLinear:
-    """y = x Wᵀ + b through k-quant blocks: x [rows, in] float32 -> [rows, Σ parts' rows] float32."""
+@dataclass(frozen=True)
+class KQuantTiles:
+    """A layer's blocks repacked for the kernels (once per file: `layer_cache.KQuantStore` keeps them): per
+    part (a fused layer's q, k and v) its ggml type, its output columns and its tiles of 16 columns, uint8
+    [bytes]; every part takes `in_features` inputs."""
 
-    def __init__(self, weight: KQuantWeight | list[KQuantWeight], bias: torch.Tensor | None = None):
+    kinds: list[int]
+    columns: list[int]
+    in_features: int
+    packed: list[torch.Tensor]
+
+    @classmethod
+    def repack(cls, weight: KQuantWeight | list[KQuantWeight]) -> KQuantTiles:
         parts = weight if isinstance(weight, list) else [weight]
         widths = {part.cols for part in parts}
         if len(widths) != 1:
             raise ValueError(f"the parts of a k-quant layer take one input width, not {sorted(widths)}")
-        self.in_features = widths.pop()
-        kernels = kquant_kernels()
-        self.kinds = [part.kind for part in parts]
-        self.columns = [part.rows for part in parts]
-        self.packed = [kernels.repack(part.kind, part.raw) for part in parts]  # tiles of 16 columns, uint8 [bytes]
+        repack = kquant_kernels().repack
+        return cls([p.kind for p in parts], [p.rows for p in parts], widths.pop(), [repack(p.kind, p.raw) for p in parts])
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tiles as named tensors (what a cache file stores): "layout" int64 [parts, 3] (kind, columns,
+        in_features), "tiles{i}" each part's bytes."""
+        layout = torch.tensor([[kind, columns, self.in_features] for kind, columns in zip(self.kinds, self.columns)])
+        return {"layout": layout, **{f"tiles{i}": packed for i, packed in enumerate(self.packed)}}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> KQuantTiles:
+        layout = tensors["layout"].tolist()
+        return cls([row[0] for row in layout], [row[1] for row in layout], layout[0][2],
+                   [tensors[f"tiles{i}"] for i in range(len(layout))])
+
+
+class KQuantLinear:
+    """y = x Wᵀ + b through k-quant blocks: x [rows, in] float32 -> [rows, Σ parts' rows] float32."""
+
+    def __init__(self, weight: KQuantWeight | list[KQuantWeight] | KQuantTiles, bias: torch.Tensor | None = None):
+        tiles = weight if isinstance(weight, KQuantTiles) else KQuantTiles.repack(weight)
+        self.in_features, self.kinds, self.columns = tiles.in_features, tiles.kinds, tiles.columns
+        self.packed = tiles.packed  # tiles of 16 columns, uint8 [bytes]
         self.bias = None if bias is None else bias.float().contiguous()  # [out]
         self.out_features = sum(self.columns)
-        self._linear = kernels.linear
+        self._linear = kquant_kernels().linear
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [rows, in] -> [rows, out]
         if x.shape[-1] != self.in_features:

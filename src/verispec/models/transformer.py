@@ -7,7 +7,7 @@ kernels (see `linear.py`). The weights, config and tokenizer still come from a H
 tests check the logits against the transformers implementation of the same config.
 
 With `quant="int8"` every linear layer (and the head) is an `Int8Linear` (see `int8.py`): int8
-weights quantized from the float32 folder once and cached (`int8_store.py`), activations quantized per row, so a row's
+weights quantized from the float32 folder once and cached (`layer_cache.py`), activations quantized per row, so a row's
 logits do not depend on how many positions the forward pass holds. The rest of the layer (norms,
 RoPE, attention, the KV cache) stays float32. `variant` then carries ",int8", which keeps measured
 costs (`control/costs.py`) apart from the float model's. An int8 runner decodes and verifies chains
@@ -46,8 +46,8 @@ from verispec.models.cuda_graphs import GraphSteps, StoragePool, graphs_wanted
 from verispec.models.cuda_linear import row_kernels_wanted
 from verispec.models.device import CPU
 from verispec.models.int8 import Int8Linear
-from verispec.models.int8_store import Int8Store
 from verispec.models.kquant import KQuantEmbedding, KQuantLinear, KQuantWeight, concat_rows, kquant_kernels
+from verispec.models.layer_cache import Int8Store, KQuantStore
 from verispec.models.linear import PackedLinear
 from verispec.models.runner import RunnerConfig, ragged_rows
 
@@ -221,16 +221,18 @@ class _Row:
         return [visible.nonzero()[:, 0] for visible in self.mask]  # mask [n, start + n]
 
 
-def _linear_factory(pack: bool, quant: str | None, pack_rows: int = 1, store: Int8Store | None = None):
+def _linear_factory(pack: bool, quant: str | None, pack_rows: int = 1, store: Int8Store | KQuantStore | None = None):
     """How the runner builds the linear layer `name` from W [out, in] (`weight()` reads it; a layer from
-    the int8 cache never does) and b [out] (or None)."""
+    the int8 or kquant cache never does) and b [out] (or None)."""
     if quant is None:
         return lambda name, weight, bias: PackedLinear(weight(), bias, pack, pack_rows)
     if quant == "int8":
         return store.linear if store is not None else lambda name, weight, bias: Int8Linear.from_float(weight(), bias)
-    if quant == "kquant":  # the file's blocks; a float weight in a k-quant file stays float, packed (row-invariant)
+    if quant == "kquant":  # the file's blocks (tiles); a float weight in a k-quant file stays float, packed (row-invariant)
         return lambda name, weight, bias: (
-            KQuantLinear(w, bias) if not isinstance(w := weight(), torch.Tensor) else PackedLinear(w, bias, True, max(pack_rows, 2))
+            PackedLinear(w, bias, True, max(pack_rows, 2))
+            if isinstance(w := store.tiles(name, weight) if store is not None else weight(), torch.Tensor)
+            else KQuantLinear(w, bias)
         )
     raise ValueError(f"unknown quantization {quant!r}: use one of {', '.join(QUANTIZATIONS)} or None")
 
@@ -287,8 +289,8 @@ class Transformer:
     quant: None, "int8" for int8 linear layers, or "kquant" for a GGUF file's k-quant blocks
     (`from_gguf`; dtype must then be float32);
     pack_rows: the rows per forward the float linear layers are packed for (`linear.py`);
-    int8_store: where int8 layers come from (`from_folder` passes the folder's cache; without one
-    they are quantized from the float weights);
+    store: where int8 or kquant layers come from (`from_folder` and `from_gguf` pass the weights' cache,
+    `layer_cache.py`; without one they are quantized or repacked from the weights);
     device: where the weights, the RoPE table and every KV cache live (the CPU by default; int8 is
     CPU-only). `forward` takes tokens, positions and masks from anywhere and returns logits there. Steps
     replay as CUDA graphs on a GPU (`use_graphs`; float runners, unless VERISPEC_CUDA_GRAPHS=0).
@@ -317,7 +319,7 @@ class Transformer:
 
     def __init__(
         self, config: ModelConfig, weights: dict[str, torch.Tensor] | _Safetensors, dtype: torch.dtype,
-        pack: bool = True, quant: str | None = None, pack_rows: int = 1, int8_store: Int8Store | None = None,
+        pack: bool = True, quant: str | None = None, pack_rows: int = 1, store: Int8Store | KQuantStore | None = None,
         device: torch.device = CPU,
     ):
         if quant is not None and dtype != torch.float32:
@@ -339,7 +341,7 @@ class Transformer:
         # kquant's own attention (`kernels/attention.h`): every feed's positions each on its own, chains and trees
         self._exact_attend = kquant_kernels().attend if quant == "kquant" else None
         self._compiled: tuple = (None, None)  # (the layers it was built from, `Int8Layers`/`KQuantLayers` or None)
-        linear = _linear_factory(pack, quant, pack_rows, int8_store)
+        linear = _linear_factory(pack, quant, pack_rows, store)
         weights = _Weights(weights, dtype, device)
         self.embed = weights["model.embed_tokens.weight"]  # [vocab, hidden]
         if isinstance(self.embed, KQuantWeight):
@@ -377,14 +379,17 @@ class Transformer:
 
     @classmethod
     def from_gguf(cls, path: str | Path, config: ModelConfig, pack_rows: int = 1, requantize: bool = False) -> Transformer:
-        """The `kquant` runner of a GGUF file: its k-quant blocks as they are (`gguf_weights.py`), with
-        the file's own output head where it has one (llama.cpp uses it over a tied embedding).
+        """The `kquant` runner of a GGUF file: its k-quant blocks as they are (`gguf_weights.py`; repacked into
+        the kernels' tiles once per file, `layer_cache.py`), with the file's own output head where it has one
+        (llama.cpp uses it over a tied embedding).
         requantize: the tensors of other block types requantized (`models/requantize.py`), else an error."""
         from verispec.models.gguf_weights import GGUFWeights
 
         weights = GGUFWeights(path, config.num_heads, config.num_kv_heads, requantize)
         config = dataclasses.replace(config, tie_word_embeddings=not weights.has_output)
-        runner = cls(config, weights, torch.float32, quant="kquant", pack_rows=pack_rows)
+        store = KQuantStore(path, kernels.build_key("kquant"), bool(weights.requantized))  # the tiles, repacked once
+        runner = cls(config, weights, torch.float32, quant="kquant", pack_rows=pack_rows, store=store)
+        store.save()
         if weights.requantized:
             runner.variant += ",requantized"
         return runner
