@@ -80,10 +80,21 @@ def private_cache(request, tmp_path_factory, monkeypatch):
         monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def private_module_cache(request, tmp_path_factory):
+    """`private_cache` for the module-scoped fixtures of a module without `real` tests (they run before any
+    test's own fixtures): the costs they measure and the layers they prepare stay out of the user's cache."""
+    if any(item.module is request.module and item.get_closest_marker("real") for item in request.session.items):
+        yield
+        return
+    with tiny_models_cache(tmp_path_factory):
+        yield
+
+
 @contextmanager
 def tiny_models_cache(tmp_path_factory):
-    """`private_cache` for a module-scoped fixture that loads tiny models (it runs before any test's own
-    fixtures, so before `private_cache`)."""
+    """`private_cache` for a module-scoped fixture that loads tiny models in a module that also has `real`
+    tests (it runs before any test's own fixtures, so before `private_cache`)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("VERISPEC_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
         yield

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_model, tiny_models_cache
+from conftest import make_tiny_model
 from distribution import assert_rejected, assert_same_distribution, bonus_from_the_wrong_row, sample_sequences
 
 from verispec import Engine, GenerationConfig, SamplingParams
@@ -36,15 +36,13 @@ PROMPTS = [[5, 9, 2, 7], [11, 3, 3, 3, 8, 1, 30, 12, 5], [40]]
 
 
 @pytest.fixture(scope="module")
-def target8(tiny_target, tmp_path_factory):
-    with tiny_models_cache(tmp_path_factory):
-        return load_model(tiny_target, "int8")
+def target8(tiny_target):
+    return load_model(tiny_target, "int8")
 
 
 @pytest.fixture(scope="module")
-def draft8(tiny_draft, tmp_path_factory):
-    with tiny_models_cache(tmp_path_factory):
-        return load_model(tiny_draft, "int8")
+def draft8(tiny_draft):
+    return load_model(tiny_draft, "int8")
 
 
 def test_int8_values_are_cached_once_and_requantized_when_the_weights_change(tmp_path, monkeypatch):
@@ -317,9 +315,8 @@ def test_factory_loads_the_draft_in_the_targets_precision(target8, tiny_draft):
 @pytest.fixture(scope="module")
 def small_pair8(tmp_path_factory):
     folder = tmp_path_factory.mktemp("small8")
-    with tiny_models_cache(tmp_path_factory):
-        target = load_model(make_tiny_model(folder / "t", vocab_size=12, seed=21, layers=2), "int8")
-        draft = load_model(make_tiny_model(folder / "d", vocab_size=12, seed=22, layers=1), "int8")
+    target = load_model(make_tiny_model(folder / "t", vocab_size=12, seed=21, layers=2), "int8")
+    draft = load_model(make_tiny_model(folder / "d", vocab_size=12, seed=22, layers=1), "int8")
     target.eos_ids = frozenset()  # fixed-length sequences, so the exact distribution is a simple product
     return target, draft
 

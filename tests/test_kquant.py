@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 import torch
-from conftest import make_tiny_model, tiny_models_cache
+from conftest import make_tiny_model
 from distribution import assert_rejected, assert_same_distribution, bonus_from_the_wrong_row, sample_sequences
 from server_helpers import token_ids
 
@@ -275,9 +275,7 @@ def tiny(request, tmp_path_factory, tiny_draft48):
     config, floats = write_tiny_gguf(path, request.param, vocab=48, seed=7)
     reference = Transformer(config, floats, torch.float32, pack=False)
     tokenizer = tiny_draft48.tokenizer
-    with tiny_models_cache(tmp_path_factory):
-        model = kquant_model(path, config, tokenizer)
-    return model, LoadedModel("float", path, reference, tokenizer, frozenset({0}))
+    return kquant_model(path, config, tokenizer), LoadedModel("float", path, reference, tokenizer, frozenset({0}))
 
 
 PROMPTS = [[5, 9, 2, 7], [11, 3, 3, 3, 8, 1, 30, 12, 5], [40]]
@@ -371,8 +369,7 @@ def small_pair(tmp_path_factory):
     folder = tmp_path_factory.mktemp("kquant-small")
     config, _ = write_tiny_gguf(folder / "t.gguf", "qwen2", vocab=12, seed=21)
     draft = load_model(make_tiny_model(folder / "d", vocab_size=12, seed=22, layers=1, arch="llama"))
-    with tiny_models_cache(tmp_path_factory):
-        target = kquant_model(folder / "t.gguf", config, draft.tokenizer)
+    target = kquant_model(folder / "t.gguf", config, draft.tokenizer)
     target.eos_ids = frozenset()  # fixed-length sequences
     return target, draft
 
