@@ -15,7 +15,7 @@ import pytest
 from verispec.control import CostModel
 from verispec.control.costs import LONG_CONTEXT, SHORT_CONTEXT
 from verispec.control.gamma import PROBE_EVERY, make_gamma_policy
-from verispec.control.plan import ALPHA_PRIORS, BACKEND_MARGIN, MARGIN, best_gamma, choose_plan
+from verispec.control.plan import ALPHA_PRIORS, BACKEND_MARGIN, MARGIN, best_gamma, choose_plan, worth_measuring
 from verispec.control.theory import expected_speedup
 from verispec.types import Hint
 
@@ -49,6 +49,39 @@ def test_the_plan_drafts_no_further_than_the_backend_verifies_exactly():
 
 def _steep_costs(c: float) -> CostModel:
     return CostModel([1.0, 1.89, 2.56, 3.13, 3.58], draft_token_seconds=c)
+
+
+def test_a_draft_model_is_measured_only_where_its_least_cost_could_win():
+    """The bound is the prediction at the least cost with no catching-up cost: any cost the draft can have
+    predicts no more, so a draft left unmeasured could never have been the plan."""
+    rival = best_gamma(ALPHA_PRIORS["ngram"], 0.0, FLAT, 4)[1]
+    worth, bound = worth_measuring(0.05, FLAT, 4, rival)  # nearly free on a flat curve: measure it
+    assert worth and bound > rival
+    worth, bound = worth_measuring(0.32, STEEP, 4, rival)  # the shipped pair's share of weights, ggml's curve
+    assert not worth and bound == best_gamma(ALPHA_PRIORS["model"], 0.32, STEEP, 4)[1] < MARGIN
+    for c in (0.32, 0.4, 0.6, 1.0):
+        for catch_up in (1.0, 1.2):
+            assert best_gamma(ALPHA_PRIORS["model"], c, STEEP, 4, catch_up)[1] <= bound
+    assert not worth_measuring(0.0, FLAT, 0, 0.0)[0]  # nothing verifies exactly: no draft can be the plan
+
+
+def test_a_shipped_target_fetches_no_draft_model_that_could_not_win(tiny_target, tiny_draft, monkeypatch):
+    """With a shipped pair's sizes (`least_cost_ratio`), a draft as large as its target is never loaded: the
+    plan lists its bound; a draft a thousandth of its size is loaded and measured (the control)."""
+    import verispec.engine.build as build
+    from verispec.models import registry
+
+    for draft_weights, measured in ((10**9, False), (10**6, True)):
+        shipped = {str(tiny_target): registry.ShippedModel("t", (), "file", "t", step_weights=10**9),
+                   str(tiny_draft): registry.ShippedModel("d", (), "file", "d", step_weights=draft_weights)}
+        monkeypatch.setattr(build, "SHIPPED_MODELS", shipped)
+        monkeypatch.setattr(registry, "SHIPPED_MODELS", shipped)
+        builder = build.EngineBuilder(str(tiny_target), default_draft=str(tiny_draft))
+        plan = builder.plan(4, "float32")
+        assert ("model" in plan.predicted) == measured and ("model" in plan.bounds) != measured
+        assert (str(tiny_draft) in builder.models.names) == measured
+        if not measured:
+            assert "model ≤" in plan.summary() and "(not measured)" in plan.summary()
 
 
 def test_the_auto_policy_pauses_when_speculation_loses_and_probes_to_resume():

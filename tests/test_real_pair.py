@@ -5,6 +5,9 @@ directory; later runs load the cached safetensors. The oracle is Hugging Face `g
 same target weights — an implementation independent of verispec's runner.
 """
 
+import importlib.util
+import math
+
 import pytest
 import torch
 
@@ -12,7 +15,8 @@ from verispec import Engine, GenerationConfig
 from verispec.drafters import make_drafter
 from verispec.errors import IncompatibleModelsError
 from verispec.models.loading import load_model
-from verispec.models.registry import DEFAULT_TARGET
+from verispec.models.gguf_weights import tensor_index
+from verispec.models.registry import DEFAULT_TARGET, SHIPPED_MODELS, gguf_file
 
 pytestmark = pytest.mark.real
 
@@ -115,3 +119,15 @@ def test_kquant_speculative_greedy_equals_kquant_plain_greedy(target_kquant, dra
         assert result.token_ids == plain.generate(ids, config).token_ids
         if draft == "model":
             assert result.stats.mean_accepted_length > 1.5
+
+
+@pytest.mark.parametrize("name", SHIPPED_MODELS)
+def test_the_registry_gives_each_shipped_models_step_weights_as_its_file_does(name):
+    """`step_weights` (the plan's least draft cost compares them before fetching a draft) is what the GGUF
+    file's tensors say: every tensor but a token-embedding table that has an untied head beside it."""
+    if any(importlib.util.find_spec(module) is None for module in SHIPPED_MODELS[name].modules()):
+        pytest.skip(f"{name} is not installed here")
+    _, tensors = tensor_index(gguf_file(name))
+    untied = "output.weight" in tensors
+    weights = sum(math.prod(t.shape) for n, t in tensors.items() if not (untied and n == "token_embd.weight"))
+    assert SHIPPED_MODELS[name].step_weights == weights

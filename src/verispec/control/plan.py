@@ -9,6 +9,11 @@ candidate only when that beats plain decoding by `MARGIN` (work outside the forw
 model yet); otherwise it decodes plain. Inside a request the `auto` γ policy keeps measuring α,
 pauses speculation when it loses and probes now and then to resume.
 
+A draft model is measured (fetched, loaded, timed) only where it could be the plan: its predicted speedup
+at the least cost it can have (`registry.least_cost_ratio`: its share of the weights a step reads; the
+prediction falls as c grows) must beat plain decoding's `MARGIN` and the candidates measured before it
+(`worth_measuring`); otherwise the plan lists that bound instead (`bounds`).
+
 Where several backends can run the target's file (llama.cpp and verispec's kquant runner for a Q4_K_M
 GGUF), each gets its own plan from its own measured curve, and `choose_backend` keeps the one with
 the fewest predicted seconds a token (its T(1) over its predicted speedup), if that beats the default
@@ -22,7 +27,8 @@ from dataclasses import dataclass, field, replace
 
 from verispec.control.theory import curve_verify_cost, expected_speedup
 
-__all__ = ["ALPHA_PRIORS", "BACKEND_MARGIN", "MARGIN", "Plan", "best_gamma", "choose_backend", "choose_plan"]
+__all__ = ["ALPHA_PRIORS", "BACKEND_MARGIN", "MARGIN", "Plan", "best_gamma", "choose_backend", "choose_plan",
+           "worth_measuring"]
 
 # α before a request measures its own: prompt lookup accepted 0.40–0.43 at its first positions on public
 # prompts (Spec-Bench groups + HumanEval, gguf and kquant runs in BENCHMARKS.md), the 0.5B draft 0.78–0.82
@@ -46,7 +52,8 @@ class Plan:
     """What runs: the precision, the drafter spec ("none": plain decoding) and its starting γ, and
     every candidate's predicted speedup over plain decoding (with the γ it was predicted at);
     `token_seconds`: the backend's measured T(1); `backends`: each backend considered → its plan's
-    predicted seconds a token (`choose_backend`)."""
+    predicted seconds a token (`choose_backend`); `bounds`: each candidate left unmeasured → the most it
+    could be predicted (`worth_measuring`)."""
 
     precision: str
     drafter: str
@@ -54,6 +61,7 @@ class Plan:
     predicted: dict[str, tuple[float, int]]
     token_seconds: float | None = None
     backends: dict[str, float] = field(default_factory=dict)
+    bounds: dict[str, float] = field(default_factory=dict)
 
     @property
     def speedup(self) -> float:
@@ -64,7 +72,8 @@ class Plan:
         """One line for the user: what was chosen, and why."""
         considered = ", ".join(f"{name} {speedup:.2f}× (γ {gamma})" for name, (speedup, gamma) in self.predicted.items())
         chosen = "plain decoding" if self.drafter == "none" else f"draft {self.drafter}, γ {self.gamma}"
-        line = f"plan: {self.precision} · {chosen} · predicted over plain: {considered or 'nothing to compare'}"
+        considered += "".join(f", {name} ≤ {bound:.2f}× (not measured)" for name, bound in self.bounds.items())
+        line = f"plan: {self.precision} · {chosen} · predicted over plain: {considered.lstrip(', ') or 'nothing to compare'}"
         if len(self.backends) > 1:
             line += " · ms a token: " + ", ".join(f"{name} {seconds * 1e3:.1f}" for name, seconds in self.backends.items())
         return line
@@ -88,6 +97,15 @@ def choose_plan(precision: str, curve: Sequence[float], costs: dict[str, float],
     if best is None or predicted[best][0] < MARGIN:
         return Plan(precision, "none", 0, predicted, token_seconds)
     return Plan(precision, best, predicted[best][1], predicted, token_seconds)
+
+
+def worth_measuring(least_c: float, curve: Sequence[float], max_gamma: int, rival: float,
+                    alpha: float = ALPHA_PRIORS["model"]) -> tuple[bool, float]:
+    """(whether a draft model of cost ratio c ≥ `least_c` could be the plan, the most it could be predicted):
+    at c = least_c and no catching-up cost (the prediction only falls from there) it must beat both
+    `MARGIN` and `rival`, the best speedup predicted for the candidates measured already."""
+    bound = best_gamma(alpha, least_c, curve, max_gamma)[1] if max_gamma >= 1 and curve else 0.0
+    return bound >= max(MARGIN, rival), bound
 
 
 def choose_backend(plans: Sequence[Plan]) -> Plan:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from verispec.control.plan import Plan, choose_backend, choose_plan
+from verispec.control.plan import Plan, choose_backend, choose_plan, worth_measuring
 from verispec.drafters import make_drafter
 from verispec.drafters.base import Drafter
 from verispec.engine.loop import Engine
@@ -21,7 +21,7 @@ from verispec.models.device import resolve_device
 from verispec.models.kernels import build_key
 from verispec.models.linear import VERIFY_ROWS
 from verispec.models.loading import ModelCache, parse_precision
-from verispec.models.registry import SHIPPED_MODELS, gguf_file
+from verispec.models.registry import SHIPPED_MODELS, default_draft_for, gguf_file, least_cost_ratio
 from verispec.models.runner import LoadedModel
 from verispec.paths import cpu_key, read_table, store_in_table
 
@@ -111,15 +111,29 @@ class EngineBuilder:
         """`draft="auto"`: plain decoding, prompt lookup (`ngram`) or the default draft model (for a
         shipped target), whichever the measured costs on this CPU predict fastest (`choose_plan`) for
         the target in `precision`. Its verification curve and the draft model's cost are measured
-        once and cached."""
-        candidates = ["ngram", "model"] if self.target_spec in SHIPPED_MODELS else ["ngram"]
-        costs = {spec: self.engine(spec, gamma, "auto", precision).costs for spec in candidates}  # measured or cached
+        once and cached; the draft model only where it could be the plan (`worth_measuring`), so a first
+        run neither fetches nor times a draft whose least possible cost already rules it out."""
+        costs = {"ngram": self.engine("ngram", gamma, "auto", precision).costs}  # measured or cached
         target = self.target(precision)
         exact = target.runner.exact_positions
         max_gamma = exact - 1 if exact is not None else Engine.MAX_GAMMA
-        curve = costs[candidates[0]].target_seconds
-        return choose_plan(target.precision, curve, {spec: cost.draft_cost_ratio() or 0.0 for spec, cost in costs.items()},
-                           max_gamma, catch_ups={spec: cost.draft_catch_up for spec, cost in costs.items()})
+        curve = costs["ngram"].target_seconds
+
+        def planned() -> Plan:
+            return choose_plan(target.precision, curve, {spec: cost.draft_cost_ratio() or 0.0 for spec, cost in costs.items()},
+                               max_gamma, catch_ups={spec: cost.draft_catch_up for spec, cost in costs.items()})
+
+        plan = planned()
+        if self.target_spec in SHIPPED_MODELS:
+            least_c = least_cost_ratio(self.target_spec, self.models.default_draft or default_draft_for(self.target_spec))
+            rival = max((speedup for speedup, _ in plan.predicted.values()), default=0.0)
+            worth, bound = (True, 0.0) if least_c is None else worth_measuring(least_c, curve, max_gamma, rival)
+            if worth:
+                costs["model"] = self.engine("model", gamma, "auto", precision).costs
+                plan = planned()
+            else:
+                plan = dataclasses.replace(plan, bounds={"model": bound})
+        return plan
 
     def planned_engine(self, gamma: int = 4, gamma_policy: str | None = None, precision: str | None = None,
                        backends: list[str] | None = None, settle: bool = False) -> Engine:

