@@ -8,8 +8,9 @@ so the blocks stay as they are).
 
 `tensor_index` reads the file's header itself: the `gguf` package's reader parses every metadata
 array into Python objects (the 1.5B's tokenizer: ~12 s); here the header is read through a memory map,
-the tokenizer arrays skipped by their lengths, and each tensor is read into its own buffer when asked for
-(a map of the whole file would count all of it in the process's memory while it loads).
+the tokenizer arrays skipped by their lengths, and each tensor is mapped when asked for, copy-on-write (only
+the pages a load reads count in its memory: a cached load of kquant's tiles reads the token embeddings'
+rows as lookups need them, and norms and biases).
 """
 
 from __future__ import annotations
@@ -201,11 +202,10 @@ class GGUFWeights:
             kind, blocks = self.requantized[gguf_name(name)]
             raw = self._hf_row_order(name, blocks.numpy())
             return KQuantWeight(KQUANT_TYPES[kind], torch.from_numpy(np.ascontiguousarray(raw)), int(tensor.shape[0]))
-        data = np.empty(tensor.nbytes, dtype=np.uint8)
-        with open(self.path, "rb") as f:
-            f.seek(tensor.offset)
-            if f.readinto(data) != tensor.nbytes:
-                raise ModelNotFoundError(f"{self.path.name} ends inside tensor {gguf_name(name)}")
+        try:  # mapped, copy-on-write: only the pages read count in memory (an embedding lookup reads a few rows)
+            data = np.memmap(self.path, dtype=np.uint8, mode="c", offset=tensor.offset, shape=(tensor.nbytes,))
+        except ValueError as error:  # the file ends before the tensor does
+            raise ModelNotFoundError(f"{self.path.name} ends inside tensor {gguf_name(name)}") from error
         rows = int(np.prod(tensor.shape[1:]))  # one row per output feature (1 for a vector)
         if tensor.type_name in KQUANT_TYPES:
             raw = self._hf_row_order(name, data.reshape(rows, -1))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -84,7 +85,7 @@ class LayerCache:
         if self._new:
             kept = {key: self._handle.get_tensor(key) for keys in self._stored.values() for key in keys} if self.cached else {}
             self.file.parent.mkdir(parents=True, exist_ok=True)
-            partial = self.file.with_suffix(".partial")
+            partial = self.file.with_suffix(f".{os.getpid()}.partial")  # its own: two first loads may write at once
             save_file(kept | self._new, partial, metadata={"fingerprint": self.fingerprint})
             partial.replace(self.file)  # atomic: a crash mid-write leaves no half file behind
         self._new, self._handle = {}, None

@@ -62,6 +62,7 @@ from verispec.models.registry import (
     SHIPPED_MODELS, convert_gguf, gguf_file, gguf_tokenizer_folder, prepare_shipped_model,
 )
 from verispec.models.runner import LoadedModel
+from verispec.models.tokenizer import load_tokenizer
 from verispec.models.transformer import SUPPORTED_TYPES, ModelConfig, Transformer
 from verispec.models.vocabulary import vocabulary_difference
 from verispec.paths import cache_dir
@@ -174,20 +175,6 @@ def _eos_ids(folder: Path, tokenizer) -> frozenset[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(ids)
-
-
-def load_tokenizer(folder: Path):
-    """The folder's tokenizer, read from tokenizer.json itself when there is one.
-
-    transformers 5's AutoTokenizer picks the class from the model type and rebuilds the tokenizer
-    from its vocabulary, which silently breaks any tokenizer.json of another kind (a word-level
-    one, say); the generic fast tokenizer reads the file as written (identical ids for Qwen).
-    """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    if (folder / "tokenizer.json").exists():
-        return PreTrainedTokenizerFast.from_pretrained(folder)
-    return AutoTokenizer.from_pretrained(folder)
 
 
 def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", pack_rows: int = VERIFY_ROWS,

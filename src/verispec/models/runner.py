@@ -142,7 +142,7 @@ class LoadedModel:
     name: str
     folder: Path
     runner: Runner
-    tokenizer: object  # a transformers PreTrainedTokenizerFast (None in tests that feed token ids only)
+    tokenizer: object  # `models/tokenizer.py`: a FastTokenizer or transformers' (None in tests that feed token ids only)
     eos_ids: frozenset[int]
 
     @property

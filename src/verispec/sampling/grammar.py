@@ -95,7 +95,8 @@ def _compiler(tokenizer, width: int, stop_ids: tuple[int, ...]):
         vocab = max(width, len(tokenizer))  # logits rows past the tokenizer's vocabulary are never allowed
         if not stop_ids:  # a model without EOS: xgrammar wants a stop token, so one past the logits, never allowed
             vocab, stop_ids = vocab + 1, (vocab,)
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab, stop_token_ids=list(stop_ids))
+        hf = getattr(tokenizer, "hf", tokenizer)  # xgrammar reads a transformers tokenizer (`models/tokenizer.py`)
+        info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab, stop_token_ids=list(stop_ids))
         per_tokenizer[key] = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=COMPILE_CACHE_BYTES)
     return per_tokenizer[key]
 
