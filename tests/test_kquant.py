@@ -419,6 +419,10 @@ def test_a_file_with_other_block_types_is_a_clear_error(tmp_path):
     with pytest.raises(ModelNotFoundError, match="kquant run a GGUF file"):
         load_model("not-a-file.txt", "kquant")
     assert parse_precision("kquant").quant == "kquant"
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes((tmp_path / "ok.gguf").read_bytes()[:-1000])  # a download that stopped early
+    with pytest.raises(ModelNotFoundError, match="ends inside tensor"):
+        Transformer.from_gguf(cut, config)
 
 
 def test_the_compiled_decoder_stack_gives_the_same_bits_as_the_python_loop(tiny, monkeypatch):
