@@ -311,6 +311,11 @@ def test_the_tiles_are_repacked_once_per_file_and_again_when_it_changes(tmp_path
     os.utime(path, ns=(0, path.stat().st_mtime_ns + 10**9))
     assert torch.equal(logits(Transformer.from_gguf(path, config)), fresh) and len(repacked) == 4 * LAYERS + 1  # + the head
 
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "file"))  # a cache directory that cannot be made
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.warns(RuntimeWarning, match="could not keep prepared layers"):
+        assert torch.equal(logits(Transformer.from_gguf(path, config)), fresh)  # the load itself goes on
+
 
 def test_forward_rows_equal_single_position_decoding(tiny):
     runner = tiny[0].runner

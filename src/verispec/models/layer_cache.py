@@ -14,9 +14,11 @@ fbgemm's packing of int8 values still runs at every load; kquant's tiles are wha
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -84,10 +86,16 @@ class LayerCache:
         """Write what this load prepared (nothing when everything came from the cache)."""
         if self._new:
             kept = {key: self._handle.get_tensor(key) for keys in self._stored.values() for key in keys} if self.cached else {}
-            self.file.parent.mkdir(parents=True, exist_ok=True)
             partial = self.file.with_suffix(f".{os.getpid()}.partial")  # its own: two first loads may write at once
-            save_file(kept | self._new, partial, metadata={"fingerprint": self.fingerprint})
-            partial.replace(self.file)  # atomic: a crash mid-write leaves no half file behind
+            try:
+                self.file.parent.mkdir(parents=True, exist_ok=True)
+                save_file(kept | self._new, partial, metadata={"fingerprint": self.fingerprint})
+                partial.replace(self.file)  # atomic: a crash mid-write leaves no half file behind
+            except OSError as error:  # a full disk or a read-only cache costs the next load time, never this one
+                with contextlib.suppress(OSError):
+                    partial.unlink()
+                warnings.warn(f"could not keep prepared layers in {self.file} ({error}); the next load prepares "
+                              "them again", RuntimeWarning, stacklevel=2)
         self._new, self._handle = {}, None
 
 
