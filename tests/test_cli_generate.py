@@ -1,4 +1,4 @@
-"""The `generate` and `models` commands: without --max-new-tokens `generate` runs until the model stops
+"""The `generate`, `chat` and `models` commands: without --max-new-tokens `generate` runs until the model stops
 or its context is full (a prompt continued as raw text, which has no end of turn, gets a bounded
 default instead), Ctrl-C stops it cleanly with the summary line, and `verispec models` says which
 precisions (and backends) run each shipped model.
@@ -113,3 +113,47 @@ def test_cli_models_says_which_models_share_a_tokenizer(capsys, monkeypatch, tmp
     assert "every drafter with qwen2.5-coder-1.5b-instruct" in drafts["qwen2.5-coder-0.5b-instruct"]
     assert "every drafter" not in drafts["gemma-3-270m"]  # same tokens, other ids: only through the text
     assert "smollm2-135m-instruct" not in drafts  # no tokenizer here yet: nothing claimed
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}> {{ m.content }}{{ eos_token }} {% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory) -> Path:
+    """A tiny model whose chat template writes every turn."""
+    from conftest import make_tiny_model
+
+    folder = make_tiny_model(tmp_path_factory.mktemp("chat") / "m", vocab_size=24, seed=5, layers=2)
+    config = folder / "tokenizer_config.json"
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"chat_template": CHAT_TEMPLATE}))
+    return folder
+
+
+def test_cli_chat_answers_each_turn_as_plain_decoding_of_the_conversation_so_far(capsys, monkeypatch, chat_model):
+    """Turn after turn (prompt lookup drafting) the prompt is the whole conversation so far (the system prompt,
+    every turn and answer) and the answer greedy plain decoding's for it; an empty line asks nothing, /reset starts
+    again, /exit ends before the lines after it."""
+    import io
+
+    from verispec import Engine, GenerationConfig
+    from verispec.engine import loop
+    from verispec.models.loading import load_model
+
+    prompts, start = [], loop.Engine.start
+    monkeypatch.setattr(loop.Engine, "start", lambda self, prompt, config: prompts.append(list(prompt)) or start(self, prompt, config))
+    monkeypatch.setattr("sys.stdin", io.StringIO("t5 t9 t5 t9\n\n/reset\nt5 t9 t5 t9\nt3 t4 t7\n/exit\nt8\n"))
+    assert main(["chat", "--target", str(chat_model), "--dtype", "float32", "--draft", "ngram", "--max-new-tokens", "8",
+                 "--system", "t11 t12"]) == 0
+    answers = [a.strip() for a in capsys.readouterr().out.split("> ")[1:] if a.strip()]
+    sent = list(prompts)  # what the chat asked (the references below ask too)
+    model = load_model(str(chat_model))
+    plain = Engine(model, None)
+    system, first, second = ({"role": role, "content": text} for role, text in
+                             (("system", "t11 t12"), ("user", "t5 t9 t5 t9"), ("user", "t3 t4 t7")))
+    answer = plain.generate(model.encode_chat([system, first]), GenerationConfig(max_new_tokens=8)).text
+    then = [system, first, {"role": "assistant", "content": answer}, second]
+    assert sent == [model.encode_chat([system, first])] * 2 + [model.encode_chat(then)]
+    assert answers == [plain.generate(prompt, GenerationConfig(max_new_tokens=8)).text.strip() for prompt in sent]
+    assert main(["chat", "--target", str(chat_model), "--num-beams", "2"]) == 2  # beams are generate's: a clear error
+    assert "--num-beams" in capsys.readouterr().err

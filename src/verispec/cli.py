@@ -1,8 +1,9 @@
-"""The `verispec` command line: generate, serve, batch, bench, analyze, design, quality, models.
+"""The `verispec` command line: generate, chat, serve, batch, bench, analyze, design, quality, models.
 
 `verispec generate "prompt"` streams the answer with each token coloured by where it came from
 (green: draft token the target accepted; yellow: recovered after a rejection; blue: bonus token;
 plain: the target alone), then prints a one-line summary. `--json` prints one JSON object instead.
+`verispec chat` does the same turn after turn at the terminal.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from rich.console import Console
 from rich.text import Text
 
 from verispec.engine.spec import AUTO, EngineSpec
-from verispec.errors import VerispecError
+from verispec.errors import InvalidParameterError, PromptError, VerispecError
 from verispec.serving.http.limits import ServerLimits
 from verispec.types import Origin
 
@@ -57,7 +58,8 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
                         help="beam search with the target alone when > 1 (deterministic; the draft is not used)")
 
 
-def _generate(args: argparse.Namespace) -> int:
+def _config(args: argparse.Namespace):
+    """The GenerationConfig the sampling options ask for."""
     from verispec import GenerationConfig, SamplingParams
 
     sampling = SamplingParams(
@@ -66,13 +68,52 @@ def _generate(args: argparse.Namespace) -> int:
     )
     # no --max-new-tokens: until the model stops or the context is full (the engine caps it at the context)
     max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else UNTIL_STOP
-    config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, seed=args.seed,
-                              stop=tuple(args.stop), chat=not args.raw)
-    if args.num_beams > 1:
-        return _beam(args, config)
+    return GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, seed=args.seed,
+                            stop=tuple(args.stop), chat=not getattr(args, "raw", False))
+
+
+def _planned_engine(args: argparse.Namespace):
+    """The engine the options ask for, its plan (when it planned one) printed in one line."""
     engine = EngineSpec.from_args(args)()
     if engine.plan is not None:
         Console(stderr=True, highlight=False).print(f"[dim]{engine.plan.summary()}[/dim]")
+    return engine
+
+
+def _stream(generation, out: Console | None) -> bool:
+    """Run `generation` to its end, printing each piece of text coloured by its origin (nothing when `out` is
+    None); Ctrl-C stops it cleanly (statistics cover the tokens produced so far). Returns whether it was."""
+    try:
+        while not generation.done:
+            for event in generation.step():
+                if out is not None:
+                    out.print(Text(event.text, style=ORIGIN_STYLES[event.origin]), end="")
+    except KeyboardInterrupt:
+        held_back = generation.cancel("interrupted")
+        if held_back and out is not None:
+            out.print(held_back, end="")
+        return True
+    return False
+
+
+def _summary(generation) -> None:
+    """The one-line summary of a finished generation, on stderr."""
+    s = generation.stats
+    legend = Text.assemble(("accepted", "green"), " ", ("recovered", "yellow"), " ", ("bonus", "bold blue"))
+    Console(stderr=True, highlight=False).print(
+        f"[dim]{s.new_tokens} tokens in {s.wall_seconds:.2f}s ({s.tokens_per_second:.2f} tok/s) · "
+        f"{s.steps} steps · τ {s.mean_accepted_length:.2f} · α {s.acceptance_rate:.2f} · c {s.cost_ratio:.2f} · "
+        f"prefill {s.prefill_seconds:.2f}s{f' ({s.cached_tokens} cached)' if s.cached_tokens else ''} · "
+        f"finish: {generation.finish_reason} ·[/dim]",
+        legend,
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    config = _config(args)
+    if args.num_beams > 1:
+        return _beam(args, config)
+    engine = _planned_engine(args)
     if args.max_new_tokens is None and not engine.target.wraps_in_chat_template(not args.raw):
         config = dataclasses.replace(config, max_new_tokens=RAW_MAX_NEW_TOKENS)
         Console(stderr=True).print(
@@ -81,32 +122,48 @@ def _generate(args: argparse.Namespace) -> int:
             "(--max-new-tokens N for another limit)")
     out = Console(highlight=False)
     generation = engine.start(args.prompt, config)
-    interrupted = False
-    try:
-        while not generation.done:
-            for event in generation.step():
-                if not args.json:
-                    out.print(Text(event.text, style=ORIGIN_STYLES[event.origin]), end="")
-    except KeyboardInterrupt:  # Ctrl-C: stop cleanly and say what was produced so far
-        interrupted = True
-        held_back = generation.cancel("interrupted")  # statistics cover the tokens produced so far
-        if held_back and not args.json:
-            out.print(held_back, end="")
+    interrupted = _stream(generation, None if args.json else out)
     if args.json:
         print(json.dumps(generation.result().to_dict(), ensure_ascii=False))
-        return 130 if interrupted else 0
-    out.print()
-    s = generation.stats
-    legend = Text.assemble(("accepted", "green"), " ", ("recovered", "yellow"), " ", ("bonus", "bold blue"))
-    err = Console(stderr=True, highlight=False)
-    err.print(
-        f"[dim]{s.new_tokens} tokens in {s.wall_seconds:.2f}s ({s.tokens_per_second:.2f} tok/s) · "
-        f"{s.steps} steps · τ {s.mean_accepted_length:.2f} · α {s.acceptance_rate:.2f} · c {s.cost_ratio:.2f} · "
-        f"prefill {s.prefill_seconds:.2f}s{f' ({s.cached_tokens} cached)' if s.cached_tokens else ''} · "
-        f"finish: {generation.finish_reason} ·[/dim]",
-        legend,
-    )
+    else:
+        out.print()
+        _summary(generation)
     return 130 if interrupted else 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    """A conversation at the terminal: each answer is what `generate` gives for the whole conversation so far
+    (the same template, drafter and exactness); the engine's prompt cache keeps the turns already read
+    where it is exact (kquant), so a turn prefills only what is new. Ctrl-C stops an answer, not the chat."""
+    if args.num_beams > 1:
+        raise InvalidParameterError("chat answers with the planned drafter; beam search (--num-beams) is `generate`'s")
+    config = _config(args)
+    engine = _planned_engine(args)
+    if not engine.target.wraps_in_chat_template(True):
+        raise PromptError(f"{engine.target.name} has no chat template: use `verispec generate --raw` to continue text")
+    opening = [{"role": "system", "content": args.system}] if args.system else []
+    conversation = list(opening)
+    out = Console(highlight=False)
+    Console(stderr=True, highlight=False).print("[dim]/reset starts a new conversation; /exit or Ctrl-D ends[/dim]")
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            out.print()
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            conversation = list(opening)
+            continue
+        if not line.strip():
+            continue
+        conversation.append({"role": "user", "content": line})
+        generation = engine.start(engine.target.encode_chat(conversation), config)
+        _stream(generation, out)
+        out.print()
+        _summary(generation)
+        conversation.append({"role": "assistant", "content": generation.result().text})
 
 
 def _beam(args: argparse.Namespace, config) -> int:
@@ -293,6 +350,11 @@ def build_parser() -> argparse.ArgumentParser:
     EngineSpec.add_arguments(gen, ENGINE_DEFAULTS)
     _add_sampling_options(gen)
     gen.set_defaults(func=_generate)
+    chat = sub.add_parser("chat", help="a conversation at the terminal, each answer generated as `generate` would")
+    chat.add_argument("--system", default=None, help="a system prompt opening the conversation")
+    EngineSpec.add_arguments(chat, ENGINE_DEFAULTS)
+    _add_sampling_options(chat)
+    chat.set_defaults(func=_chat)
     models = sub.add_parser("models", help="list shipped models, or --pull NAME to install and convert")
     models.add_argument("--pull", nargs="*", metavar="NAME")
     models.set_defaults(func=_models)
