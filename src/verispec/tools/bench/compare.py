@@ -85,7 +85,8 @@ from verispec.engine.spec import AUTO
 from verispec.errors import InvalidParameterError, VerispecError
 from verispec.models.device import DEVICES, resolve_device, synchronize
 from verispec.models.llama_cpp import WINDOW, context_size, require_llama_cpp
-from verispec.models.loading import PRECISIONS, load_tokenizer, parse_dtype, parse_precision, resolve_folder
+from verispec.models.loading import PRECISIONS, parse_dtype, parse_precision, resolve_folder
+from verispec.models.tokenizer import hf_tokenizer
 from verispec.models.runner import LoadedModel
 from verispec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET, gguf_file
 from verispec.paths import cpu_summary
@@ -309,7 +310,8 @@ class Models:
     @cached_property
     def assistant_tokenizers(self) -> dict:
         """generate()'s tokenizer arguments for a draft of another tokenizer (none for the same one)."""
-        target, draft = load_tokenizer(resolve_folder(self.target_spec)), load_tokenizer(resolve_folder(self.draft_spec))
+        # generate() takes transformers' tokenizers themselves (`models/tokenizer.py`'s fast ones are not)
+        target, draft = hf_tokenizer(resolve_folder(self.target_spec)), hf_tokenizer(resolve_folder(self.draft_spec))
         return {} if target.get_vocab() == draft.get_vocab() else {"tokenizer": target, "assistant_tokenizer": draft}
 
     def method(self, spec: MethodSpec) -> Method:
