@@ -34,7 +34,7 @@ from verispec.paths import cache_dir
 
 __all__ = ["LayerCache", "Int8Store", "KQuantStore", "INT8_FORMAT", "KQUANT_FORMAT"]
 
-INT8_FORMAT = "1"  # bump when the quantization itself changes
+INT8_FORMAT = "2"  # bump when the quantization or what is stored per layer changes (2: keys "layer/part")
 KQUANT_FORMAT = "1"  # bump when what is stored per layer changes (the tiles' layout is the kernels' build)
 
 
@@ -127,9 +127,9 @@ class KQuantStore:
     """`tiles(name, weight)`: a k-quant layer's `KQuantTiles` from the cache, or repacked from `weight()` and
     kept for `save()`; a float weight (a k-quant file may hold some) comes back as the tensor it is."""
 
-    def __init__(self, gguf: str | Path, build: str, requantized: bool, root: Path | None = None):
+    def __init__(self, gguf: str | Path, build: str, requantized: bool):
         gguf = Path(gguf).resolve()
-        file = cache_file("kquant-tiles", gguf) if root is None else root / cache_file("kquant-tiles", gguf).name
+        file = cache_file("kquant-tiles", gguf)
         requantizing = f"requantized v{REQUANTIZE_VERSION}" if requantized else "the file's blocks"
         self.cache = LayerCache(file, fingerprint(KQUANT_FORMAT, build, requantizing, files=[gguf]))
 
