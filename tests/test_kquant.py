@@ -577,6 +577,33 @@ def test_a_shared_prefix_is_reused_and_the_output_is_what_a_fresh_engine_gives(t
             assert engine.generate(turn, config).stats.cached_tokens == len(second) + len(again.token_ids) - 1
 
 
+def test_the_prompt_cache_outlives_the_process_when_saved(tiny):
+    """`save()` (what `verispec generate` does after its answer) leaves the recent entries for a new engine: it
+    prefills only what follows them and answers what an engine without them answers; a store of another stamp
+    (another kernel build, model file or thread count) or a damaged file starts empty."""
+    from verispec.engine.prefixes import PrefixStore
+
+    model = tiny[0]
+    head = list(range(3, 23))
+    first, second, config = head + [30, 31, 32], head + [40, 41], GenerationConfig(max_new_tokens=12)
+    engine = Engine(model, None)
+    file = engine.prefixes.file
+    try:
+        engine.generate(first, config)
+        engine.prefixes.save()
+        later = Engine(model, NgramDrafter(max_n=3), gamma=3, gamma_policy="constant")
+        again = later.generate(second, config)
+        alone = Engine(model, NgramDrafter(max_n=3), gamma=3, gamma_policy="constant")
+        alone.prefixes = PrefixStore(model.runner)  # in memory only, empty
+        fresh = alone.generate(second, config)
+        assert again.stats.cached_tokens == 20 and fresh.stats.cached_tokens == 0 and again.token_ids == fresh.token_ids
+        assert PrefixStore(model.runner, file=file, stamp="another kernel build").positions == 0
+        file.write_bytes(b"damaged")
+        assert Engine(model, None).prefixes.positions == 0
+    finally:
+        file.unlink(missing_ok=True)  # the module's other engines start without it
+
+
 def test_a_prefill_in_chunks_continues_a_cached_prefix_exactly(tiny):
     """The server's path: a request prefilled a chunk at a time after the cached tokens."""
     from verispec.engine.loop import Generation

@@ -109,6 +109,12 @@ def _summary(generation) -> None:
     )
 
 
+def _keep_prompts(engine) -> None:
+    """Leave the prompt cache for the next command (`engine/prefixes.py`; where the backend keeps one)."""
+    if engine.prefixes is not None:
+        engine.prefixes.save()
+
+
 def _generate(args: argparse.Namespace) -> int:
     config = _config(args)
     if args.num_beams > 1:
@@ -123,6 +129,7 @@ def _generate(args: argparse.Namespace) -> int:
     out = Console(highlight=False)
     generation = engine.start(args.prompt, config)
     interrupted = _stream(generation, None if args.json else out)
+    _keep_prompts(engine)
     if args.json:
         print(json.dumps(generation.result().to_dict(), ensure_ascii=False))
     else:
@@ -163,6 +170,7 @@ def _chat(args: argparse.Namespace) -> int:
         _stream(generation, out)
         out.print()
         _summary(generation)
+        _keep_prompts(engine)
         conversation.append({"role": "assistant", "content": generation.result().text})
 
 

@@ -56,7 +56,7 @@ from verispec.control import CostModel, make_gamma_policy
 from verispec.control.gamma import check_gamma_policy
 from verispec.control.plan import Plan
 from verispec.drafters.base import Drafter
-from verispec.engine.prefixes import PrefixStore
+from verispec.engine.prefixes import prefix_store_for
 from verispec.engine.shapes import Chain, shape_of
 from verispec.errors import InvalidParameterError, VerispecError
 from verispec.models.loading import ModelCache
@@ -146,7 +146,7 @@ class Engine:
         self._preparing = threading.Lock()  # a server prepares requests' drafters on worker threads
         self._prepared: dict[tuple[str | None, str], Drafter | None] = {}  # (drafter spec, γ policy) → built, measured
         # prompt caching where it is exact (`engine/prefixes.py`): a request's output never depends on it
-        self.prefixes = PrefixStore(target.runner) if target.runner.prefix_invariant else None
+        self.prefixes = prefix_store_for(target)
 
     @property
     def costs(self) -> CostModel:

@@ -11,20 +11,37 @@ is stored (llama.cpp's and torch's batched prefill round a chunk differently fro
 A finished request leaves a compact copy of its cache (prompt and answer). The store holds at most
 `budget` bytes of them, the least recently used going first; a prefix is reused from `MIN_REUSE`
 tokens.
+
+Given a `file`, the store also outlives the process: `save()` writes its `DISK_ENTRIES` most recent entries
+there (the CLI does after each answer) and a new store of the same `stamp` (the runner's variant, which
+names its kernels' build, the model file and the thread count) starts with them, so a new `verispec
+generate` prefills only what follows the chat template's system prompt. The bits are the ones this runner
+computed, so the output is still the same as without the store.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from pathlib import Path
 
-from verispec.models.runner import Cache, Runner
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
-__all__ = ["MIN_REUSE", "PREFIX_BUDGET", "PrefixStore"]
+from verispec.models.runner import Cache, LoadedModel, Runner
+from verispec.paths import cache_dir
+
+__all__ = ["DISK_ENTRIES", "MIN_REUSE", "PREFIX_BUDGET", "PrefixStore", "prefix_store_for"]
 
 MIN_REUSE = 16  # shared tokens worth a copy (fewer: prefilling them costs about as little)
 PREFIX_BUDGET = 128 << 20  # bytes of cached keys/values kept for reuse by default (~2,300 positions of the 1.5B)
+DISK_ENTRIES = 4  # the most recent entries `save` keeps for the next process (system prompts, recent conversations)
 
 
 def _shared(a: Sequence[int], b: Sequence[int]) -> int:
@@ -35,12 +52,49 @@ def _shared(a: Sequence[int], b: Sequence[int]) -> int:
 class PrefixStore:
     """Finished requests' caches, keyed by the tokens they hold (see the module docstring)."""
 
-    def __init__(self, runner: Runner, budget: int = PREFIX_BUDGET):
+    def __init__(self, runner: Runner, budget: int = PREFIX_BUDGET, file: Path | None = None, stamp: str = ""):
         self.budget = budget
         self.position_bytes = runner.cache_bytes_per_position or 1
         self._entries: OrderedDict[int, tuple[tuple[int, ...], Cache]] = OrderedDict()  # id -> (tokens, cache); oldest first
         self._serial = 0
         self._lock = threading.Lock()
+        self.file, self.stamp = file, stamp
+        if file is not None:
+            self._read(runner)
+
+    def _read(self, runner: Runner) -> None:
+        """Start with the entries `save` left in `file` under the same stamp (none when it cannot be read)."""
+        try:
+            with safe_open(self.file, framework="pt") as stored:
+                meta = stored.metadata() or {}
+                if meta.get("stamp") != self.stamp:
+                    return
+                for i, tokens in enumerate(json.loads(meta["tokens"])):
+                    names = {key.partition("/")[2] for key in stored.keys() if key.startswith(f"{i}/")}
+                    cache = runner.cache_from({name: stored.get_tensor(f"{i}/{name}") for name in names}, len(tokens))
+                    self.keep(tokens, cache)
+        except Exception:  # noqa: BLE001 - a missing, older or damaged file: this process prefills, as without one
+            self._entries.clear()
+
+    def save(self) -> None:
+        """Write the `DISK_ENTRIES` most recent entries to `file` for the next process (atomically; a cache
+        directory that cannot be written only costs that process a prefill)."""
+        if self.file is None:
+            return
+        with self._lock:
+            recent = list(self._entries.values())[-DISK_ENTRIES:]
+        if not recent:
+            return
+        tensors = {f"{i}/{name}": tensor.contiguous() for i, (_, cache) in enumerate(recent) for name, tensor in cache.tensors().items()}
+        meta = {"stamp": self.stamp, "tokens": json.dumps([list(tokens) for tokens, _ in recent])}
+        partial = self.file.with_suffix(f".{os.getpid()}.partial")
+        try:
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, partial, metadata=meta)
+            partial.replace(self.file)
+        except OSError:
+            with contextlib.suppress(OSError):
+                partial.unlink()
 
     @property
     def positions(self) -> int:
@@ -77,3 +131,16 @@ class PrefixStore:
             self._entries[self._serial] = (tokens, cache.copied(length, length))
             while self.positions * self.position_bytes > self.budget:
                 self._entries.popitem(last=False)
+
+
+def prefix_store_for(model: LoadedModel) -> PrefixStore | None:
+    """The prompt cache of `model` (None where its runner is not `prefix_invariant`), kept on disk between
+    processes under `cache_dir()/prompts/`, stamped with what its bits depend on."""
+    runner = model.runner
+    if not runner.prefix_invariant:
+        return None
+    path = Path(model.folder).resolve()  # the model file (a GGUF for kquant)
+    made = [path.stat().st_size, path.stat().st_mtime_ns] if path.exists() else None
+    stamp = json.dumps([runner.variant, torch.get_num_threads(), str(path), made])
+    file = cache_dir() / "prompts" / f"{path.name}-{hashlib.sha256(stamp.encode()).hexdigest()[:12]}.safetensors"
+    return PrefixStore(runner, file=file, stamp=stamp)

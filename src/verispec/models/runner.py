@@ -60,6 +60,10 @@ class Cache(Protocol):
         """A new cache of `capacity` positions holding a copy of the first `length` (prompt caching,
         `engine/prefixes.py`; only a `prefix_invariant` runner's caches are asked)."""
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The valid positions as named tensors, what `Runner.cache_from` takes back (prompt caching kept on
+        disk; only a `prefix_invariant` runner's caches are asked)."""
+
     def release(self) -> None:
         """The sequence is over: give back what it holds."""
 
@@ -120,6 +124,10 @@ class Runner(Protocol):
         """`exact_positions` for a forward after `length` cached positions (it may shrink as a cache grows)."""
 
     def new_cache(self, capacity: int = ...) -> Cache: ...
+
+    def cache_from(self, tensors: dict[str, torch.Tensor], capacity: int) -> Cache:
+        """A new cache of `capacity` positions holding what `Cache.tensors` gave (only a `prefix_invariant`
+        runner is asked)."""
 
     def prefilled_cache(self, prompt_ids: list[int], spare: int = ...) -> Cache:
         """A cache holding prompt_ids[:-1]: the last prompt token is fed with the first step."""

@@ -153,6 +153,10 @@ class KVCache:
         twin.keys, twin.values = (twin._grown(old, capacity) for old in (self.keys, self.values))  # its `length` slots copied
         return twin
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """"keys" and "values" [layers, kv_heads, length, head_dim]: the valid slots (`Transformer.cache_from`)."""
+        return {"keys": self.keys[:, :, : self.length], "values": self.values[:, :, : self.length]}
+
     @torch.inference_mode()
     def clone(self) -> KVCache:
         """An independent copy, of the same capacity and ceiling."""
@@ -411,6 +415,18 @@ class Transformer:
 
     def new_cache(self, capacity: int = 1024) -> KVCache:
         return KVCache(self.config, capacity, self.dtype, self.device, self._pool)
+
+    @torch.inference_mode()
+    def cache_from(self, tensors: dict[str, torch.Tensor], capacity: int) -> KVCache:
+        """A new cache of `capacity` slots holding `KVCache.tensors`' keys and values [layers, kv_heads, length, head_dim]."""
+        keys, values = tensors["keys"], tensors["values"]
+        expected = (self.config.num_layers, self.config.num_kv_heads, keys.shape[2], self.config.head_dim)
+        if keys.shape != expected or values.shape != expected or keys.shape[2] > capacity:
+            raise ValueError(f"cached keys/values {tuple(keys.shape)} do not fit this model's cache {expected} of {capacity} slots")
+        cache = self.new_cache(capacity)
+        cache.keys[:, :, : keys.shape[2]], cache.values[:, :, : keys.shape[2]] = keys, values
+        cache.length = keys.shape[2]
+        return cache
 
     def _new_storage(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Zeroed keys and values [layers, kv_heads, capacity, head_dim] for the storage pool."""
