@@ -577,13 +577,19 @@ def test_a_shared_prefix_is_reused_and_the_output_is_what_a_fresh_engine_gives(t
             assert engine.generate(turn, config).stats.cached_tokens == len(second) + len(again.token_ids) - 1
 
 
-def test_the_prompt_cache_outlives_the_process_when_saved(tiny):
-    """`save()` (what `verispec generate` does after its answer) leaves the recent entries for a new engine: it
-    prefills only what follows them and answers what an engine without them answers; a store of another stamp
-    (another kernel build, model file or thread count) or a damaged file starts empty."""
+def test_the_prompt_cache_outlives_the_process_when_saved(tiny, monkeypatch):
+    """`save()` (what `verispec generate` does after its answer) leaves the recent entries, within its byte budget,
+    for a new engine: it prefills only what follows them and answers what an engine without them answers; a store
+    of another stamp (another kernel build, model file or thread count) or a damaged file starts empty."""
+    import json
+
+    from safetensors import safe_open
+
+    from verispec.engine import prefixes
     from verispec.engine.prefixes import PrefixStore
 
     model = tiny[0]
+    monkeypatch.setattr(prefixes, "DISK_BUDGET", 21 * model.runner.cache_bytes_per_position)  # the entry's first 21
     head = list(range(3, 23))
     first, second, config = head + [30, 31, 32], head + [40, 41], GenerationConfig(max_new_tokens=12)
     engine = Engine(model, None)
@@ -591,6 +597,8 @@ def test_the_prompt_cache_outlives_the_process_when_saved(tiny):
     try:
         engine.generate(first, config)
         engine.prefixes.save()
+        with safe_open(file, framework="pt") as saved:
+            assert json.loads(saved.metadata()["tokens"]) == [first[:21]]  # of 35 positions (prompt and answer)
         later = Engine(model, NgramDrafter(max_n=3), gamma=3, gamma_policy="constant")
         again = later.generate(second, config)
         alone = Engine(model, NgramDrafter(max_n=3), gamma=3, gamma_policy="constant")

@@ -13,7 +13,7 @@ A finished request leaves a compact copy of its cache (prompt and answer). The s
 tokens.
 
 Given a `file`, the store also outlives the process: `save()` writes its `DISK_ENTRIES` most recent entries
-there (the CLI does after each answer) and a new store of the same `stamp` (the runner's variant, which
+there, at most `DISK_BUDGET` bytes (a long one keeps its beginning; the CLI saves after each answer) and a new store of the same `stamp` (the runner's variant, which
 names its kernels' build, the model file and the thread count) starts with them, so a new `verispec
 generate` prefills only what follows the chat template's system prompt. The bits are the ones this runner
 computed, so the output is still the same as without the store.
@@ -42,6 +42,7 @@ __all__ = ["DISK_ENTRIES", "MIN_REUSE", "PREFIX_BUDGET", "PrefixStore", "prefix_
 MIN_REUSE = 16  # shared tokens worth a copy (fewer: prefilling them costs about as little)
 PREFIX_BUDGET = 128 << 20  # bytes of cached keys/values kept for reuse by default (~2,300 positions of the 1.5B)
 DISK_ENTRIES = 4  # the most recent entries `save` keeps for the next process (system prompts, recent conversations)
+DISK_BUDGET = 32 << 20  # bytes `save` writes at most (~570 positions of the 1.5B): a long entry keeps its beginning
 
 
 def _shared(a: Sequence[int], b: Sequence[int]) -> int:
@@ -77,14 +78,22 @@ class PrefixStore:
             self._entries.clear()
 
     def save(self) -> None:
-        """Write the `DISK_ENTRIES` most recent entries to `file` for the next process (atomically; a cache
-        directory that cannot be written only costs that process a prefill)."""
+        """Write the `DISK_ENTRIES` most recent entries, at most `DISK_BUDGET` bytes of them (the newest first; one
+        that does not fit keeps its beginning), to `file` for the next process (atomically; a cache directory that
+        cannot be written only costs that process a prefill)."""
         if self.file is None:
             return
+        recent, room = [], DISK_BUDGET // self.position_bytes  # positions
         with self._lock:
-            recent = list(self._entries.values())[-DISK_ENTRIES:]
+            for tokens, cache in reversed(self._entries.values()):  # newest first
+                keep = min(len(tokens), room)
+                if len(recent) == DISK_ENTRIES or keep < MIN_REUSE:
+                    break
+                recent.append((tokens[:keep], cache if keep == len(tokens) else cache.copied(keep, keep)))
+                room -= keep
         if not recent:
             return
+        recent.reverse()  # oldest first, as a new store takes them in
         tensors = {f"{i}/{name}": tensor.contiguous() for i, (_, cache) in enumerate(recent) for name, tensor in cache.tensors().items()}
         meta = {"stamp": self.stamp, "tokens": json.dumps([list(tokens) for tokens, _ in recent])}
         partial = self.file.with_suffix(f".{os.getpid()}.partial")
