@@ -13,10 +13,11 @@ A finished request leaves a compact copy of its cache (prompt and answer). The s
 tokens.
 
 Given a `file`, the store also outlives the process: `save()` writes its `DISK_ENTRIES` most recent entries
-there, at most `DISK_BUDGET` bytes (a long one keeps its beginning; the CLI saves after each answer) and a new store of the same `stamp` (the runner's variant, which
-names its kernels' build, the model file and the thread count) starts with them, so a new `verispec
-generate` prefills only what follows the chat template's system prompt. The bits are the ones this runner
-computed, so the output is still the same as without the store.
+there, at most `DISK_BUDGET` bytes (a long one keeps its beginning; the CLI saves after each answer), and a
+new store of the same `stamp` (the runner's variant, which names its kernels' build, the model file and the
+thread count: `prefix_store_for`) starts with them, so a new `verispec generate` prefills only what follows
+the chat template's system prompt. The bits are the ones this runner computed, so the output is still the
+same as without the store.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from safetensors.torch import save_file
 from verispec.models.runner import Cache, LoadedModel, Runner
 from verispec.paths import cache_dir
 
-__all__ = ["DISK_ENTRIES", "MIN_REUSE", "PREFIX_BUDGET", "PrefixStore", "prefix_store_for"]
+__all__ = ["DISK_BUDGET", "DISK_ENTRIES", "MIN_REUSE", "PREFIX_BUDGET", "PrefixStore", "prefix_store_for"]
 
 MIN_REUSE = 16  # shared tokens worth a copy (fewer: prefilling them costs about as little)
 PREFIX_BUDGET = 128 << 20  # bytes of cached keys/values kept for reuse by default (~2,300 positions of the 1.5B)
