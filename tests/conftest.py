@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -84,19 +83,9 @@ def private_cache(request, tmp_path_factory, monkeypatch):
 def private_module_cache(request, tmp_path_factory):
     """`private_cache` for the module-scoped fixtures of a module without `real` tests (they run before any
     test's own fixtures): the costs they measure and the layers they prepare stay out of the user's cache."""
-    if any(item.module is request.module and item.get_closest_marker("real") for item in request.session.items):
-        yield
-        return
-    with tiny_models_cache(tmp_path_factory):
-        yield
-
-
-@contextmanager
-def tiny_models_cache(tmp_path_factory):
-    """`private_cache` for a module-scoped fixture that loads tiny models in a module that also has `real`
-    tests (it runs before any test's own fixtures, so before `private_cache`)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("VERISPEC_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+        if not any(item.module is request.module and item.get_closest_marker("real") for item in request.session.items):
+            patch.setenv("VERISPEC_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
         yield
 
 

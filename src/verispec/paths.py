@@ -4,6 +4,7 @@ numbers (a number measured on one CPU kind says nothing about another)."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -13,7 +14,8 @@ import threading
 from functools import cache
 from pathlib import Path
 
-__all__ = ["cache_dir", "cpu_flags", "cpu_summary", "read_table", "store_in_table"]
+__all__ = ["cache_dir", "cpu_flags", "cpu_summary", "files_stamp", "keyed_file", "read_table", "store_in_table",
+           "write_whole"]
 
 # The vector-instruction flags that decide which kernels run (x86: AVX2, AVX-512 with VNNI/BF16, AMX;
 # Arm: NEON, SVE): the part of the flags a reader compares.
@@ -27,6 +29,33 @@ def cache_dir() -> Path:
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "verispec"
+
+
+def keyed_file(kind: str, name: str, key: str, suffix: str) -> Path:
+    """`cache_dir()/kind/<name>-<digest of key><suffix>`: one entry per key (a full path, a stamp) under a readable name."""
+    return cache_dir() / kind / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}{suffix}"
+
+
+def files_stamp(*parts, files: list[Path]) -> str:
+    """What something made from `files` depends on: `parts` (a format, versions, a build) and each file's name, size
+    and modification time (a rewritten file gets another stamp)."""
+    return json.dumps([*parts] + [[file.name, file.stat().st_size, file.stat().st_mtime_ns] for file in files])
+
+
+def write_whole(file: Path, write) -> bool:
+    """`write(path)` into a file of this process beside `file`, which then replaces `file`: a reader never sees
+    half a file, and two processes writing at once each write their own. False (and nothing left behind) when
+    the cache directory cannot take it: what was cached is made again next time."""
+    partial = file.with_name(f".{file.name}.{os.getpid()}.{threading.get_ident()}")
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        write(partial)
+        os.replace(partial, file)
+        return True
+    except OSError:
+        with contextlib.suppress(OSError):
+            partial.unlink()
+        return False
 
 
 def read_table(name: str) -> dict:

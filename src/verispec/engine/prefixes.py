@@ -22,10 +22,7 @@ same as without the store.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -36,7 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from verispec.models.runner import Cache, LoadedModel, Runner
-from verispec.paths import cache_dir
+from verispec.paths import files_stamp, keyed_file, write_whole
 
 __all__ = ["DISK_BUDGET", "DISK_ENTRIES", "MIN_REUSE", "PREFIX_BUDGET", "PrefixStore", "prefix_store_for"]
 
@@ -74,7 +71,7 @@ class PrefixStore:
                 for i, tokens in enumerate(json.loads(meta["tokens"])):
                     names = {key.partition("/")[2] for key in stored.keys() if key.startswith(f"{i}/")}
                     cache = runner.cache_from({name: stored.get_tensor(f"{i}/{name}") for name in names}, len(tokens))
-                    self.keep(tokens, cache)
+                    self.keep(tokens, cache, owned=True)
         except Exception:  # noqa: BLE001 - a missing, older or damaged file: this process prefills, as without one
             self._entries.clear()
 
@@ -97,14 +94,7 @@ class PrefixStore:
         recent.reverse()  # oldest first, as a new store takes them in
         tensors = {f"{i}/{name}": tensor.contiguous() for i, (_, cache) in enumerate(recent) for name, tensor in cache.tensors().items()}
         meta = {"stamp": self.stamp, "tokens": json.dumps([list(tokens) for tokens, _ in recent])}
-        partial = self.file.with_suffix(f".{os.getpid()}.partial")
-        try:
-            self.file.parent.mkdir(parents=True, exist_ok=True)
-            save_file(tensors, partial, metadata=meta)
-            partial.replace(self.file)
-        except OSError:
-            with contextlib.suppress(OSError):
-                partial.unlink()
+        write_whole(self.file, lambda path: save_file(tensors, path, metadata=meta))
 
     @property
     def positions(self) -> int:
@@ -125,9 +115,10 @@ class PrefixStore:
             self._entries.move_to_end(best)
             return self._entries[best][1].copied(shared, capacity)
 
-    def keep(self, token_ids: Sequence[int], cache: Cache) -> None:
+    def keep(self, token_ids: Sequence[int], cache: Cache, owned: bool = False) -> None:
         """Store the first `cache.length` positions of a finished request's `cache` (they hold `token_ids`),
-        unless an entry already holds them; then drop the oldest entries past the budget."""
+        unless an entry already holds them; then drop the oldest entries past the budget. `owned`: the cache is
+        the store's to keep as it is (one `_read` made for exactly those positions), not copied."""
         length = min(cache.length, len(token_ids))
         if length < MIN_REUSE or length * self.position_bytes > self.budget:
             return
@@ -138,7 +129,7 @@ class PrefixStore:
             self._entries = OrderedDict((key, (held, c)) for key, (held, c) in self._entries.items()
                                         if _shared(held, tokens) < len(held))  # entries this one extends go
             self._serial += 1
-            self._entries[self._serial] = (tokens, cache.copied(length, length))
+            self._entries[self._serial] = (tokens, cache if owned else cache.copied(length, length))
             while self.positions * self.position_bytes > self.budget:
                 self._entries.popitem(last=False)
 
@@ -150,7 +141,5 @@ def prefix_store_for(model: LoadedModel) -> PrefixStore | None:
     if not runner.prefix_invariant:
         return None
     path = Path(model.folder).resolve()  # the model file (a GGUF for kquant)
-    made = [path.stat().st_size, path.stat().st_mtime_ns] if path.exists() else None
-    stamp = json.dumps([runner.variant, torch.get_num_threads(), str(path), made])
-    file = cache_dir() / "prompts" / f"{path.name}-{hashlib.sha256(stamp.encode()).hexdigest()[:12]}.safetensors"
-    return PrefixStore(runner, file=file, stamp=stamp)
+    stamp = files_stamp(runner.variant, torch.get_num_threads(), str(path), files=[path] if path.exists() else [])
+    return PrefixStore(runner, file=keyed_file("prompts", path.name, stamp, ".safetensors"), stamp=stamp)

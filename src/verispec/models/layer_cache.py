@@ -14,10 +14,6 @@ fbgemm's packing of int8 values still runs at every load; kquant's tiles are wha
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
-import os
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
@@ -30,7 +26,7 @@ from safetensors.torch import save_file
 from verispec.models.int8 import Int8Linear, quantize_per_channel
 from verispec.models.kquant import KQuantTiles, KQuantWeight
 from verispec.models.requantize import VERSION as REQUANTIZE_VERSION
-from verispec.paths import cache_dir
+from verispec.paths import files_stamp, keyed_file, write_whole
 
 __all__ = ["LayerCache", "Int8Store", "KQuantStore", "INT8_FORMAT", "KQUANT_FORMAT"]
 
@@ -38,15 +34,10 @@ INT8_FORMAT = "2"  # bump when the quantization or what is stored per layer chan
 KQUANT_FORMAT = "1"  # bump when what is stored per layer changes (the tiles' layout is the kernels' build)
 
 
-def fingerprint(*parts: str, files: list[Path]) -> str:
-    """What a cache was made from: `parts` (format, build, …) and each file's name, size and mtime."""
-    return json.dumps([*parts] + [[file.name, file.stat().st_size, file.stat().st_mtime_ns] for file in files])
-
-
 def cache_file(kind: str, source: Path) -> Path:
     """`cache_dir()/kind/<source's name>-<digest of its full path>.safetensors`."""
     source = source.resolve()
-    return cache_dir() / kind / f"{source.name}-{hashlib.sha256(str(source).encode()).hexdigest()[:12]}.safetensors"
+    return keyed_file(kind, source.name, str(source), ".safetensors")
 
 
 class LayerCache:
@@ -86,16 +77,11 @@ class LayerCache:
         """Write what this load prepared (nothing when everything came from the cache)."""
         if self._new:
             kept = {key: self._handle.get_tensor(key) for keys in self._stored.values() for key in keys} if self.cached else {}
-            partial = self.file.with_suffix(f".{os.getpid()}.partial")  # its own: two first loads may write at once
-            try:
-                self.file.parent.mkdir(parents=True, exist_ok=True)
-                save_file(kept | self._new, partial, metadata={"fingerprint": self.fingerprint})
-                partial.replace(self.file)  # atomic: a crash mid-write leaves no half file behind
-            except OSError as error:  # a full disk or a read-only cache costs the next load time, never this one
-                with contextlib.suppress(OSError):
-                    partial.unlink()
-                warnings.warn(f"could not keep prepared layers in {self.file} ({error}); the next load prepares "
-                              "them again", RuntimeWarning, stacklevel=2)
+            tensors = kept | self._new
+            if not write_whole(self.file, lambda path: save_file(tensors, path, metadata={"fingerprint": self.fingerprint})):
+                # a full disk or a read-only cache costs the next load time, never this one
+                warnings.warn(f"could not keep prepared layers in {self.file}; the next load prepares them again",
+                              RuntimeWarning, stacklevel=2)
         self._new, self._handle = {}, None
 
 
@@ -105,7 +91,7 @@ class Int8Store:
     def __init__(self, folder: str | Path, root: Path | None = None):
         folder = Path(folder).resolve()
         file = cache_file("int8", folder) if root is None else root / cache_file("int8", folder).name
-        self.cache = LayerCache(file, fingerprint(INT8_FORMAT, files=sorted(folder.glob("*.safetensors"))))
+        self.cache = LayerCache(file, files_stamp(INT8_FORMAT, files=sorted(folder.glob("*.safetensors"))))
 
     @property
     def cached(self) -> bool:
@@ -131,7 +117,7 @@ class KQuantStore:
         gguf = Path(gguf).resolve()
         file = cache_file("kquant-tiles", gguf)
         requantizing = f"requantized v{REQUANTIZE_VERSION}" if requantized else "the file's blocks"
-        self.cache = LayerCache(file, fingerprint(KQUANT_FORMAT, build, requantizing, files=[gguf]))
+        self.cache = LayerCache(file, files_stamp(KQUANT_FORMAT, build, requantizing, files=[gguf]))
 
     @property
     def cached(self) -> bool:

@@ -19,12 +19,11 @@ files and the transformers and tokenizers versions: an upgrade checks again.
 from __future__ import annotations
 
 import json
-import os
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 
-from verispec.paths import cache_dir
+from verispec.paths import files_stamp, keyed_file, write_whole
 
 __all__ = ["FastTokenizer", "load_tokenizer", "hf_tokenizer"]
 
@@ -132,15 +131,12 @@ def _compile(template: str):
 
 def _state_file(folder: Path) -> tuple[Path, str]:
     """(where the folder's state is kept, what it is made from: its files, transformers' and tokenizers' versions)."""
-    import hashlib
     from importlib.metadata import version
 
     folder = folder.resolve()
     files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in (".json", ".jinja", ".model", ".txt"))
-    stamp = json.dumps([FORMAT, version("transformers"), version("tokenizers"),
-                        [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]])
-    digest = hashlib.sha256(str(folder).encode()).hexdigest()[:12]
-    return cache_dir() / "tokenizers-fast" / f"{folder.name}-{digest}.json", stamp
+    stamp = files_stamp(FORMAT, version("transformers"), version("tokenizers"), files=files)
+    return keyed_file("tokenizers-fast", folder.name, str(folder), ".json"), stamp
 
 
 def _state_of(hf) -> dict | None:
@@ -194,11 +190,6 @@ def load_tokenizer(folder: Path):
         fast.hf = hf  # the check's own: no second load
         state = state if fast._template is not None or not state["chat_template"] else None
         state = state if state is not None and _agrees(fast, hf) else None
-    try:
-        file.parent.mkdir(parents=True, exist_ok=True)
-        partial = file.with_suffix(f".{os.getpid()}.partial")
-        partial.write_text(json.dumps({"stamp": stamp, "state": state}))
-        partial.replace(file)
-    except OSError:
-        pass  # a read-only cache: transformers' tokenizer, checked again next time
+    # a read-only cache: transformers' tokenizer, checked again next time
+    write_whole(file, lambda path: path.write_text(json.dumps({"stamp": stamp, "state": state})))
     return hf
