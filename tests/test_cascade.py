@@ -67,7 +67,8 @@ def test_greedy_derived_drafts_are_token_identical(target, expected, tiny_draft,
         assert engine.generate(prompt, GenerationConfig(max_new_tokens=16)).token_ids == expected[tuple(prompt)]
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0, repetition_penalty=1.3)], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0, repetition_penalty=1.3, presence_penalty=1.0)],
+                         ids=["greedy", "sampled"])
 def test_cascade_caches_hold_exactly_their_path(target, draft, mini, sampling):
     drafter = _cascades(target, draft, mini)["nested"]
     engine = Engine(target, drafter, gamma=4, gamma_policy="constant")

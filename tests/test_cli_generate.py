@@ -1,7 +1,8 @@
 """The `generate`, `chat` and `models` commands: without --max-new-tokens `generate` runs until the model stops
 or its context is full (a prompt continued as raw text, which has no end of turn, gets a bounded
 default instead), Ctrl-C stops it cleanly with the summary line, and `verispec models` says which
-precisions (and backends) run each shipped model.
+precisions (and backends) run each shipped model; sampling options (penalties, logit bias) reach the engine, bad ones
+are clear errors before a model loads.
 """
 
 from __future__ import annotations
@@ -157,3 +158,16 @@ def test_cli_chat_answers_each_turn_as_plain_decoding_of_the_conversation_so_far
     assert answers == [plain.generate(prompt, GenerationConfig(max_new_tokens=8)).text.strip() for prompt in sent]
     assert main(["chat", "--target", str(chat_model), "--num-beams", "2"]) == 2  # beams are generate's: a clear error
     assert "--num-beams" in capsys.readouterr().err
+
+
+def test_cli_sampling_options_reach_the_engine_and_bad_ones_are_clear_errors(capsys):
+    from verispec.cli import _config, build_parser
+
+    args = build_parser().parse_args(["generate", "hi", "--presence-penalty", "0.5", "--frequency-penalty", "-1",
+                                      "--logit-bias", "7=-100", "--logit-bias", "3=2.5"])
+    sampling = _config(args).sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.logit_bias) == (0.5, -1.0, ((3, 2.5), (7, -100.0)))
+    for bad, words in [("seven=1", "ID=BIAS"), ("7=", "ID=BIAS"), ("7=300", "logit_bias")]:
+        assert main(["generate", "hi", "--logit-bias", bad]) == 2  # before any model is loaded
+        assert words in capsys.readouterr().err
+    assert main(["generate", "hi", "--presence-penalty", "3"]) == 2 and "presence_penalty" in capsys.readouterr().err

@@ -6,7 +6,7 @@ temperature and each truncation method: sequences of 3 tokens after γ = 2 draft
 accepted block's bonus token is in the tested event), 12-token vocabulary, significance 1e-3.
 Untruncated (1 728 sequences, the rare ones pooled): N = 3 000, any bias of total variation
 ≥ 0.15 is rejected with ≥ 90 % power. Truncated (14–64 sequences; the repetition penalty and the
-n-gram drafter's point masses are tested under top-4): N = 1 200, TV ≥ 0.09–0.14;
+n-gram drafter's point masses are tested under top-4, as are the presence and frequency penalties with a logit bias): N = 1 200, TV ≥ 0.09–0.14;
 a processor applied to one side only shifts far more mass than that, and the rule itself is tested
 with more power in test_verify.py. Each test prints its figure. Positive control: the same test on
 1 000 samples rejects a verifier that accepts every draft token.
@@ -67,11 +67,18 @@ def test_the_cache_reserves_little_up_front_and_grows_exactly(target, draft, hf_
     assert generation.result().token_ids == reference_generate(hf_target, PROMPTS[1], 40, eos_ids=target.eos_ids)
 
 
-def test_greedy_with_repetition_penalty_matches_reference(target, draft, hf_target):
-    params = SamplingParams(repetition_penalty=1.8)
-    engine = Engine(target, DraftModelDrafter(draft, target.vocab_size), gamma=4, gamma_policy="constant")
-    expected = reference_generate(hf_target, PROMPTS[0], 16, params, eos_ids=target.eos_ids)
-    assert engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=16, sampling=params)).token_ids == expected
+@pytest.mark.parametrize("params", [SamplingParams(repetition_penalty=1.8),
+                                    SamplingParams(presence_penalty=1.5, frequency_penalty=0.5, logit_bias={7: 3.0, 2: -2.0})], ids=str)
+@pytest.mark.parametrize("drafting", ["draft", "self"])
+def test_greedy_with_penalties_and_bias_matches_reference(target, draft, hf_target, params, drafting):
+    """`self`: the target drafts for itself, so every draft is accepted and a block's later rows must count
+    the drafts before them (the tiny draft's are nearly all rejected under these penalties)."""
+    engine = Engine(target, DraftModelDrafter(draft if drafting == "draft" else target, target.vocab_size), gamma=4,
+                    gamma_policy="constant")
+    expected = reference_generate(hf_target, PROMPTS[1], 16, params, eos_ids=target.eos_ids)
+    result = engine.generate(PROMPTS[1], GenerationConfig(max_new_tokens=16, sampling=params))
+    assert result.token_ids == expected
+    assert drafting == "draft" or result.stats.accepted_tokens >= len(expected) // 2
 
 
 def test_caches_hold_exactly_the_accepted_path(target, draft):
@@ -133,6 +140,7 @@ SAMPLED = [
     SamplingParams(temperature=1.0, eta=0.05),
     SamplingParams(temperature=1.0, epsilon=0.05),
     SamplingParams(temperature=1.2, top_k=4, repetition_penalty=1.5),
+    SamplingParams(temperature=1.0, top_k=4, presence_penalty=1.0, frequency_penalty=0.8, logit_bias={3: 1.5, 0: -1.0}),
 ]
 
 

@@ -329,9 +329,6 @@ COMPLETION = {"model": MODEL, "prompt": "t5"}
     (COMPLETION, "echo", True, "does not echo"),
     (COMPLETION, "suffix", "end", "does not insert text"),
     (COMPLETION, "best_of", 3, "one candidate per request"),
-    (COMPLETION, "presence_penalty", 0.5, "not implemented"),
-    (CHAT, "frequency_penalty", 1, "not implemented"),
-    (COMPLETION, "logit_bias", {"5": 10}, "not implemented"),
     (COMPLETION, "max_token", 5, "unknown field 'max_token'"),
 ])
 def test_unimplemented_fields_are_refused_by_name(server, base, field, value, message):
@@ -350,12 +347,37 @@ def test_unimplemented_fields_are_refused_by_name(server, base, field, value, me
     (COMPLETION, "stream", 1, 422, "valid boolean"),
     (CHAT, "n", True, 400, "one choice per request, got n=True"),
     (COMPLETION, "best_of", True, 400, "one candidate per request"),
-    (COMPLETION, "presence_penalty", False, 400, "not implemented"),
+    (COMPLETION, "presence_penalty", False, 422, "valid number"),
+    (CHAT, "frequency_penalty", 2.5, 422, "less than or equal to 2"),
+    (COMPLETION, "logit_bias", {"five": 10}, 422, "should match pattern"),
+    (COMPLETION, "logit_bias", {"5": 101}, 422, "less than or equal to 100"),
+    (COMPLETION, "logit_bias", {str(i): 1 for i in range(301)}, 422, "at most 300"),
 ])
 def test_types_are_strict(server, base, field, value, status, message):
     """A boolean or a string is not an integer, a float not an integer (pydantic's lax mode took them)."""
     path = "/v1/chat/completions" if "messages" in base else "/v1/completions"
     assert_error(post(server, {**base, field: value}, path), status, field, message)
+
+
+def test_a_logit_bias_outside_the_vocabulary_is_a_400_naming_it(server, engine_with_draft):
+    outside = str(engine_with_draft.target.vocab_size)
+    assert_error(post(server, {**COMPLETION, "logit_bias": {outside: 5}}), 400, "logit_bias", "outside")
+
+
+def test_penalties_and_logit_bias_change_what_is_generated(server, engine_with_draft):
+    """A looping prompt, greedy: a ban on its first answer token or a presence penalty changes the answer;
+    each answer is what the engine alone gives with the same settings (the engine's exactness is
+    tested against the reference decoder in test_engine.py)."""
+    from verispec import GenerationConfig, SamplingParams
+
+    body = {**COMPLETION, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    plain = post(server, body).json()["choices"][0]["text"]
+    first = engine_with_draft.generate(PROMPT, GenerationConfig(max_new_tokens=1, chat=False)).token_ids[0]
+    for extra, sampling in [({"logit_bias": {str(first): -100}}, SamplingParams(logit_bias={first: -100})),
+                            ({"presence_penalty": 2, "frequency_penalty": 1.5}, SamplingParams(presence_penalty=2, frequency_penalty=1.5))]:
+        answer = post(server, {**body, **extra}).json()["choices"][0]["text"]
+        alone = engine_with_draft.generate(PROMPT, GenerationConfig(max_new_tokens=12, chat=False, sampling=sampling)).text
+        assert answer == alone and answer != plain, (extra, answer, plain)
 
 
 def test_prompt_token_ids_are_integers(server):
@@ -379,7 +401,8 @@ def test_the_openapi_schema_advertises_what_is_accepted(server):
     props, chat_props = completion["properties"], chat["properties"]
     assert props["n"]["const"] == 1 and props["echo"]["const"] is False
     assert props["model"]["enum"] == [MODEL] and chat_props["model"]["enum"] == [MODEL]  # the one model served
-    assert props["presence_penalty"]["const"] == 0 and "max_completion_tokens" not in props
+    assert props["presence_penalty"]["maximum"] == 2 and "max_completion_tokens" not in props
+    assert props["logit_bias"]["anyOf"][0]["maxProperties"] == 300
     assert {"max_completion_tokens", "stream_options", "response_format", "tools"} <= set(chat_props)
     assert chat_props["top_logprobs"]["anyOf"][0]["maximum"] == 20 and props["logprobs"]["anyOf"][0]["maximum"] == 20
     assert schemas["ResponseFormat"]["properties"]["type"]["enum"] == ["text", "json_object", "json_schema"]

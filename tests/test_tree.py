@@ -61,8 +61,9 @@ def test_hybrid_drafts_prompt_lookup_chains_past_the_models_gamma(target, draft,
     assert max(record.proposed for record in result.stats.records) > 1
 
 
-def test_greedy_trees_with_repetition_penalty_match_the_reference(target, draft, hf_target):
-    params = SamplingParams(repetition_penalty=1.8)
+@pytest.mark.parametrize("params", [SamplingParams(repetition_penalty=1.8),
+                                    SamplingParams(presence_penalty=1.5, frequency_penalty=0.5, logit_bias={7: 3.0, 2: -2.0})], ids=str)
+def test_greedy_trees_with_penalties_and_bias_match_the_reference(target, draft, hf_target, params):
     engine = Engine(target, tree_drafters(target, draft, "expansion"), gamma=3, gamma_policy="constant")
     expected = reference_generate(hf_target, PROMPTS[1], 16, params, eos_ids=target.eos_ids)
     assert engine.generate(PROMPTS[1], GenerationConfig(max_new_tokens=16, sampling=params)).token_ids == expected

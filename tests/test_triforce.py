@@ -89,8 +89,9 @@ def test_greedy_is_token_identical_to_the_reference(target, draft, hf_target, le
         assert generation.stats.accepted_tokens > 0  # the bonus / lagging-cache paths were exercised
 
 
-def test_repetition_penalty_stays_exact(target, draft, hf_target):
-    params = SamplingParams(repetition_penalty=1.8)
+@pytest.mark.parametrize("params", [SamplingParams(repetition_penalty=1.8),
+                                    SamplingParams(presence_penalty=1.5, frequency_penalty=0.5, logit_bias={7: 3.0, 2: -2.0})], ids=str)
+def test_penalties_and_bias_stay_exact(target, draft, hf_target, params):
     engine = Engine(target, TriForceDrafter(target, draft, **SMALL), gamma=3, gamma_policy="constant")
     expected = reference_generate(hf_target, LONG_PROMPT, 12, params, eos_ids=target.eos_ids)
     assert engine.generate(LONG_PROMPT, GenerationConfig(max_new_tokens=12, sampling=params)).token_ids == expected

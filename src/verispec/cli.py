@@ -51,11 +51,27 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--eta", type=float, default=0.0, help="η-sampling ε (0.0009 is usual; 0 = off)")
     parser.add_argument("--epsilon", type=float, default=0.0, help="ε-sampling cutoff (0 = off)")
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="Hugging Face's, over prompt and output (1 = off)")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, over the output, in [-2, 2] (0 = off)")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, over the output, in [-2, 2] (0 = off)")
+    parser.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                        help="add BIAS in [-100, 100] to token ID's logit (repeatable; -100 bans it)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--num-beams", type=int, default=1,
                         help="beam search with the target alone when > 1 (deterministic; the draft is not used)")
+
+
+def _logit_bias(pairs: list[str]) -> dict[int, float]:
+    """`--logit-bias ID=BIAS` options as a mapping, or a clear error."""
+    bias = {}
+    for pair in pairs:
+        token, _, value = pair.partition("=")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise InvalidParameterError(f"--logit-bias takes ID=BIAS (a token id and a number), got {pair!r}") from None
+    return bias
 
 
 def _config(args: argparse.Namespace):
@@ -65,6 +81,7 @@ def _config(args: argparse.Namespace):
     sampling = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         eta=args.eta, epsilon=args.epsilon, repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty, logit_bias=_logit_bias(args.logit_bias),
     )
     # no --max-new-tokens: until the model stops or the context is full (the engine caps it at the context)
     max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else UNTIL_STOP
@@ -178,8 +195,10 @@ def _beam(args: argparse.Namespace, config) -> int:
     from verispec.models.loading import load_model
     from verispec.engine.beam import beam_search
 
-    if not config.sampling.greedy:
-        Console(stderr=True).print("[yellow]note:[/yellow] beam search is deterministic; sampling options are ignored")
+    sampling = config.sampling
+    if not sampling.greedy or sampling.penalised or sampling.logit_bias:
+        Console(stderr=True).print("[yellow]note:[/yellow] beam search ranks the target's own log-probabilities; "
+                                   "sampling options, penalties and logit bias are ignored")
     target = load_model(args.target, "float32" if args.dtype == AUTO else args.dtype)  # beams need verispec's runner
     prompt_ids = target.encode_prompt(args.prompt, chat=not args.raw)
     # beams allocate a cache of prompt + max_new slots each: without --max-new-tokens they keep a bounded default

@@ -146,6 +146,7 @@ class ModelSession(DraftSession):
 
     def __init__(self, model: LoadedModel, prompt_ids: list[int], prefill: bool = True, window: int | None = None):
         self.runner = model.runner
+        self.output_start = len(prompt_ids)  # where a sequence's output begins (what presence/frequency penalties count)
         self.cut = window_cut(len(prompt_ids), window)
         prompt_ids = self.view(prompt_ids)
         self._prompt = list(prompt_ids[:-1])  # what the prefill feeds (the last token comes with the first step)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from verispec.errors import InvalidParameterError
-from verispec.sampling.processors import SamplingParams, apply_repetition_penalty, to_probs
+from verispec.sampling.processors import Penalties, SamplingParams, adjusted, to_probs
 from verispec.sampling.samplers import gumbel_topk, without_replacement_probs
 from verispec.types import Draft
 
@@ -25,14 +25,13 @@ RankPath = tuple[int, ...]  # a node by the ranks of the children taken from the
 
 
 def node_distributions(
-    logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None, vocab_size: int
+    logits: torch.Tensor, params: SamplingParams, seen: Penalties | None, vocab_size: int
 ) -> torch.Tensor:
     """logits [n, draft_vocab] -> [n, vocab_size] distributions to choose children from: the sampling
-    distribution (same processing as the target) or, under greedy decoding, the softmax after the
-    repetition penalty (only its order matters there). Padded with zeros to the target's vocabulary."""
+    distribution (same processing as the target) or, under greedy decoding, the softmax after the logit
+    bias and the penalties (only its order matters there). Padded with zeros to the target's vocabulary."""
     if params.greedy:
-        penalized = apply_repetition_penalty(logits.float(), seen, params.repetition_penalty) if seen is not None else logits
-        probs = torch.softmax(penalized.float(), dim=-1)
+        probs = torch.softmax(adjusted(logits, params, seen).float(), dim=-1)
     else:
         probs = to_probs(logits, params, seen)
     return F.pad(probs, (0, vocab_size - probs.shape[-1])) if probs.shape[-1] < vocab_size else probs

@@ -97,7 +97,7 @@ class _VerticalSession(ModelSession):
         """
         drafted = len(inner)
         logits = self._catch_up(context, inner.tokens.tolist(), logits="all")[-(drafted + 1) :]  # [m+1, vocab]
-        scores = score_rows(logits, params, context, inner.tokens)  # [m+1, …]
+        scores = score_rows(logits, params, context, inner.tokens, output_start=self.output_start)  # [m+1, …]
         model_probs = scores.probs
         if model_probs is None:
             verdict = verify_greedy(inner.tokens, scores.greedy)

@@ -28,7 +28,7 @@ import torch
 from verispec.drafters.base import Drafter, DraftSession, ModelSession, window_cut, windowed
 from verispec.drafters.prefix import common_prefix_length
 from verispec.models.runner import LoadedModel
-from verispec.sampling.processors import SamplingParams, greedy_tokens, penalty_seen, to_probs
+from verispec.sampling.processors import SamplingParams, greedy_tokens, penalties, to_probs
 from verispec.sampling.samplers import multinomial
 from verispec.types import Draft
 
@@ -208,13 +208,14 @@ class _CrossVocabSession(ModelSession):
         if gamma <= 0 or not context or len(context) + gamma >= model.context_length:
             return Draft.empty()
         logits = self._sync(context)  # [1, draft vocab]
+        params = params.in_draft_vocabulary()
         if params.greedy:
             return self._greedy(ids, context, logits, gamma, params)
         return self._sampled(context, logits, gamma, params, generator)
 
     def _greedy(self, ids: list[int], context: list[int], logits: torch.Tensor, gamma: int, params: SamplingParams) -> Draft:
         """γ draft tokens by the draft's own argmax, turned into the target's tokens through their text."""
-        seen = penalty_seen(params, logits.shape[-1], context, device=logits.device)  # [1, vocab] or None
+        seen = penalties(params, logits.shape[-1], context, device=logits.device, output_start=self.output_start)  # one row, or None
         drafted: list[int] = []
         for _ in range(gamma):
             token = int(greedy_tokens(logits, params, seen))
@@ -222,7 +223,7 @@ class _CrossVocabSession(ModelSession):
             if token in self.drafter.model.eos_ids or len(drafted) == gamma:
                 break
             if seen is not None:
-                seen[0, token] = True
+                seen.add(token)
             logits = self._feed([token])
         target = self.drafter.target
         tokens = retokenize(target.tokenizer, self.drafter.model.tokenizer, ids, context, drafted)[:gamma]
@@ -233,7 +234,7 @@ class _CrossVocabSession(ModelSession):
         """γ tokens drawn from the draft's distribution restricted to the shared vocabulary; their probs
         [γ, target vocab] sit at the target's ids."""
         shared = self.drafter.shared
-        seen = penalty_seen(params, logits.shape[-1], context, device=logits.device)  # [1, vocab] or None
+        seen = penalties(params, logits.shape[-1], context, device=logits.device, output_start=self.output_start)  # one row, or None
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         for i in range(gamma):
@@ -247,7 +248,7 @@ class _CrossVocabSession(ModelSession):
             rows.append(row)
             draft_token = int(shared.draft_ids[pick])
             if seen is not None:
-                seen[0, draft_token] = True
+                seen.add(draft_token)
             if i + 1 < gamma:
                 logits = self._feed([draft_token])
         if not tokens:

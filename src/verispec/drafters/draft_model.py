@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from verispec.drafters.base import Drafter, DraftSession, ModelSession
 from verispec.models.runner import LoadedModel
-from verispec.sampling.processors import SamplingParams, greedy_tokens, penalty_seen, to_probs
+from verispec.sampling.processors import SamplingParams, greedy_tokens, penalties, to_probs
 from verispec.sampling.samplers import multinomial
 from verispec.types import Draft
 
@@ -29,11 +29,13 @@ def sample_chain(
     params: SamplingParams,
     generator: torch.Generator | None,
     target_vocab_size: int,
+    output_start: int,
 ) -> Draft:
-    """Draw `gamma` tokens one by one: `logits` [1, vocab] predict the first, `step(token)` feeds a
-    token and returns the logits [1, vocab] after it. Draft probs are padded to the target's vocab."""
+    """Draw `gamma` tokens one by one after `ids` (whose output begins at `output_start`): `logits` [1, vocab]
+    predict the first, `step(token)` feeds a token and returns the logits [1, vocab] after it. Draft probs
+    are padded to the target's vocab."""
     vocab = logits.shape[-1]
-    seen = penalty_seen(params, vocab, ids, device=logits.device)  # [1, vocab] or None
+    seen = penalties(params, vocab, ids, device=logits.device, output_start=output_start)  # one row, or None
     tokens: list[int] = []
     probs: list[torch.Tensor] = []
     for i in range(gamma):
@@ -45,7 +47,7 @@ def sample_chain(
             probs.append(row[0])
         tokens.append(token)
         if seen is not None:
-            seen[0, token] = True
+            seen.add(token)
         if i + 1 < gamma:
             logits = step(token)
     draft_probs = None
@@ -81,4 +83,4 @@ class _DraftModelSession(ModelSession):
             return Draft.empty()
         logits = self._catch_up(ids)  # [1, vocab]
         step = lambda token: self._feed([token])  # noqa: E731
-        return sample_chain(logits, step, ids, gamma, params, generator, self.target_vocab_size)
+        return sample_chain(logits, step, ids, gamma, params, generator, self.target_vocab_size, self.output_start)

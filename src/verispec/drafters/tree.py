@@ -22,7 +22,7 @@ from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.ngram import NgramDrafter
 from verispec.errors import InvalidParameterError
 from verispec.models.runner import LoadedModel
-from verispec.sampling.processors import penalty_seen
+from verispec.sampling.processors import penalties
 from verispec.tokentree import ancestor_mask, depths
 from verispec.types import Draft
 
@@ -59,8 +59,8 @@ class _ExpansionSession(ModelSession):
         """Distributions [rows, vocab] after the root (row 0) and after each node (rows 1..)."""
         tokens, parents = torch.tensor(builder.tokens, dtype=torch.long), torch.tensor(builder.parents, dtype=torch.long)
         vocab = self.runner.config.vocab_size
-        seen = penalty_seen(params, vocab, ids, tokens, parents, logits.device)  # [n+1, vocab] or None
-        seen = None if seen is None else seen[: logits.shape[0]]
+        seen = penalties(params, vocab, ids, tokens, parents, logits.device, output_start=self.output_start)  # n+1 rows, or None
+        seen = None if seen is None else seen.rows(logits.shape[0])
         return node_distributions(logits, params, seen, self.drafter.target_vocab_size)
 
     def propose(self, ids, gamma, params, generator):

@@ -69,6 +69,7 @@ class StreamingDraft:
         self.sinks, self.window = sinks, window
         self.state = SparseCache(runner, runner.new_cache(sinks + window + 64))
         self.frozen = False
+        self.output_start = len(prompt_ids)
         prefix = prompt_ids[:-1]
         for start in range(0, len(prefix), window):  # block-wise prefill: memory stays O(sinks + window)
             self.state.feed(prefix[start : start + window], logits="none")
@@ -86,7 +87,7 @@ class StreamingDraft:
             return Draft.empty()
         logits = self.state.feed(ids[self.state.covered :], logits="last")  # [1, vocab]
         step = lambda token: self.state.feed([token], logits="last")  # noqa: E731
-        return sample_chain(logits, step, ids, gamma, params, generator, target_vocab_size)
+        return sample_chain(logits, step, ids, gamma, params, generator, target_vocab_size, self.output_start)
 
     def rollback(self, position: int) -> None:
         self.state.rollback(min(position, self.state.covered))
@@ -127,7 +128,7 @@ class _TriForceSession(DraftSession):
         inner = self.level1.propose(seq, gamma1, params, generator, vocab)
         feed = seq[self.level2.covered :] + inner.tokens.tolist()
         logits = self.level2.feed(feed, logits="all")[-(len(inner) + 1) :]  # [γ1+1, vocab]
-        scores = score_rows(logits, params, seq, inner.tokens)  # [γ1+1, …]
+        scores = score_rows(logits, params, seq, inner.tokens, output_start=self.prompt_len)  # [γ1+1, …]
         if scores.greedy is not None:
             verdict, level2_probs = verify_greedy(inner.tokens, scores.greedy), []
         else:

@@ -216,7 +216,7 @@ class Engine:
         prompt: text (chat-templated unless `config.chat` is False) or token ids; config: defaults if
         None. Raises PromptError (an empty prompt, one that fills the context, token ids outside the
         vocabulary) and InvalidParameterError (a drafter spec that is unknown or names a model this
-        engine has not loaded; its `param` is "drafter").
+        engine has not loaded, its `param` "drafter"; a logit bias on ids outside the vocabulary).
         """
         config = config or GenerationConfig()
         self.prepare(config.drafter, config.gamma_policy)  # before the prompt's work: a bad drafter fails first
@@ -312,6 +312,11 @@ class Generation:
         self.engine, self.config = engine, config
         self.target = engine.target
         self.params = config.sampling
+        outside = [token for token, _ in self.params.logit_bias if token >= self.target.vocab_size]
+        if outside:
+            raise InvalidParameterError(
+                f"logit_bias names token ids outside {self.target.name}'s vocabulary [0, {self.target.vocab_size}): {outside[:5]}",
+                param="logit_bias")
         self.device = self.target.device  # where the step's tensors live: the target's logits are there
         self.generator = torch.Generator(self.device)  # torch's generators are per device (the CPU's: as before)
         # without a seed, a fresh one from the OS: torch's global generator is left as the caller set it
@@ -460,7 +465,7 @@ class Generation:
         laps = _Laps(self.stats, plan.draft_seconds, target_seconds)
         shape, draft = plan.shape, plan.draft
         allowed = None if self.constraint is None else self.constraint.masks(draft.tokens.tolist(), shape.parent_list)
-        scores = score_rows(logits, self.params, self.ids, draft.tokens, draft.parents, allowed)  # [n+1, …]
+        scores = score_rows(logits, self.params, self.ids, draft.tokens, draft.parents, allowed, output_start=self.prompt_len)  # [n+1, …]
         verdict = shape.verify(scores, self.generator)
         laps.mark("verify")
         path = list(verdict.path) if verdict.path is not None else list(range(verdict.accepted))

@@ -4,7 +4,9 @@ Every function works on a whole block `[positions, vocab]` at once: no Python lo
 (a per-position Python loop over the vocabulary costs far more). Draft and target distributions go through the very same
 `to_probs`, which is what keeps speculative sampling lossless under truncation.
 
-Order (as in Hugging Face): repetition penalty → temperature → top-k → top-p → min-p → ε → η.
+Order: logit bias → repetition penalty (Hugging Face's, over prompt and output) → presence and frequency
+penalties (OpenAI's, over the output only, as vLLM and SGLang count them) → temperature → top-k → top-p →
+min-p → ε → η. Each position is penalised for its own prefix: a draft token counts for the positions after it.
 
 Everything runs where the logits are (a GPU's logits are processed on the GPU); masks made here are made there.
 """
@@ -12,7 +14,9 @@ Everything runs where the logits are (a GPU's logits are processed on the GPU); 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import operator
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,11 +27,15 @@ from verispec.types import TokenLogprobs
 
 MIN_TEMPERATURE = 1e-3  # logits / smaller temperatures overflow float32: the distribution turns NaN
 MIN_REPETITION_PENALTY = 1e-2  # the same overflow, through the penalty's division
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [−2, 2] (OpenAI's range)
+MAX_LOGIT_BIAS = 100.0  # a bias lies in [−100, 100] (OpenAI's range): ±100 bans or forces a token
+MAX_BIASED_TOKENS = 300  # the most tokens one request may bias (OpenAI's bound)
 FLOAT32_MAX = torch.finfo(torch.float32).max  # a larger temperature or penalty acts as this (float32 would make it inf)
 
 __all__ = [
-    "SamplingParams", "MIN_TEMPERATURE", "MIN_REPETITION_PENALTY", "apply_repetition_penalty", "to_probs", "greedy_tokens",
-    "seen_mask", "penalty_seen", "Scores", "score_rows", "token_logprobs", "MAX_TOP_LOGPROBS",
+    "SamplingParams", "MIN_TEMPERATURE", "MIN_REPETITION_PENALTY", "MAX_PENALTY", "MAX_LOGIT_BIAS", "MAX_BIASED_TOKENS",
+    "apply_repetition_penalty", "adjusted", "to_probs", "greedy_tokens", "token_counts", "Penalties", "penalties",
+    "Scores", "score_rows", "token_logprobs", "MAX_TOP_LOGPROBS",
 ]
 
 
@@ -38,6 +46,10 @@ class SamplingParams:
     eta: the ε of η-sampling (Hewitt et al.): keep tokens with prob ≥ η = min(eta, √eta·exp(−entropy));
          0 disables, 0.0009 is the paper's default.
     epsilon: ε-sampling, keep tokens with prob ≥ epsilon; 0 disables.
+    presence_penalty, frequency_penalty: subtracted from a token's logit once if it came in the output so
+         far, and once per time it came (OpenAI's); 0 disables.
+    logit_bias: (token id, bias) pairs added to those logits first (a mapping is taken too); ±100 bans or
+         forces a token. The engine checks the ids against the target's vocabulary.
     """
 
     temperature: float = 0.0
@@ -47,8 +59,12 @@ class SamplingParams:
     eta: float = 0.0
     epsilon: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         checks = [
             (math.isfinite(self.temperature) and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE),
              f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {self.temperature}"),
@@ -59,6 +75,8 @@ class SamplingParams:
             (0 <= self.epsilon < 1, f"epsilon must be in [0, 1) (0 = off), got {self.epsilon}"),
             (math.isfinite(self.repetition_penalty) and self.repetition_penalty >= MIN_REPETITION_PENALTY,
              f"repetition_penalty must be at least {MIN_REPETITION_PENALTY} (1 = off), got {self.repetition_penalty}"),
+            *[(-MAX_PENALTY <= value <= MAX_PENALTY, f"{name} must be in [{-MAX_PENALTY}, {MAX_PENALTY}] (0 = off), got {value}")
+              for name, value in (("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty))],
         ]
         for ok, message in checks:
             if not ok:
@@ -68,44 +86,96 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalised(self) -> bool:
+        """Whether any penalty looks at the tokens before a position."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
-def seen_mask(
+    def in_draft_vocabulary(self) -> SamplingParams:
+        """These parameters for a draft model of another vocabulary: the logit bias names the target's ids, so
+        it is left out (a draft only proposes: what it leaves out lowers acceptance, never exactness)."""
+        return replace(self, logit_bias=())
+
+
+def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as sorted (token id, bias) pairs, or a clear error."""
+    pairs = bias.items() if isinstance(bias, Mapping) else bias
+    try:
+        pairs = [(operator.index(token), float(value)) for token, value in pairs]
+    except (TypeError, ValueError) as error:
+        raise InvalidParameterError(f"logit_bias maps token ids (integers) to biases (numbers): {error}") from None
+    if len(pairs) > MAX_BIASED_TOKENS:
+        raise InvalidParameterError(f"logit_bias may bias at most {MAX_BIASED_TOKENS} tokens, got {len(pairs)}")
+    if len({token for token, _ in pairs}) < len(pairs):
+        raise InvalidParameterError("logit_bias names a token twice")
+    for token, value in pairs:
+        if token < 0 or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise InvalidParameterError(
+                f"logit_bias needs token ids ≥ 0 and biases in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {token}: {value}")
+    return tuple(sorted(pairs))
+
+
+def token_counts(
     vocab_size: int,
     prefix: list[int] | torch.Tensor,
     block: torch.Tensor | None = None,
     ancestors: torch.Tensor | None = None,
     device: torch.device | None = None,
 ) -> torch.Tensor:
-    """Which tokens each position's own prefix contains, for the repetition penalty.
+    """How often each token comes in each position's own prefix: [len(block)+1, vocab] float32 (one row
+    when block is None) on `device` (None: the CPU), where the logits it adjusts are.
 
-    Row 0 sees `prefix`; row i (i ≥ 1) sees `prefix` plus block[:i] for a chain, or plus the tokens of
-    block node i−1 and its ancestors for a token tree (`ancestors` [n, n] bool, see
-    `tokentree.ancestor_mask`). Returns [len(block)+1, vocab] bool (one row when block is None) on
-    `device` (None: the CPU), where the logits it masks are.
+    Row 0 counts `prefix`; row i (i ≥ 1) counts `prefix` plus block[:i] for a chain, or plus block node
+    i−1 and its ancestors for a token tree (`ancestors` [n, n] bool, see `tokentree.ancestor_mask`).
     """
-    base = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-    base[torch.as_tensor(prefix, dtype=torch.long, device=device)] = True
+    prefix = torch.as_tensor(prefix, dtype=torch.long, device=device)
+    base = torch.bincount(prefix, minlength=vocab_size).float()[None]  # [1, vocab]
     if block is None or len(block) == 0:
-        return base[None]
+        return base
     block = block.to(base.device)
-    if ancestors is not None:
-        onehot = torch.nn.functional.one_hot(block, vocab_size).float()  # [n, vocab]
-        on_path = (ancestors.to(base.device).float() @ onehot) > 0  # [n, vocab]
-        return base[None] | torch.cat([torch.zeros(1, vocab_size, dtype=torch.bool, device=base.device), on_path])
-    added = torch.zeros(len(block) + 1, vocab_size, dtype=torch.int32, device=base.device)
-    added[torch.arange(1, len(block) + 1, device=base.device), block] = 1
-    return base[None] | (added.cumsum(0) > 0)
+    onehot = torch.nn.functional.one_hot(block, vocab_size).float()  # [n, vocab]
+    added = ancestors.to(base.device).float() @ onehot if ancestors is not None else onehot.cumsum(0)  # [n, vocab]
+    return base + torch.cat([torch.zeros_like(base), added])
 
 
-def penalty_seen(
+@dataclass
+class Penalties:
+    """What the penalties see of each position's own prefix (None where a penalty is off):
+    seen [rows, vocab] bool, the tokens anywhere in it (repetition penalty); output [rows, vocab] float32,
+    how often each came in the output (presence and frequency penalties)."""
+
+    seen: torch.Tensor | None
+    output: torch.Tensor | None
+
+    def rows(self, n: int) -> Penalties:
+        """The first `n` rows."""
+        return Penalties(None if self.seen is None else self.seen[:n], None if self.output is None else self.output[:n])
+
+    def add(self, token: int) -> None:
+        """A one-row prefix grows by `token` (a draft model's next step sees it)."""
+        if self.seen is not None:
+            self.seen[0, token] = True
+        if self.output is not None:
+            self.output[0, token] += 1
+
+
+def penalties(
     params: SamplingParams, vocab_size: int, prefix: list[int] | torch.Tensor,
     block: torch.Tensor | None = None, parents: torch.Tensor | None = None, device: torch.device | None = None,
-) -> torch.Tensor | None:
-    """`seen_mask` when `params` has a repetition penalty, else None (nothing to penalise, nothing built).
-    A token tree's `parents` [n] give each row its ancestors (built only here, when they are needed)."""
-    if params.repetition_penalty == 1.0:
+    *, output_start: int,
+) -> Penalties | None:
+    """What `params`' penalties see of the positions after `prefix` and after each token of `block` [n], or
+    None (no penalty: nothing built). prefix[output_start:] is the output so far (what the presence and
+    frequency penalties count); a token tree's `parents` [n] give each row its ancestors."""
+    if not params.penalised:
         return None
-    return seen_mask(vocab_size, prefix, block, None if parents is None else ancestor_mask(parents), device)
+    ancestors = None if parents is None else ancestor_mask(parents)
+    seen = output = None
+    if params.repetition_penalty != 1.0:
+        seen = token_counts(vocab_size, prefix, block, ancestors, device) > 0
+    if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
+        output = token_counts(vocab_size, prefix[output_start:], block, ancestors, device)
+    return Penalties(seen, output)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -115,8 +185,34 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     if penalty == 1.0:
         return logits
     penalty = min(penalty, FLOAT32_MAX)  # 0 × inf would be NaN
-    penalized = torch.where(logits > 0, logits / penalty, logits * penalty).clamp(-FLOAT32_MAX, FLOAT32_MAX)
-    return torch.where(seen & (logits > -math.inf), penalized, logits)
+    penalized = _finite(torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+    return torch.where(seen, penalized, logits)
+
+
+def _finite(adjusted: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """`adjusted` kept in float32's range, with −inf (a token a grammar forbids) where `logits` has it."""
+    return torch.where(logits > -math.inf, adjusted.clamp(-FLOAT32_MAX, FLOAT32_MAX), logits)
+
+
+def adjusted(logits: torch.Tensor, params: SamplingParams, penalties: Penalties | None = None) -> torch.Tensor:
+    """logits [n, vocab] after the logit bias and the penalties (`penalties` of these rows): float32, a
+    finite logit stays finite, −inf stays −inf. Unchanged (not copied) when there is nothing to apply."""
+    if not params.logit_bias and penalties is None:
+        return logits
+    logits = logits.float()
+    if params.logit_bias:
+        bias = torch.zeros(logits.shape[-1], device=logits.device)  # [vocab]
+        pairs = [(token, value) for token, value in params.logit_bias if token < logits.shape[-1]]  # a draft's vocabulary may be smaller
+        if pairs:
+            tokens, values = zip(*pairs)
+            bias[list(tokens)] = torch.tensor(values, device=logits.device)
+        logits = _finite(logits + bias, logits)
+    if penalties is not None and penalties.seen is not None:
+        logits = apply_repetition_penalty(logits, penalties.seen, params.repetition_penalty)
+    if penalties is not None and penalties.output is not None:
+        output = penalties.output
+        logits = _finite(logits - params.frequency_penalty * output - params.presence_penalty * (output > 0).float(), logits)
+    return logits
 
 
 def _keep_at_least_top1(remove: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
@@ -131,16 +227,13 @@ def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return (logits - logits.max(dim=-1, keepdim=True).values) / min(temperature, FLOAT32_MAX)
 
 
-def to_probs(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
+def to_probs(logits: torch.Tensor, params: SamplingParams, penalties: Penalties | None = None) -> torch.Tensor:
     """Processed sampling distribution for each row: logits [n, vocab] -> probs [n, vocab] (float32).
 
     Call only when sampling (temperature > 0); greedy uses `greedy_tokens`. Every row needs one finite
     logit; each truncation (top-k/p, min-p, ε, η) keeps at least the row's most likely token.
     """
-    logits = logits.float()
-    if seen is not None:
-        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
-    logits = _scaled(logits, params.temperature)
+    logits = _scaled(adjusted(logits, params, penalties).float(), params.temperature)
     neg_inf = torch.finfo(logits.dtype).min
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [n, 1]
@@ -170,11 +263,9 @@ def _renormalize(probs: torch.Tensor) -> torch.Tensor:
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
-def greedy_tokens(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
-    """Argmax per row after the repetition penalty: logits [n, vocab] -> token ids [n]."""
-    if seen is not None:
-        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
-    return argmax(logits)
+def greedy_tokens(logits: torch.Tensor, params: SamplingParams, penalties: Penalties | None = None) -> torch.Tensor:
+    """Argmax per row after the logit bias and the penalties: logits [n, vocab] -> token ids [n]."""
+    return argmax(adjusted(logits, params, penalties))
 
 
 @dataclass(frozen=True)
@@ -193,15 +284,16 @@ class Scores:
 
 def score_rows(
     logits: torch.Tensor, params: SamplingParams, prefix: list[int], block: torch.Tensor | None = None,
-    parents: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
+    parents: torch.Tensor | None = None, allowed: torch.Tensor | None = None, *, output_start: int,
 ) -> Scores:
-    """Turn a scoring pass's logits [n+1, vocab] over `block` [n] (drafted after `prefix`) into `Scores`:
-    the grammar mask `allowed` [n+1, vocab] (None: no grammar), the repetition penalty over each row's
-    own prefix (a tree's rows, `parents` [n]: over their ancestors), then argmax or probabilities.
-    The one place a target's (or a checking draft model's) logits become a verifier's inputs."""
+    """Turn a scoring pass's logits [n+1, vocab] over `block` [n] (drafted after `prefix`, whose output
+    begins at `output_start`) into `Scores`: the grammar mask `allowed` [n+1, vocab] (None: no grammar),
+    the logit bias and the penalties over each row's own prefix (a tree's rows, `parents` [n]: over their
+    ancestors), then argmax or probabilities. The one place a target's (or a checking draft model's)
+    logits become a verifier's inputs."""
     if allowed is not None:
         logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
-    seen = penalty_seen(params, logits.shape[-1], prefix, block, parents, logits.device)  # [n+1, vocab] or None
+    seen = penalties(params, logits.shape[-1], prefix, block, parents, logits.device, output_start=output_start)
     if params.greedy:
         return Scores(logits, greedy=greedy_tokens(logits, params, seen))
     return Scores(logits, probs=to_probs(logits, params, seen))

@@ -120,7 +120,8 @@ def request_config(body: RequestBody, default_max_tokens: int, max_tokens_limit:
     """The engine's settings for `body`; an InvalidParameterError names the field a setting is wrong in."""
     sampling = SamplingParams(
         temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p, eta=body.eta,
-        epsilon=body.epsilon, repetition_penalty=body.repetition_penalty,
+        epsilon=body.epsilon, repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty, logit_bias={int(token): bias for token, bias in (body.logit_bias or {}).items()},
     )
     stop = _stop_strings(body)
     if body.stream_options is not None and not body.stream:

@@ -15,13 +15,12 @@ from types import SimpleNamespace
 
 import torch
 
-from verispec.sampling.processors import SamplingParams, greedy_tokens, penalty_seen, to_probs
+from verispec.sampling.processors import SamplingParams, greedy_tokens, penalties, to_probs
 from verispec.sampling.samplers import multinomial
 
 __all__ = ["WholeSequenceOracle", "next_token_probs", "reference_generate", "sequence_distribution"]
 
 
-@torch.inference_mode()
 class WholeSequenceOracle:
     """`model(ids).logits` like a transformers model (the interface of the functions below), computed by a
     verispec runner over the whole sequence in ONE forward pass with a fresh cache: the oracle of a
@@ -30,11 +29,13 @@ class WholeSequenceOracle:
     def __init__(self, runner):
         self.runner = runner
 
+    @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor) -> SimpleNamespace:  # input_ids [1, L]
         cache = self.runner.new_cache(input_ids.shape[1] + 1)
         return SimpleNamespace(logits=self.runner.forward(cache, input_ids[0], logits="all")[None])  # [1, L, vocab]
 
 
+@torch.inference_mode()
 def _last_logits(hf_model, ids: list[int]) -> torch.Tensor:
     return hf_model(torch.tensor([ids])).logits[0, -1:].float()  # [1, vocab]
 
@@ -42,12 +43,15 @@ def _last_logits(hf_model, ids: list[int]) -> torch.Tensor:
 Allowed = Callable[[tuple[int, ...]], torch.Tensor]  # the new tokens so far -> bool [vocab]
 
 
-def next_token_probs(hf_model, ids: list[int], params: SamplingParams, allowed: torch.Tensor | None = None) -> torch.Tensor:
-    """The processed next-token distribution after `ids`: [vocab]; `allowed` bool [vocab] masks the logits first."""
+def next_token_probs(
+    hf_model, ids: list[int], params: SamplingParams, allowed: torch.Tensor | None = None, *, prompt_len: int
+) -> torch.Tensor:
+    """The processed next-token distribution after `ids` (a prompt of `prompt_len` tokens, then the output):
+    [vocab]; `allowed` bool [vocab] masks the logits first."""
     logits = _last_logits(hf_model, ids)
     if allowed is not None:
         logits = logits.masked_fill(~allowed[: logits.shape[-1]], float("-inf"))  # [1, vocab]
-    seen = penalty_seen(params, logits.shape[-1], ids)  # [1, vocab] or None
+    seen = penalties(params, logits.shape[-1], ids, output_start=prompt_len)  # one row, or None
     if params.greedy:
         probs = torch.zeros_like(logits[0])
         probs[greedy_tokens(logits, params, seen)] = 1.0
@@ -68,7 +72,7 @@ def reference_generate(
     ids = list(prompt_ids)
     for _ in range(max_new_tokens):
         mask = None if allowed is None else allowed(tuple(ids[len(prompt_ids) :]))
-        probs = next_token_probs(hf_model, ids, params, mask)
+        probs = next_token_probs(hf_model, ids, params, mask, prompt_len=len(prompt_ids))
         token = int(probs.argmax()) if params.greedy else int(multinomial(probs[None], generator))
         ids.append(token)
         if token in eos_ids:
@@ -85,7 +89,7 @@ def sequence_distribution(
         grown: dict[tuple[int, ...], float] = {}
         for prefix, mass in dist.items():
             mask = None if allowed is None else allowed(prefix)
-            probs = next_token_probs(hf_model, list(prompt_ids) + list(prefix), params, mask)
+            probs = next_token_probs(hf_model, list(prompt_ids) + list(prefix), params, mask, prompt_len=len(prompt_ids))
             for token in probs.nonzero().flatten().tolist():
                 grown[prefix + (token,)] = mass * float(probs[token])
         dist = grown

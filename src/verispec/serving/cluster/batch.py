@@ -2,7 +2,7 @@
 
 Each record is a completion request: `id`, `prompt` (text or token ids) or `messages` (chat), and
 optionally the server's sampling fields (`max_tokens`, `temperature`, `top_p`, `top_k`, `min_p`,
-`eta`, `epsilon`, `repetition_penalty`, `seed`, `stop`) and `chat` (wrap a text prompt in the chat
+`eta`, `epsilon`, `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `logit_bias`, `seed`, `stop`) and `chat` (wrap a text prompt in the chat
 template, default true). They are validated by the server's own request schema.
 
 The driver reads the input, skips the ids already written (a rerun resumes), and hands the rest to

@@ -1,12 +1,13 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic), plus verispec's extras.
 
 Requests accept OpenAI's fields (model, max_tokens / max_completion_tokens, temperature, top_p,
-stop, seed, stream, stream_options, user) and verispec's extras: sampling (top_k, min_p, eta,
-epsilon, repetition_penalty) and speculation (drafter, gamma, gamma_policy) for this one request.
+presence_penalty, frequency_penalty, logit_bias, stop, seed, stream, stream_options, user) and verispec's
+extras: sampling (top_k, min_p, eta, epsilon, repetition_penalty) and speculation (drafter, gamma,
+gamma_policy) for this one request.
 `logprobs` (completions: how many alternatives; chat: `logprobs` + `top_logprobs`, at most
 `MAX_TOP_LOGPROBS`) and, on chat, `response_format` (text, json_object, json_schema) are implemented.
 Ranges are checked here so that a bad value is a 422 naming the field. OpenAI fields this server
-does not implement (`UNSUPPORTED`: n > 1, tools, echo, suffix, best_of, penalties, logit_bias) are
+does not implement (`UNSUPPORTED`: n > 1, tools, echo, suffix, best_of) are
 declared with the one neutral value they accept, so the OpenAPI schema says exactly what is accepted; any other value is a 400 naming the field, and an
 unknown field is refused, never silently ignored. Text must be valid Unicode (no lone surrogates).
 Types are strict: a number is not a string, an integer not `true` or 2.0 (`max_tokens: true` is not 1).
@@ -22,7 +23,9 @@ from pydantic_core import PydanticCustomError
 
 from verispec.drafters.specs import MAX_GAMMA
 from verispec.errors import InvalidParameterError
-from verispec.sampling.processors import MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY, MIN_TEMPERATURE
+from verispec.sampling.processors import (
+    MAX_BIASED_TOKENS, MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY, MIN_TEMPERATURE,
+)
 
 __all__ = [
     "CompletionRequest", "ChatCompletionRequest", "ChatMessage", "Usage", "CompletionResponse",
@@ -39,9 +42,6 @@ UNSUPPORTED = {
     "tool_choice": "this server does not call tools (tool_choice must be \"none\" or absent)",
     "functions": "this server does not call functions (functions must be empty or absent)",
     "function_call": "this server does not call functions (function_call must be \"none\" or absent)",
-    "presence_penalty": "not implemented (presence_penalty must be 0); repetition_penalty is",
-    "frequency_penalty": "not implemented (frequency_penalty must be 0); repetition_penalty is",
-    "logit_bias": "not implemented (logit_bias must be empty or absent)",
 }
 
 
@@ -66,7 +66,9 @@ def _not_boolean(value: Any) -> Any:
 Text = Annotated[str, AfterValidator(_encodable)]
 Empty = Annotated[list[dict[str, Any]], Field(max_length=0)]
 One = Annotated[Literal[1], BeforeValidator(_not_boolean)]
-Zero = Annotated[Literal[0], BeforeValidator(_not_boolean)]
+TokenId = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]  # a JSON object's key: a token id as a string (OpenAI's)
+Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
+Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
 
 
 class _Body(BaseModel):
@@ -88,9 +90,10 @@ class _GenerationFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = Field(None, description="only with stream: true")
     user: Text | None = Field(None, max_length=256, description="a label for the caller (not used)")
-    presence_penalty: Zero = Field(0, description="not implemented: 0 only")
-    frequency_penalty: Zero = Field(0, description="not implemented: 0 only")
-    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = Field(None, description="not implemented: empty only")
+    presence_penalty: Penalty = Field(0.0, description="subtracted from a token's logit if it came in the output so far")
+    frequency_penalty: Penalty = Field(0.0, description="subtracted from a token's logit once per time it came in the output")
+    logit_bias: dict[TokenId, Bias] | None = Field(None, max_length=MAX_BIASED_TOKENS, description=(
+        "token id → bias added to its logit before sampling (±100 bans or forces a token)"))
     top_k: int = Field(0, ge=0, description="0 = off")
     min_p: float = Field(0.0, ge=0, lt=1)
     eta: float = Field(0.0, ge=0, lt=1, description="η-sampling (0 = off; 0.0009 is usual)")
