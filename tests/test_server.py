@@ -213,7 +213,7 @@ BAD_REQUESTS = [
     ({"model": MODEL, "prompt": "t5", "temperature": "hot"}, 422, "temperature", "valid number"),
     ({"model": MODEL, "prompt": "t5", "temperature": 1e-300}, 422, "temperature", "at least 0.001"),  # found by schemathesis
     ({"model": MODEL, "prompt": "t5", "repetition_penalty": 1e-172}, 422, "repetition_penalty", "greater than or equal to 0.01"),
-    ({"model": MODEL, "prompt": "t5", "n": 2}, 400, "n", "one choice per request"),
+    ({"model": MODEL, "prompt": "t5", "n": 17}, 422, "n", "less than or equal to 16"),
     ({"model": MODEL, "prompt": " ".join(["t3"] * 200)}, 400, "prompt", "context of 128"),
     ({"model": MODEL, "prompt": ""}, 400, "prompt", "empty"),
     ({"model": MODEL, "prompt": [3, 999]}, 400, "prompt", "token ids must lie in"),

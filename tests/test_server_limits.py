@@ -325,7 +325,6 @@ COMPLETION = {"model": MODEL, "prompt": "t5"}
     (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}], "does not call tools"),
     (CHAT, "tool_choice", "auto", "does not call tools"),
     (CHAT, "functions", [{"name": "f"}], "does not call functions"),
-    (CHAT, "n", 2, "one choice per request"),
     (COMPLETION, "echo", True, "does not echo"),
     (COMPLETION, "suffix", "end", "does not insert text"),
     (COMPLETION, "best_of", 3, "one candidate per request"),
@@ -345,7 +344,8 @@ def test_unimplemented_fields_are_refused_by_name(server, base, field, value, me
     (COMPLETION, "logprobs", True, 422, "valid integer"),
     (COMPLETION, "temperature", True, 422, "valid number"),
     (COMPLETION, "stream", 1, 422, "valid boolean"),
-    (CHAT, "n", True, 400, "one choice per request, got n=True"),
+    (CHAT, "n", True, 422, "not true"),
+    (CHAT, "n", 2.0, 422, "valid integer"),
     (COMPLETION, "best_of", True, 400, "one candidate per request"),
     (COMPLETION, "presence_penalty", False, 422, "valid number"),
     (CHAT, "frequency_penalty", 2.5, 422, "less than or equal to 2"),
@@ -399,7 +399,7 @@ def test_the_openapi_schema_advertises_what_is_accepted(server):
     completion, chat = schemas["CompletionRequest"], schemas["ChatCompletionRequest"]
     assert completion["additionalProperties"] is False and chat["additionalProperties"] is False
     props, chat_props = completion["properties"], chat["properties"]
-    assert props["n"]["const"] == 1 and props["echo"]["const"] is False
+    assert props["n"]["maximum"] == 16 and props["echo"]["const"] is False
     assert props["model"]["enum"] == [MODEL] and chat_props["model"]["enum"] == [MODEL]  # the one model served
     assert props["presence_penalty"]["maximum"] == 2 and "max_completion_tokens" not in props
     assert props["logit_bias"]["anyOf"][0]["maxProperties"] == 300

@@ -1,4 +1,7 @@
-"""`logprobs` / `top_logprobs` and `response_format` through the official `openai` client.
+"""`logprobs` / `top_logprobs`, `n` and `response_format` through the official `openai` client.
+
+Choices (`n`): each is what the engine gives alone for that seed (seed + i), streamed or not, with its own
+index and log-probability offsets; `usage` counts the prompt once.
 
 Log-probabilities: the server's values (streamed and not, completions and chat) are the engine's own,
 which tests/test_logprobs.py checks against a direct forward of the target. JSON: a tiny random model
@@ -15,7 +18,7 @@ import openai
 import pytest
 from server_helpers import MODEL, LocalServer, tiny_engine
 
-from verispec import Engine, GenerationConfig
+from verispec import Engine, GenerationConfig, SamplingParams
 from verispec.drafters import DraftModelDrafter
 from verispec.serving.http import create_app
 
@@ -73,7 +76,43 @@ def test_chat_logprobs_streamed_and_not(client, engine):
     assert all(c.top_logprobs == [] for c in only.choices[0].logprobs.content)
 
 
+def test_n_choices_are_each_what_the_engine_gives_alone(client, engine):
+    sampled = GenerationConfig(max_new_tokens=8, sampling=SamplingParams(temperature=1.0), chat=False)
+    alone = [engine.generate(PROMPT, GenerationConfig(**{**sampled.__dict__, "seed": 7 + i})) for i in range(3)]
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=7, n=3, logprobs=1)
+    assert [choice.index for choice in whole.choices] == [0, 1, 2]
+    assert [choice.text for choice in whole.choices] == [result.text for result in alone]
+    assert len({result.text for result in alone}) > 1  # the seeds differ: so do the choices
+    assert all(choice.logprobs.text_offset[0] == 0 for choice in whole.choices)  # each choice's offsets start at 0
+    assert whole.usage.prompt_tokens == alone[0].stats.prompt_tokens
+    assert whole.usage.completion_tokens == sum(result.stats.new_tokens for result in alone)
+    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=7, n=3, stream=True,
+                                         stream_options={"include_usage": True})
+    texts, finished, usage = ["", "", ""], set(), None
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            finished |= {choice.index} if choice.finish_reason else set()
+        usage = chunk.usage or usage
+    assert texts == [result.text for result in alone] and finished == {0, 1, 2}
+    assert usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_n_greedy_chat_choices_are_alike(client):
+    messages = [{"role": "user", "content": PROMPT}]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in reply.choices] == [0, 1] and reply.choices[0].message.content == reply.choices[1].message.content
+    streamed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, n=2, stream=True)
+    texts = ["", ""]
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == [reply.choices[0].message.content] * 2
+
+
 @pytest.mark.parametrize(("body", "status", "param"), [
+    ({"n": 17}, 422, "n"),
+    ({"n": 0}, 422, "n"),
     ({"top_logprobs": 2}, 400, "top_logprobs"),  # without logprobs: true
     ({"logprobs": True, "top_logprobs": 21}, 422, "top_logprobs"),
     ({"response_format": {"type": "json_schema"}}, 400, "response_format"),

@@ -4,7 +4,7 @@ admits only what fits, gives everything back when requests end or are cancelled,
 that outgrows it with finish_reason "length"; `max_model_len` refuses long prompts before they are
 queued and caps prompt + new tokens; prompts are tokenized off the worker; and a long prompt is
 prefilled in chunks between a short request's decode steps (asserted on the scheduler's turns, not
-on wall time)."""
+on wall time); a request's `n` choices are queued all together or not at all."""
 
 from __future__ import annotations
 
@@ -59,6 +59,24 @@ def test_a_full_queue_is_a_429_with_retry_after(tiny_target):
         first.join(60)
         second.join(60)
         wait_for(lambda: health(server.url)["kv_pool_reserved_tokens"] == 0)
+
+
+def test_n_choices_queue_together_or_not_at_all(tiny_target):
+    """max_batch 1, max_queue 2, one request running: n = 3 choices do not fit the queue, so the request is a
+    429 and none of its choices stays queued; n = 2 fits, and its choices run one after the other."""
+    app = create_app(slow(tiny_engine(tiny_target), 0.05), model_name=MODEL, max_batch=1, max_queue=2)
+    with LocalServer(app) as server:
+        first = threading.Thread(target=completion, args=(server.url,), kwargs={"prompt": PROMPT, "max_tokens": 30})
+        first.start()
+        wait_for(lambda: health(server.url)["active"] == 1)
+        refused = completion(server.url, prompt=PROMPT, max_tokens=3, n=3)
+        assert refused.status_code == 429, refused.text
+        first.join(60)
+        answered = completion(server.url, prompt=PROMPT, max_tokens=3, n=2)
+        assert answered.status_code == 200 and [c["index"] for c in answered.json()["choices"]] == [0, 1]
+        wait_for(lambda: health(server.url)["queued"] == 0 and health(server.url)["active"] == 0)
+    admitted = [turn for turn in app.state.scheduler.turns if turn.prefilled]
+    assert len(admitted) == 3  # the first request and the two choices: nothing of the refused one
 
 
 def test_a_request_that_waits_past_its_time_limit_ends_while_still_queued(tiny_target):

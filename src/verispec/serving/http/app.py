@@ -23,6 +23,11 @@ reads files (`verispec.serving.request.check_request_drafter`). `cors_origins` a
 
 Prompts are tokenized in the handler, on one tokenizer thread of their own (never on the
 scheduler's worker), and a prompt longer than `max_model_len` is a 400 before it is queued.
+
+`n` choices (at most `MAX_CHOICES`) are n requests to the scheduler, queued together (all or none) and
+batched like any others, so each choice is what it would be alone; with a `seed`, choice i samples with
+seed + i. A streamed response interleaves their chunks (each names its `index`); `usage` counts the prompt
+once and every choice's tokens.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from verispec.engine import Engine
 from verispec.errors import PromptError, VerispecError
 from verispec.serving.request import chat_prompt_ids, check_request_drafter, request_config
 from verispec.serving.http.errors import describe_invalid, error_response
-from verispec.serving.http.formats import ChatFormat, CompletionFormat, sse
+from verispec.serving.http.formats import ChatFormat, CompletionFormat, merged_stats, sse
 from verispec.serving.http.guard import Guard
 from verispec.serving.http.limits import ServerLimits
 from verispec.serving.http.metrics import Metrics
@@ -89,6 +94,46 @@ def _error_status(error: BaseException) -> tuple[int, str, str | None]:
     if isinstance(error, VerispecError):
         return 400, str(error), error.param
     return 500, f"internal error in this generation ({type(error).__name__}: {error}); other requests are unaffected", None
+
+
+def _submit(scheduler: Scheduler, ids: list[int], config, n: int) -> list[Job]:
+    """Queue the request's `n` choices together (choice i seeded seed + i), or none of them."""
+    jobs: list[Job] = []
+    try:
+        for index in range(n):
+            seed = None if config.seed is None else config.seed + index
+            jobs.append(scheduler.submit(ids, config if index == 0 else dataclasses.replace(config, seed=seed)))
+    except BaseException:
+        for job in jobs:
+            job.cancel()
+        raise
+    return jobs
+
+
+async def _merged(jobs: list[Job]) -> AsyncIterator[tuple[int, JobUpdate]]:
+    """Every job's updates as they come, each with its job's index, until every job has finished."""
+    queue: asyncio.Queue[tuple[int, JobUpdate | None, BaseException | None]] = asyncio.Queue()
+
+    async def relay(index: int, job: Job) -> None:
+        try:
+            while (update := await job.next()).kind in ("admitted", "tokens"):
+                await queue.put((index, update, None))
+            await queue.put((index, update, None))
+        except BaseException as error:  # noqa: BLE001 — handed to the reader, which raises it
+            await queue.put((index, None, error))
+
+    relays = [asyncio.create_task(relay(index, job)) for index, job in enumerate(jobs)]
+    try:
+        running = len(jobs)
+        while running:
+            index, update, error = await queue.get()
+            if error is not None:
+                raise error
+            running -= update.kind not in ("admitted", "tokens")
+            yield index, update
+    finally:
+        for task in relays:
+            task.cancel()
 
 
 async def _next(job: Job, request: Request) -> JobUpdate:
@@ -196,7 +241,7 @@ def create_app(
             response = error_response(400, f"model: unknown model {body.model!r}; this server serves {request.app.state.model_name!r} (see /v1/models)",
                                       param="model", code="model_not_found")
         else:
-            job = None
+            jobs: list[Job] = []
             try:
                 check_request_drafter(body.drafter, scheduler.engine.drafter_spec)
                 config = request_config(body, default_max_tokens, limits.max_tokens_limit)
@@ -205,51 +250,64 @@ def create_app(
                 ids = await asyncio.get_running_loop().run_in_executor(tokenizer_thread, encode, scheduler.engine)
                 if request.app.state.stopping.is_set():  # checked with no await before submit: a stopped scheduler admits none
                     raise ServerStoppingError()
-                job = scheduler.submit(ids, config)
-                await _next(job, request)  # "admitted": a batch slot and pool room (the prefill follows in chunks)
+                jobs = _submit(scheduler, ids, config, body.n)
+                await _next(jobs[0], request)  # "admitted": a batch slot and pool room (the prefill follows in chunks)
                 if body.stream:
                     include_usage = body.stream_options is not None and body.stream_options.include_usage
-                    return StreamingResponse(stream(job, fmt, endpoint, started, include_usage), media_type="text/event-stream")
-                response = JSONResponse(await collect(job, request, fmt))
+                    return StreamingResponse(stream(jobs, fmt, endpoint, started, include_usage), media_type="text/event-stream")
+                response = JSONResponse(await collect(jobs, request, fmt))
             except ClientDisconnected:
+                for job in jobs:
+                    job.cancel()
                 response = Response(status_code=499)
             except Exception as error:  # noqa: BLE001 — one request's failure is that request's answer
-                if job is not None:
-                    job.cancel()  # whatever went wrong here, free its slot
+                for job in jobs:
+                    job.cancel()  # whatever went wrong here, free their slots
                 status, message, param = _error_status(error)
                 response = error_response(status, message, param, headers=_error_headers(error))
         metrics.record_request(endpoint, response.status_code, time.perf_counter() - started)
         return response
 
-    async def collect(job: Job, request: Request, fmt: CompletionFormat) -> dict:
-        events = []
-        while (update := await _next(job, request)).kind == "tokens":
-            events += update.events
-        if update.finish_reason == SHUTDOWN_FINISH_REASON:
-            raise ServerStoppingError(f"the server is shutting down and stopped this request after {len(events)} tokens: "
-                                      "retry on another server or later")
-        return fmt.response("".join(event.text for event in events), [event.origin.value for event in events],
-                            update.finish_reason, update.stats, events)
+    async def collect(jobs: list[Job], request: Request, fmt: CompletionFormat) -> dict:
+        choices, stats = [], []
+        for index, job in enumerate(jobs):  # the others run meanwhile: their updates wait in their queues
+            events = []
+            while (update := await _next(job, request)).kind != "finished":
+                events += update.events  # none in a later choice's "admitted"
+            if update.finish_reason == SHUTDOWN_FINISH_REASON:
+                raise ServerStoppingError(f"the server is shutting down and stopped this request after {len(events)} tokens: "
+                                          "retry on another server or later")
+            choices.append(fmt.for_choice(index).choice(events, update.finish_reason))
+            stats.append(update.stats)
+        return fmt.response(choices, merged_stats(stats))
 
-    async def stream(job: Job, fmt: CompletionFormat, endpoint: str, started: float, include_usage: bool) -> AsyncIterator[str]:
+    async def stream(jobs: list[Job], fmt: CompletionFormat, endpoint: str, started: float,
+                     include_usage: bool) -> AsyncIterator[str]:
         status, first = 200, True
+        formats = [fmt.for_choice(index) for index in range(len(jobs))]
+        finished = []
         try:
-            for chunk in fmt.opening_chunks():
-                yield sse(chunk)
-            while (update := await job.next()).kind == "tokens":
+            for choice in formats:
+                for chunk in choice.opening_chunks():
+                    yield sse(chunk)
+            async for index, update in _merged(jobs):
+                if update.kind == "finished":
+                    finished.append(update.stats)
+                    yield sse(formats[index].final_chunk(update.finish_reason, update.stats))
+                    continue
                 if first and update.events:
                     metrics.record_first_token(time.perf_counter() - started)
                     first = False
                 for event in update.events:
-                    yield sse(fmt.token_chunk(event, update.live))
-            yield sse(fmt.final_chunk(update.finish_reason, update.stats))
+                    yield sse(formats[index].token_chunk(event, update.live))
             if include_usage:
-                yield sse(fmt.usage_chunk(update.stats))
+                yield sse(fmt.usage_chunk(merged_stats(finished)))
         except Exception as error:  # noqa: BLE001 — headers are sent: report the failure in-band
             status, message, _ = _error_status(error)
             yield sse({"error": {"message": message, "type": "server_error", "code": str(status)}})
         finally:
-            job.cancel()  # frees the slot if the client left mid-stream; a no-op once finished
+            for job in jobs:
+                job.cancel()  # frees the slots if the client left mid-stream; a no-op once finished
             metrics.record_request(endpoint, status, time.perf_counter() - started)
         yield sse("[DONE]")
 

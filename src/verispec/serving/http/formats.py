@@ -1,7 +1,8 @@
 """Turn a generation's tokens and statistics into OpenAI-shaped bodies and SSE chunks.
 
 `CompletionFormat` (text_completion) and `ChatFormat` (chat.completion[.chunk]) share one interface,
-so the request handler streams or collects without knowing which endpoint it serves. Streamed
+so the request handler streams or collects without knowing which endpoint it serves. A request's
+`n` choices share one format's id; `for_choice(i)` gives choice i its own (its index, its text offsets). Streamed
 token chunks carry two extras the playground reads: the token's `origin` on the choice and the
 request's live `speculative` statistics at the top level. The finishing chunk carries `usage`; with
 `stream_options.include_usage` a last chunk follows with empty `choices` and the `usage`, as OpenAI's.
@@ -13,13 +14,14 @@ Log-probabilities (when the request asked): completions use OpenAI's legacy shap
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 import uuid
 
 from verispec.types import GenerationStats, TokenEvent, TokenLogprobs
 
-__all__ = ["CompletionFormat", "ChatFormat", "usage", "sse"]
+__all__ = ["CompletionFormat", "ChatFormat", "usage", "sse", "merged_stats"]
 
 
 def sse(body: dict | str) -> str:
@@ -40,14 +42,31 @@ def usage(stats: GenerationStats) -> dict:
     }
 
 
+def merged_stats(stats: list[GenerationStats]) -> GenerationStats:
+    """One request's statistics over its choices: the prompt counted once, the new tokens and steps of all."""
+    total = GenerationStats(prompt_tokens=stats[0].prompt_tokens, cached_tokens=stats[0].cached_tokens)
+    for part in stats:
+        total.new_tokens += part.new_tokens
+        for record in part.records:
+            total.record(record)
+    return total
+
+
 class CompletionFormat:
     object_name, chunk_name, id_prefix = "text_completion", "text_completion", "cmpl"
 
     def __init__(self, model: str, tokenizer=None):
         self.model, self.tokenizer = model, tokenizer
+        self.index = 0  # the choice this format writes
         self._offset = 0  # characters of the token strings given out so far (completions' text_offset)
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
+
+    def for_choice(self, index: int) -> CompletionFormat:
+        """The format of choice `index` of the same response (same id and creation time)."""
+        choice = copy.copy(self)
+        choice.index, choice._offset = index, 0
+        return choice
 
     def _envelope(self, name: str, choices: list[dict], **extra) -> dict:
         return {"id": self.id, "object": name, "created": self.created, "model": self.model, "choices": choices, **extra}
@@ -59,25 +78,29 @@ class CompletionFormat:
         return []
 
     def token_chunk(self, event: TokenEvent, live: dict | None) -> dict:
-        choice = {"index": 0, **self._content(event.text), "finish_reason": None,
+        choice = {"index": self.index, **self._content(event.text), "finish_reason": None,
                   "origin": event.origin.value, "token_id": event.token_id}
         if event.logprobs is not None:
             choice["logprobs"] = self.logprobs([event])
         return self._envelope(self.chunk_name, [choice], speculative=live)
 
     def final_chunk(self, finish_reason: str, stats: GenerationStats) -> dict:
-        choice = {"index": 0, **self._content(""), "finish_reason": finish_reason}
+        choice = {"index": self.index, **self._content(""), "finish_reason": finish_reason}
         return self._envelope(self.chunk_name, [choice], usage=usage(stats))
 
     def usage_chunk(self, stats: GenerationStats) -> dict:
         return self._envelope(self.chunk_name, [], usage=usage(stats))
 
-    def response(self, text: str, origins: list[str], finish_reason: str, stats: GenerationStats,
-                 events: list[TokenEvent] = ()) -> dict:
+    def choice(self, events: list[TokenEvent], finish_reason: str) -> dict:
+        """This choice of a whole (not streamed) response."""
         scored = [event for event in events if event.logprobs is not None]
         logprobs = self.logprobs(scored) if scored else None
-        choice = {"index": 0, **self._final_content(text), "finish_reason": finish_reason, "logprobs": logprobs, "origins": origins}
-        return self._envelope(self.object_name, [choice], usage=usage(stats))
+        return {"index": self.index, **self._final_content("".join(event.text for event in events)),
+                "finish_reason": finish_reason, "logprobs": logprobs, "origins": [event.origin.value for event in events]}
+
+    def response(self, choices: list[dict], stats: GenerationStats) -> dict:
+        """The whole response: its `choices` (each from `choice`) and the request's statistics."""
+        return self._envelope(self.object_name, choices, usage=usage(stats))
 
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
@@ -106,7 +129,8 @@ class ChatFormat(CompletionFormat):
         return {"delta": {"content": text} if text else {}}
 
     def opening_chunks(self) -> list[dict]:
-        return [self._envelope(self.chunk_name, [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])]
+        return [self._envelope(self.chunk_name, [{"index": self.index, "delta": {"role": "assistant", "content": ""},
+                                                  "finish_reason": None}])]
 
     def _final_content(self, text: str) -> dict:
         return {"message": {"role": "assistant", "content": text}}

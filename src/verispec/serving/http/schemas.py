@@ -1,13 +1,13 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic), plus verispec's extras.
 
 Requests accept OpenAI's fields (model, max_tokens / max_completion_tokens, temperature, top_p,
-presence_penalty, frequency_penalty, logit_bias, stop, seed, stream, stream_options, user) and verispec's
+n, presence_penalty, frequency_penalty, logit_bias, stop, seed, stream, stream_options, user) and verispec's
 extras: sampling (top_k, min_p, eta, epsilon, repetition_penalty) and speculation (drafter, gamma,
 gamma_policy) for this one request.
 `logprobs` (completions: how many alternatives; chat: `logprobs` + `top_logprobs`, at most
 `MAX_TOP_LOGPROBS`) and, on chat, `response_format` (text, json_object, json_schema) are implemented.
 Ranges are checked here so that a bad value is a 422 naming the field. OpenAI fields this server
-does not implement (`UNSUPPORTED`: n > 1, tools, echo, suffix, best_of) are
+does not implement (`UNSUPPORTED`: tools, echo, suffix, best_of > 1) are
 declared with the one neutral value they accept, so the OpenAPI schema says exactly what is accepted; any other value is a 400 naming the field, and an
 unknown field is refused, never silently ignored. Text must be valid Unicode (no lone surrogates).
 Types are strict: a number is not a string, an integer not `true` or 2.0 (`max_tokens: true` is not 1).
@@ -27,14 +27,15 @@ from verispec.sampling.processors import (
     MAX_BIASED_TOKENS, MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY, MIN_TEMPERATURE,
 )
 
+MAX_CHOICES = 16  # the most choices (n) one request may ask for: each holds a batch slot
+
 __all__ = [
-    "CompletionRequest", "ChatCompletionRequest", "ChatMessage", "Usage", "CompletionResponse",
+    "MAX_CHOICES", "CompletionRequest", "ChatCompletionRequest", "ChatMessage", "Usage", "CompletionResponse",
     "ChatCompletionResponse", "ModelList", "ErrorResponse", "UNSUPPORTED",
 ]
 
 # field -> why only its neutral value is accepted (`{input}`: the value sent)
 UNSUPPORTED = {
-    "n": "this server generates one choice per request, got n={input}: send n separate requests",
     "best_of": "this server generates one candidate per request (best_of must be 1 or absent)",
     "echo": "this server does not echo the prompt back (echo must be false)",
     "suffix": "this server does not insert text (suffix must be empty or absent)",
@@ -84,7 +85,8 @@ class _GenerationFields(_Body):
     max_tokens: int | None = Field(None, ge=1, description="new tokens at most (default: the server's; at most its limit)")
     temperature: float = Field(1.0, ge=0, le=100, description=f"0 = greedy, else ≥ {MIN_TEMPERATURE}")
     top_p: float = Field(1.0, gt=0, le=1)
-    n: One = Field(1, description="choices per request: this server generates one")
+    n: Annotated[int, BeforeValidator(_not_boolean)] = Field(1, ge=1, le=MAX_CHOICES, description=(
+        "choices to generate for the prompt (each batched as a request of its own; with a seed, choice i uses seed + i)"))
     stop: Text | list[Text] | None = Field(None, description="up to 4 stop strings")
     seed: int | None = Field(None, ge=0, lt=2**63)
     stream: bool = False
