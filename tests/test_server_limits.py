@@ -322,8 +322,8 @@ COMPLETION = {"model": MODEL, "prompt": "t5"}
 
 
 @pytest.mark.parametrize(("base", "field", "value", "message"), [
-    (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}], "does not call tools"),
-    (CHAT, "tool_choice", "auto", "does not call tools"),
+    (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}], "does not offer tools"),  # the tiny template's
+    (CHAT, "tool_choice", "auto", "needs tools"),
     (CHAT, "functions", [{"name": "f"}], "does not call functions"),
     (COMPLETION, "echo", True, "does not echo"),
     (COMPLETION, "suffix", "end", "does not insert text"),
@@ -385,7 +385,7 @@ def test_prompt_token_ids_are_integers(server):
 
 
 def test_unimplemented_fields_are_refused_through_the_openai_client(client):
-    with pytest.raises(openai.BadRequestError, match="does not call tools"):
+    with pytest.raises(openai.BadRequestError, match="does not offer tools"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "t5"}],
                                        tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
     # their neutral values are accepted

@@ -188,10 +188,12 @@ class LoadedModel:
             return self.encode_chat([{"role": "user", "content": prompt}])
         return self.tokenizer(prompt)["input_ids"]
 
-    def encode_chat(self, conversation: list[dict[str, str]]) -> list[int]:
-        """Token ids of a conversation ({role, content} turns) through the chat template, ready for the
-        assistant's turn: the one place a template is applied (check `wraps_in_chat_template()` first)."""
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    def encode_chat(self, conversation: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a conversation ({role, content} turns, and any calls and their answers) with the
+        `tools` offered (None: none) through the chat template, ready for the assistant's turn: the one place
+        a template is applied (check `wraps_in_chat_template()` first)."""
+        extra = {"tools": tools} if tools else {}
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True, **extra)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def prompt_ids(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:

@@ -15,6 +15,7 @@ from verispec.drafters import DrafterSpec
 from verispec.engine import Engine, GenerationConfig
 from verispec.errors import InvalidParameterError, PromptError
 from verispec.sampling.processors import SamplingParams
+from verispec.serving.tool_calls import OPEN, offers_tools
 
 __all__ = ["ChatTurn", "RequestBody", "chat_prompt_ids", "check_request_drafter", "request_config"]
 
@@ -64,6 +65,9 @@ class ChatTurn(Protocol):
     def text(self) -> str:
         """The message's text."""
 
+    def turn(self) -> dict:
+        """The message as the chat template takes it ({role, content}, and an assistant's calls or a tool's answer)."""
+
 
 def check_request_drafter(spec: str | None, served_spec: str | None) -> None:
     """Refuse a request's drafter spec that the factory would refuse (`DrafterSpec.parse`: unknown options,
@@ -86,14 +90,18 @@ def check_request_drafter(spec: str | None, served_spec: str | None) -> None:
                                     "start the server with --draft naming it", param="drafter")
 
 
-def chat_prompt_ids(engine: Engine, messages: Sequence[ChatTurn]) -> list[int]:
-    """Token ids of a whole conversation through the target's chat template (runs on the worker)."""
+def chat_prompt_ids(engine: Engine, messages: Sequence[ChatTurn], tools: list[dict] | None = None) -> list[int]:
+    """Token ids of a whole conversation, with the `tools` offered (OpenAI's {"type": "function", "function": …}
+    each; None: none), through the target's chat template (runs on the tokenizer thread)."""
     target = engine.target
     if not target.wraps_in_chat_template():
         raise PromptError(f"model {target.name!r} has no chat template: use /v1/completions with a plain prompt")
+    if tools and not offers_tools(target.tokenizer.chat_template):
+        raise InvalidParameterError(f"tools: {target.name}'s chat template does not offer tools in the Hermes format "
+                                    f"({OPEN} blocks) that this server reads calls in", param="tools")
     if not any(m.text().strip() for m in messages):
         raise PromptError("every message is empty: give some text to answer")
-    return engine.prompt_ids(target.encode_chat([{"role": m.role, "content": m.text()} for m in messages]))
+    return engine.prompt_ids(target.encode_chat([m.turn() for m in messages], tools))
 
 
 def _max_new_tokens(body: RequestBody, default: int, limit: int | None) -> int:

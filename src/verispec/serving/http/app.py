@@ -320,8 +320,8 @@ def create_app(
     @app.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}, **ERROR_RESPONSES})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         messages = body.messages
-        return await serve(request, body, "chat", lambda engine: chat_prompt_ids(engine, messages),
-                           ChatFormat(request.app.state.model_name, _tokenizer(request)))
+        return await serve(request, body, "chat", lambda engine: chat_prompt_ids(engine, messages, body.offered_tools()),
+                           ChatFormat(request.app.state.model_name, _tokenizer(request), tools=body.calls_tools))
 
     @app.get("/v1/models", response_model=ModelList)
     async def models(request: Request) -> dict:

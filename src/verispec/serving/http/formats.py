@@ -2,7 +2,8 @@
 
 `CompletionFormat` (text_completion) and `ChatFormat` (chat.completion[.chunk]) share one interface,
 so the request handler streams or collects without knowing which endpoint it serves. A request's
-`n` choices share one format's id; `for_choice(i)` gives choice i its own (its index, its text offsets). Streamed
+`n` choices share one format's id; `for_choice(i)` gives choice i its own (its index, its text offsets, its
+tool-call parser). Streamed
 token chunks carry two extras the playground reads: the token's `origin` on the choice and the
 request's live `speculative` statistics at the top level. The finishing chunk carries `usage`; with
 `stream_options.include_usage` a last chunk follows with empty `choices` and the `usage`, as OpenAI's.
@@ -19,6 +20,7 @@ import json
 import time
 import uuid
 
+from verispec.serving.tool_calls import ToolCallStream, parse_tool_calls
 from verispec.types import GenerationStats, TokenEvent, TokenLogprobs
 
 __all__ = ["CompletionFormat", "ChatFormat", "usage", "sse", "merged_stats"]
@@ -40,6 +42,11 @@ def usage(stats: GenerationStats) -> dict:
         "acceptance_rate": round(stats.acceptance_rate, 4),
         "per_position_acceptance": [round(x, 4) for x in stats.per_position_acceptance],
     }
+
+
+def _call_finish(finish_reason: str) -> str:
+    """An answer that ends in calls finishes with "tool_calls" (one cut by its length stays "length")."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 def merged_stats(stats: list[GenerationStats]) -> GenerationStats:
@@ -65,8 +72,13 @@ class CompletionFormat:
     def for_choice(self, index: int) -> CompletionFormat:
         """The format of choice `index` of the same response (same id and creation time)."""
         choice = copy.copy(self)
-        choice.index, choice._offset = index, 0
+        choice.index = index
+        choice._start()
         return choice
+
+    def _start(self) -> None:
+        """Forget what an earlier choice wrote."""
+        self._offset = 0
 
     def _envelope(self, name: str, choices: list[dict], **extra) -> dict:
         return {"id": self.id, "object": name, "created": self.created, "model": self.model, "choices": choices, **extra}
@@ -78,11 +90,15 @@ class CompletionFormat:
         return []
 
     def token_chunk(self, event: TokenEvent, live: dict | None) -> dict:
-        choice = {"index": self.index, **self._content(event.text), "finish_reason": None,
+        choice = {"index": self.index, **self._content(self._streamed(event.text)), "finish_reason": None,
                   "origin": event.origin.value, "token_id": event.token_id}
         if event.logprobs is not None:
             choice["logprobs"] = self.logprobs([event])
         return self._envelope(self.chunk_name, [choice], speculative=live)
+
+    def _streamed(self, text: str) -> str:
+        """What of a token's text a streamed chunk carries now."""
+        return text
 
     def final_chunk(self, finish_reason: str, stats: GenerationStats) -> dict:
         choice = {"index": self.index, **self._content(""), "finish_reason": finish_reason}
@@ -123,7 +139,42 @@ class CompletionFormat:
 
 
 class ChatFormat(CompletionFormat):
+    """tools: the answer may hold tool calls (`verispec.serving.tool_calls`): a whole answer's are parsed out of
+    its text, a streamed one's text is held from where a call may begin and its calls come with the last chunk."""
+
     object_name, chunk_name, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
+
+    def __init__(self, model: str, tokenizer=None, tools: bool = False):
+        self.tools = tools
+        super().__init__(model, tokenizer)
+        self._start()
+
+    def _start(self) -> None:
+        super()._start()
+        self._calls = ToolCallStream() if self.tools else None
+
+    def _streamed(self, text: str) -> str:
+        return text if self._calls is None else self._calls.feed(text)
+
+    def final_chunk(self, finish_reason: str, stats: GenerationStats) -> dict:
+        if self._calls is None:
+            return super().final_chunk(finish_reason, stats)
+        rest, calls = self._calls.finish()
+        delta = {"content": rest} if rest else {}
+        if calls:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+            finish_reason = _call_finish(finish_reason)
+        choice = {"index": self.index, "delta": delta, "finish_reason": finish_reason}
+        return self._envelope(self.chunk_name, [choice], usage=usage(stats))
+
+    def choice(self, events: list[TokenEvent], finish_reason: str) -> dict:
+        choice = super().choice(events, finish_reason)
+        if self.tools:
+            content, calls = parse_tool_calls(choice["message"]["content"])
+            if calls:
+                choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                choice["finish_reason"] = _call_finish(finish_reason)
+        return choice
 
     def _content(self, text: str) -> dict:
         return {"delta": {"content": text} if text else {}}

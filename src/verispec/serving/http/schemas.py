@@ -5,9 +5,10 @@ n, presence_penalty, frequency_penalty, logit_bias, stop, seed, stream, stream_o
 extras: sampling (top_k, min_p, eta, epsilon, repetition_penalty) and speculation (drafter, gamma,
 gamma_policy) for this one request.
 `logprobs` (completions: how many alternatives; chat: `logprobs` + `top_logprobs`, at most
-`MAX_TOP_LOGPROBS`) and, on chat, `response_format` (text, json_object, json_schema) are implemented.
+`MAX_TOP_LOGPROBS`) and, on chat, `response_format` (text, json_object, json_schema) and `tools`
+(`tool_choice` none, auto, required or a named function; `verispec.serving.tool_calls`) are implemented.
 Ranges are checked here so that a bad value is a 422 naming the field. OpenAI fields this server
-does not implement (`UNSUPPORTED`: tools, echo, suffix, best_of > 1) are
+does not implement (`UNSUPPORTED`: echo, suffix, best_of > 1, the deprecated functions) are
 declared with the one neutral value they accept, so the OpenAPI schema says exactly what is accepted; any other value is a 400 naming the field, and an
 unknown field is refused, never silently ignored. Text must be valid Unicode (no lone surrogates).
 Types are strict: a number is not a string, an integer not `true` or 2.0 (`max_tokens: true` is not 1).
@@ -16,18 +17,21 @@ What the engine is asked (`logprob_count`, `grammar`, `token_budget`) is read by
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from verispec.drafters.specs import MAX_GAMMA
 from verispec.errors import InvalidParameterError
+from verispec.serving.tool_calls import call_grammar
 from verispec.sampling.processors import (
     MAX_BIASED_TOKENS, MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY, MIN_TEMPERATURE,
 )
 
 MAX_CHOICES = 16  # the most choices (n) one request may ask for: each holds a batch slot
+MAX_TOOLS = 128  # the most tools one request may offer (OpenAI's bound)
 
 __all__ = [
     "MAX_CHOICES", "CompletionRequest", "ChatCompletionRequest", "ChatMessage", "Usage", "CompletionResponse",
@@ -39,8 +43,6 @@ UNSUPPORTED = {
     "best_of": "this server generates one candidate per request (best_of must be 1 or absent)",
     "echo": "this server does not echo the prompt back (echo must be false)",
     "suffix": "this server does not insert text (suffix must be empty or absent)",
-    "tools": "this server does not call tools (tools must be empty or absent)",
-    "tool_choice": "this server does not call tools (tool_choice must be \"none\" or absent)",
     "functions": "this server does not call functions (functions must be empty or absent)",
     "function_call": "this server does not call functions (function_call must be \"none\" or absent)",
 }
@@ -144,9 +146,53 @@ class TextPart(_Body):
     text: Text
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+class FunctionCall(_Body):
+    name: FunctionName
+    arguments: Text = Field(description="the arguments as JSON text")
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, value: str) -> str:
+        try:
+            if isinstance(json.loads(value), dict):
+                return value
+        except ValueError:
+            pass
+        raise ValueError("must be a JSON object, as text")
+
+
+class ToolCall(_Body):
+    id: Text = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS, description="an assistant's calls (assistant only)")
+    tool_call_id: Text | None = Field(None, max_length=256, description="the call a tool message answers (tool only)")
+
+    @model_validator(mode="after")
+    def _calls_and_answers_in_their_roles(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message makes calls")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("tool_call_id: only a tool message answers a call")
+        return self
+
+    def turn(self) -> dict:
+        """This message as the chat template takes it (a call's arguments as an object, as templates render them)."""
+        turn = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            turn["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+                "name": call.function.name, "arguments": json.loads(call.function.arguments)}} for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            turn["tool_call_id"] = self.tool_call_id
+        return turn
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -167,6 +213,27 @@ class ResponseFormat(_Body):
     json_schema: JsonSchemaFormat | None = Field(None, description="with type json_schema only")
 
 
+class FunctionDefinition(_Body):
+    name: FunctionName
+    description: Text | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON Schema of the arguments (an object)")
+    strict: bool | None = Field(None, description="accepted; with tool_choice required or named the schema is enforced")
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: FunctionName
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="the same as max_tokens (OpenAI's newer name)")
@@ -175,9 +242,12 @@ class ChatCompletionRequest(_GenerationFields):
     response_format: ResponseFormat | None = Field(None, description=(
         "json_object: any JSON value; json_schema: JSON following `json_schema.schema` (grammar-constrained, "
         "lossless w.r.t. the constrained target)"))
-    tools: Empty | None = Field(None, description="not implemented: empty only")
-    tool_choice: Literal["none"] | None = Field(None, description="not implemented: \"none\" only")
-    parallel_tool_calls: bool | None = Field(None, description="accepted; no tools are called")
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS, description=(
+        "functions the model may call (models whose chat template offers tools in the Hermes format, e.g. Qwen2.5)"))
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(None, description=(
+        "auto (the default with tools): the model decides; required or a named function: the answer is calls only, "
+        "grammar-constrained to the parameter schemas; none: the tools are not shown to the model"))
+    parallel_tool_calls: bool | None = Field(None, description="false: one call at most (default: several)")
     functions: Empty | None = Field(None, description="not implemented: empty only")
     function_call: Literal["none"] | None = Field(None, description="not implemented: \"none\" only")
 
@@ -191,7 +261,45 @@ class ChatCompletionRequest(_GenerationFields):
             raise InvalidParameterError("top_logprobs: needs logprobs: true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer may hold tool calls (tools offered, tool_choice not none)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def offered_tools(self) -> list[dict] | None:
+        """The tools the chat template shows the model (None: none), after checking `tool_choice` against them."""
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not self.tools:
+            raise InvalidParameterError("tool_choice: needs tools", param="tool_choice")
+        names = [tool.function.name for tool in self.tools or []]
+        if len(set(names)) < len(names):
+            raise InvalidParameterError("tools: two tools have the same name", param="tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise InvalidParameterError(f"tool_choice: no tool is named {choice.function.name!r}", param="tool_choice")
+        if not self.tools or choice == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    def _call_grammar(self) -> dict | None:
+        """The grammar of an answer of calls only, when `tool_choice` asks for one (required, or a named tool)."""
+        choice = self.tool_choice
+        if choice not in ("required",) and not isinstance(choice, NamedToolChoice):
+            return None
+        if self.response_format is not None and self.response_format.type != "text":
+            raise InvalidParameterError("response_format: goes with free text, not with tool_choice required or named",
+                                        param="response_format")
+        functions = [tool["function"] for tool in self.offered_tools() or []]
+        if isinstance(choice, NamedToolChoice):
+            functions = [f for f in functions if f["name"] == choice.function.name]
+        try:
+            return {"type": "grammar", "grammar": call_grammar(functions, parallel=self.parallel_tool_calls is not False)}
+        except Exception as error:  # noqa: BLE001 — whatever xgrammar says of a schema it cannot take
+            raise InvalidParameterError(f"tools: a parameters schema cannot be enforced: {error}", param="tools") from None
+
     def grammar(self) -> dict | None:
+        calls = self._call_grammar()
+        if calls is not None:
+            return calls
         fmt = self.response_format
         if fmt is None:
             return None
@@ -230,7 +338,8 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = Field(None, description="the calls the model made (finish_reason tool_calls)")
 
 
 class ChatChoice(BaseModel):
