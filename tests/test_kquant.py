@@ -612,6 +612,33 @@ def test_the_prompt_cache_outlives_the_process_when_saved(tiny, monkeypatch):
         file.unlink(missing_ok=True)  # the module's other engines start without it
 
 
+def test_a_server_leaves_its_prompt_cache_when_it_stops(tiny):
+    """What `verispec serve` read at its start it also writes when it stops: the prompts it served."""
+    import json
+
+    import httpx
+    from safetensors import safe_open
+    from server_helpers import LocalServer
+
+    from verispec.serving.http import create_app
+
+    model = tiny[0]
+    engine = Engine(model, None)
+    file = engine.prefixes.file
+    prompt = list(range(3, 30))
+    try:
+        with LocalServer(create_app(engine, model_name="tiny")) as server:
+            reply = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 4,
+                                                                     "temperature": 0}, timeout=60)
+            assert reply.status_code == 200, reply.text
+            assert not file.exists()
+        with safe_open(file, framework="pt") as saved:
+            (kept,) = json.loads(saved.metadata()["tokens"])
+        assert kept[: len(prompt)] == prompt
+    finally:
+        file.unlink(missing_ok=True)  # the module's other engines start without it
+
+
 def test_a_prefill_in_chunks_continues_a_cached_prefix_exactly(tiny):
     """The server's path: a request prefilled a chunk at a time after the cached tokens."""
     from verispec.engine.loop import Generation

@@ -12,7 +12,8 @@ loop for `stall_seconds`, and 503 "stopping" once a shutdown has begun.
 Shutdown (`begin_shutdown`, which `verispec.serving.http.server` calls on SIGTERM or Ctrl-C): new
 requests are 503s at once; running ones go on for at most `shutdown_grace` seconds, then the scheduler
 stops and ends them with their text so far — a stream with a last chunk whose finish_reason is
-"shutdown", a non-streamed request with a 503 — and fails the queued ones with a 503.
+"shutdown", a non-streamed request with a 503 — and fails the queued ones with a 503. The engine's
+prompt cache, where its backend keeps one, is then saved for the next process (as `verispec generate` does).
 
 Limits (`verispec.serving.http.limits.ServerLimits`): `api_key` (every path but /health and /;
 `verispec.serving.http.guard`), `max_body_bytes`, `body_timeout`, `max_tokens_limit` (a request asking
@@ -102,7 +103,7 @@ def _submit(scheduler: Scheduler, ids: list[int], config, n: int) -> list[Job]:
     try:
         for index in range(n):
             seed = None if config.seed is None else config.seed + index
-            jobs.append(scheduler.submit(ids, config if index == 0 else dataclasses.replace(config, seed=seed)))
+            jobs.append(scheduler.submit(ids, dataclasses.replace(config, seed=seed)))
     except BaseException:
         for job in jobs:
             job.cancel()
@@ -200,6 +201,8 @@ def create_app(
             stopper.cancel()
             app.state.scheduler.stop()
             tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+            if engine.prefixes is not None:  # the prompt cache, for the next server or command (`engine/prefixes.py`)
+                await asyncio.to_thread(engine.prefixes.save)
 
     app = FastAPI(title="verispec", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible server for lossless speculative decoding")

@@ -65,7 +65,7 @@ class CompletionFormat:
     def __init__(self, model: str, tokenizer=None):
         self.model, self.tokenizer = model, tokenizer
         self.index = 0  # the choice this format writes
-        self._offset = 0  # characters of the token strings given out so far (completions' text_offset)
+        self._start()
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
 
@@ -78,7 +78,7 @@ class CompletionFormat:
 
     def _start(self) -> None:
         """Forget what an earlier choice wrote."""
-        self._offset = 0
+        self._offset = 0  # characters of the token strings given out so far (completions' text_offset)
 
     def _envelope(self, name: str, choices: list[dict], **extra) -> dict:
         return {"id": self.id, "object": name, "created": self.created, "model": self.model, "choices": choices, **extra}
@@ -147,7 +147,6 @@ class ChatFormat(CompletionFormat):
     def __init__(self, model: str, tokenizer=None, tools: bool = False):
         self.tools = tools
         super().__init__(model, tokenizer)
-        self._start()
 
     def _start(self) -> None:
         super()._start()

@@ -25,10 +25,11 @@ from pydantic_core import PydanticCustomError
 
 from verispec.drafters.specs import MAX_GAMMA
 from verispec.errors import InvalidParameterError
-from verispec.serving.tool_calls import call_grammar
+from verispec.sampling.grammar import MAX_FORMAT_CHARS
 from verispec.sampling.processors import (
     MAX_BIASED_TOKENS, MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY, MIN_TEMPERATURE,
 )
+from verispec.serving.tool_calls import call_grammar
 
 MAX_CHOICES = 16  # the most choices (n) one request may ask for: each holds a batch slot
 MAX_TOOLS = 128  # the most tools one request may offer (OpenAI's bound)
@@ -247,7 +248,8 @@ class ChatCompletionRequest(_GenerationFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(None, description=(
         "auto (the default with tools): the model decides; required or a named function: the answer is calls only, "
         "grammar-constrained to the parameter schemas; none: the tools are not shown to the model"))
-    parallel_tool_calls: bool | None = Field(None, description="false: one call at most (default: several)")
+    parallel_tool_calls: bool | None = Field(None, description=(
+        "false: one call at most in an answer constrained to calls (tool_choice required or named)"))
     functions: Empty | None = Field(None, description="not implemented: empty only")
     function_call: Literal["none"] | None = Field(None, description="not implemented: \"none\" only")
 
@@ -283,7 +285,7 @@ class ChatCompletionRequest(_GenerationFields):
     def _call_grammar(self) -> dict | None:
         """The grammar of an answer of calls only, when `tool_choice` asks for one (required, or a named tool)."""
         choice = self.tool_choice
-        if choice not in ("required",) and not isinstance(choice, NamedToolChoice):
+        if choice != "required" and not isinstance(choice, NamedToolChoice):
             return None
         if self.response_format is not None and self.response_format.type != "text":
             raise InvalidParameterError("response_format: goes with free text, not with tool_choice required or named",
@@ -292,9 +294,13 @@ class ChatCompletionRequest(_GenerationFields):
         if isinstance(choice, NamedToolChoice):
             functions = [f for f in functions if f["name"] == choice.function.name]
         try:
-            return {"type": "grammar", "grammar": call_grammar(functions, parallel=self.parallel_tool_calls is not False)}
+            grammar = call_grammar(functions, parallel=self.parallel_tool_calls is not False)
         except Exception as error:  # noqa: BLE001 — whatever xgrammar says of a schema it cannot take
             raise InvalidParameterError(f"tools: a parameters schema cannot be enforced: {error}", param="tools") from None
+        if len(grammar) > MAX_FORMAT_CHARS:
+            raise InvalidParameterError(f"tools: their schemas make a grammar of over {MAX_FORMAT_CHARS} characters: "
+                                        "offer fewer or smaller tools", param="tools")
+        return {"type": "grammar", "grammar": grammar}
 
     def grammar(self) -> dict | None:
         calls = self._call_grammar()
