@@ -50,11 +50,11 @@ def product_distribution(target: torch.Tensor, length: int) -> dict[tuple[int, .
     return out
 
 
-def sample_sequences(engine, prompt: list[int], params, n: int, length: int) -> list[tuple[int, ...]]:
-    """n engine generations of `length` new tokens after `prompt`, seeds 0 … n−1."""
+def sample_sequences(engine, prompt: list[int], params, n: int, length: int, **config) -> list[tuple[int, ...]]:
+    """n engine generations of `length` new tokens after `prompt`, seeds 0 … n−1 (`config`: other GenerationConfig fields)."""
     from verispec import GenerationConfig
 
-    return [tuple(engine.generate(prompt, GenerationConfig(max_new_tokens=length, sampling=params, seed=seed)).token_ids)
+    return [tuple(engine.generate(prompt, GenerationConfig(max_new_tokens=length, sampling=params, seed=seed, **config)).token_ids)
             for seed in range(n)]
 
 

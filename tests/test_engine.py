@@ -81,6 +81,40 @@ def test_greedy_with_penalties_and_bias_matches_reference(target, draft, hf_targ
     assert drafting == "draft" or result.stats.accepted_tokens >= len(expected) // 2
 
 
+@pytest.mark.parametrize("drafting", ["draft", "self"])
+def test_greedy_min_tokens_ignore_eos_and_stop_token_ids_match_the_reference(target, draft, hf_target, drafting):
+    """EOS pushed up by a logit bias so that it comes early: min_tokens holds it off exactly until then (the
+    reference masks it the same way), ignore_eos goes on past it, a stop token id ends the answer like it."""
+    eos = min(target.eos_ids)
+    params = SamplingParams(logit_bias={eos: 4.0})
+    engine = Engine(target, DraftModelDrafter(draft if drafting == "draft" else target, target.vocab_size), gamma=4,
+                    gamma_policy="constant")
+    prompt = PROMPTS[1]
+    early = reference_generate(hf_target, prompt, 16, params, eos_ids=target.eos_ids)
+    assert early[-1] == eos and len(early) < 6  # the bias makes it end early: what min_tokens must prevent
+
+    def no_end_before(count):
+        def allowed(new_tokens):
+            mask = torch.ones(target.vocab_size, dtype=torch.bool)
+            mask[eos] = len(new_tokens) >= count
+            return mask
+        return allowed
+
+    cases = [
+        (GenerationConfig(max_new_tokens=16, sampling=params, min_tokens=8),
+         reference_generate(hf_target, prompt, 16, params, eos_ids=target.eos_ids, allowed=no_end_before(8))),
+        (GenerationConfig(max_new_tokens=16, sampling=params, ignore_eos=True), reference_generate(hf_target, prompt, 16, params)),
+    ]
+    free = cases[1][1]
+    stop = free[len(early) + 2]  # a token the unending answer has after its first EOS
+    cases.append((GenerationConfig(max_new_tokens=16, sampling=params, ignore_eos=True, stop_token_ids=(stop,)),
+                  free[: free.index(stop) + 1]))
+    for config, expected in cases:
+        result = engine.generate(prompt, config)
+        assert result.token_ids == expected, config
+    assert len(cases[0][1]) >= 8 and len(cases[1][1]) == 16 and cases[2][1][-1] == stop
+
+
 def test_caches_hold_exactly_the_accepted_path(target, draft):
     engine = Engine(target, DraftModelDrafter(draft, target.vocab_size), gamma=3, gamma_policy="constant")
     generation = engine.start(PROMPTS[1], GenerationConfig(max_new_tokens=15))
@@ -169,6 +203,21 @@ def test_sampled_ngram_drafts_are_lossless(small_pair):
     exact = sequence_distribution(hf, PROMPT, LENGTH, params)
     result = assert_same_distribution(sample_sequences(engine, PROMPT, params, TRUNCATED_SAMPLES, LENGTH), exact)
     assert result.detectable_tv < 0.14  # the power the module doc promises
+
+
+def test_min_tokens_samples_from_the_target_without_its_end_tokens(small_pair, monkeypatch):
+    """Token 5 made an end token, banned at every position by min_tokens = LENGTH: the output is distributed
+    as the target's with token 5 masked out (the reference's `allowed`), drafts proposing it or not."""
+    target, draft, hf = small_pair
+    monkeypatch.setattr(target, "eos_ids", frozenset({5}))
+    params = SamplingParams(temperature=1.0, top_k=4)  # the mask comes before the truncation, as a grammar's does
+    engine = Engine(target, DraftModelDrafter(draft, target.vocab_size), gamma=GAMMA, gamma_policy="constant")
+    no_five = torch.ones(target.vocab_size, dtype=torch.bool)
+    no_five[5] = False
+    exact = sequence_distribution(hf, PROMPT, LENGTH, params, allowed=lambda prefix: no_five)
+    samples = sample_sequences(engine, PROMPT, params, TRUNCATED_SAMPLES, LENGTH, min_tokens=LENGTH)
+    assert all(5 not in sample for sample in samples)
+    assert assert_same_distribution(samples, exact).detectable_tv < 0.14
 
 
 def test_the_end_to_end_test_catches_a_wrong_rule(small_pair, monkeypatch):

@@ -1,4 +1,4 @@
-"""`logprobs` / `top_logprobs`, `n` and `response_format` through the official `openai` client.
+"""`logprobs` / `top_logprobs`, `n`, vLLM's ending extras and `response_format` through the official `openai` client.
 
 Choices (`n`): each is what the engine gives alone for that seed (seed + i), streamed or not, with its own
 index and log-probability offsets; `usage` counts the prompt once.
@@ -110,7 +110,25 @@ def test_n_greedy_chat_choices_are_alike(client):
     assert texts == [reply.choices[0].message.content] * 2
 
 
+def test_stop_token_ids_min_tokens_and_ignore_eos_reach_the_engine(client, engine):
+    """vLLM's extras, through `extra_body`: each answer is the engine's own with the same settings."""
+    plain = engine.generate(PROMPT, GenerationConfig(max_new_tokens=8, chat=False))
+    stop = plain.token_ids[2]
+    first = plain.token_ids.index(stop)
+    for extra, config in [({"stop_token_ids": [stop]}, {"stop_token_ids": (stop,)}),
+                          ({"min_tokens": 8, "ignore_eos": True}, {"min_tokens": 8, "ignore_eos": True})]:
+        reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, extra_body=extra)
+        alone = engine.generate(PROMPT, GenerationConfig(max_new_tokens=8, chat=False, **config))
+        assert reply.choices[0].text == alone.text and reply.usage.completion_tokens == len(alone.token_ids)
+    stopped = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"stop_token_ids": [stop]})
+    assert stopped.usage.completion_tokens == first + 1 and stopped.choices[0].finish_reason == "stop"
+
+
 @pytest.mark.parametrize(("body", "status", "param"), [
+    ({"min_tokens": 9, "max_tokens": 8}, 400, "min_tokens"),
+    ({"stop_token_ids": [10**6]}, 400, "stop_token_ids"),
+    ({"stop_token_ids": list(range(17))}, 422, "stop_token_ids"),
+    ({"ignore_eos": True, "response_format": {"type": "json_object"}}, 400, "ignore_eos"),
     ({"n": 17}, 422, "n"),
     ({"n": 0}, 422, "n"),
     ({"top_logprobs": 2}, 400, "top_logprobs"),  # without logprobs: true

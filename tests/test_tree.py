@@ -69,6 +69,38 @@ def test_greedy_trees_with_penalties_and_bias_match_the_reference(target, draft,
     assert engine.generate(PROMPTS[1], GenerationConfig(max_new_tokens=16, sampling=params)).token_ids == expected
 
 
+@pytest.mark.parametrize("kind", ["expansion", "expansion-self"])
+def test_greedy_trees_hold_off_the_end_until_min_tokens(target, draft, hf_target, kind):
+    """EOS pushed up by a logit bias: a tree's nodes at every depth are masked by their own output position."""
+    eos = min(target.eos_ids)
+    params = SamplingParams(logit_bias={eos: 4.0})
+    engine = Engine(target, tree_drafters(target, draft, kind), gamma=4, gamma_policy="constant")
+
+    def allowed(new_tokens):
+        mask = torch.ones(target.vocab_size, dtype=torch.bool)
+        mask[eos] = len(new_tokens) >= 8
+        return mask
+
+    expected = reference_generate(hf_target, PROMPTS[1], 16, params, eos_ids=target.eos_ids, allowed=allowed)
+    result = engine.generate(PROMPTS[1], GenerationConfig(max_new_tokens=16, sampling=params, min_tokens=8))
+    assert result.token_ids == expected and len(expected) >= 8
+
+
+def test_min_tokens_masks_a_trees_rows_by_their_output_position(target):
+    """Rows are masked by depth, not by index: the second child of the root is as early as the first."""
+    from verispec.engine.shapes import shape_of
+    from verispec.types import Draft
+
+    eos = min(target.eos_ids)
+    generation = Engine(target, None).start(PROMPTS[0], GenerationConfig(max_new_tokens=16, min_tokens=3))
+    assert len(generation.output_ids) == 1  # the prefill's token: two more positions may not end the answer
+    tree = Draft(torch.tensor([7, 8, 9, 10, 11]), None, torch.tensor([-1, -1, 0, 1, 2]))  # depths 1 1 2 2 3
+    allowed = generation._allowed_rows(tree, shape_of(tree))  # [6, vocab]: the root's row, then each node's
+    assert allowed[:, eos].tolist() == [False, False, False, True, True, True]
+    assert allowed[:, 7].all()
+    generation.close()
+
+
 def test_tree_mask_is_the_ancestor_relation():
     parents = torch.tensor([-1, -1, 0, 0, 2, 1])
     mask = tree_attention_mask(parents)

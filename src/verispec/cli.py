@@ -58,6 +58,8 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
                         help="add BIAS in [-100, 100] to token ID's logit (repeatable; -100 bans it)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--min-tokens", type=int, default=0, help="no end of the answer before this many new tokens")
+    parser.add_argument("--ignore-eos", action="store_true", help="generate past the end of the answer (needs --max-new-tokens)")
     parser.add_argument("--num-beams", type=int, default=1,
                         help="beam search with the target alone when > 1 (deterministic; the draft is not used)")
 
@@ -85,8 +87,10 @@ def _config(args: argparse.Namespace):
     )
     # no --max-new-tokens: until the model stops or the context is full (the engine caps it at the context)
     max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else UNTIL_STOP
-    return GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, seed=args.seed,
-                            stop=tuple(args.stop), chat=not getattr(args, "raw", False))
+    if args.ignore_eos and args.max_new_tokens is None:
+        raise InvalidParameterError("--ignore-eos needs --max-new-tokens: nothing else would end the answer")
+    return GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, seed=args.seed, stop=tuple(args.stop),
+                            chat=not getattr(args, "raw", False), min_tokens=args.min_tokens, ignore_eos=args.ignore_eos)
 
 
 def _planned_engine(args: argparse.Namespace):

@@ -3,7 +3,7 @@
 
 from verispec.engine.beam import beam_search
 from verispec.engine.build import EngineBuilder, load
-from verispec.engine.loop import Engine, Generation, GenerationConfig, StepPlan
+from verispec.engine.loop import MAX_STOP_TOKEN_IDS, Engine, Generation, GenerationConfig, StepPlan
 from verispec.engine.spec import EngineSpec
 
-__all__ = ["Engine", "EngineBuilder", "EngineSpec", "Generation", "GenerationConfig", "StepPlan", "beam_search", "load"]
+__all__ = ["MAX_STOP_TOKEN_IDS", "Engine", "EngineBuilder", "EngineSpec", "Generation", "GenerationConfig", "StepPlan", "beam_search", "load"]

@@ -63,9 +63,10 @@ from verispec.models.loading import ModelCache
 from verispec.models.runner import LoadedModel
 from verispec.sampling.grammar import Constraint, check_response_format
 from verispec.sampling.processors import MAX_TOP_LOGPROBS, SamplingParams, Scores, score_rows, token_logprobs
+from verispec.tokentree import depths
 from verispec.types import Draft, GenerationResult, GenerationStats, Hint, Origin, StepRecord, TokenEvent, TokenLogprobs
 
-__all__ = ["Engine", "Generation", "GenerationConfig", "StepPlan"]
+__all__ = ["Engine", "Generation", "GenerationConfig", "StepPlan", "MAX_STOP_TOKEN_IDS"]
 
 
 @dataclass(frozen=True)
@@ -84,9 +85,14 @@ class GenerationConfig:
       over the engine's loaded models and kept for later requests; None: the engine's own.
     gamma: the (starting) number of tokens drafted per step; None: the engine's.
     gamma_policy: constant, heuristic or analytic; None: the engine's.
+    stop_token_ids: token ids that end the generation as EOS does (at most `MAX_STOP_TOKEN_IDS`).
+    ignore_eos: EOS does not end the generation (a fixed length for benchmarks; not with a response_format).
+    min_tokens: no end (EOS unless ignored, a stop token id) before this many new tokens: those rows' end
+      tokens are masked out of the target's distribution like a grammar's, so speculation stays exact for
+      the masked distribution (not with a response_format; at most max_new_tokens).
 
     Raises InvalidParameterError when built with a bad value (max_new_tokens < 1, an empty stop string,
-    γ < 1, an unknown γ policy); a bad drafter spec is refused when the request starts.
+    γ < 1, an unknown γ policy, …); a bad drafter spec is refused when the request starts.
     """
 
     max_new_tokens: int = 128
@@ -99,8 +105,18 @@ class GenerationConfig:
     gamma_policy: str | None = None  # constant | heuristic | analytic; None: the engine's
     logprobs: int | None = None  # None: none; k: each emitted token's log-probability and its k most likely alternatives
     response_format: dict | None = None  # {"type": "json_object"}, {"type": "json_schema", "json_schema": {"schema": …}}, …
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise InvalidParameterError(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} token ids ≥ 0, "
+                                        f"got {self.stop_token_ids!r}", param="stop_token_ids")
+        if self.response_format is not None and (self.ignore_eos or self.min_tokens):
+            raise InvalidParameterError("ignore_eos and min_tokens go with free text: a response_format ends where its "
+                                        "grammar does", param="ignore_eos" if self.ignore_eos else "min_tokens")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             raise InvalidParameterError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, got {self.logprobs!r}")
         check_response_format(self.response_format)
@@ -108,8 +124,13 @@ class GenerationConfig:
             raise InvalidParameterError(f"max_new_tokens must be an integer ≥ 1, got {self.max_new_tokens!r}")
         if any(not s for s in self.stop):
             raise InvalidParameterError("stop strings must be non-empty")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise InvalidParameterError(f"min_tokens must be an integer in [0, max_new_tokens = {self.max_new_tokens}], "
+                                        f"got {self.min_tokens!r}", param="min_tokens")
         check_gamma_policy(self.gamma_policy, self.gamma)
 
+
+MAX_STOP_TOKEN_IDS = 16  # the most stop token ids one request may give
 
 _UNPREPARED = object()  # `Engine.prepare`'s lookup: no drafter built yet (None is plain decoding)
 
@@ -312,11 +333,14 @@ class Generation:
         self.engine, self.config = engine, config
         self.target = engine.target
         self.params = config.sampling
-        outside = [token for token, _ in self.params.logit_bias if token >= self.target.vocab_size]
-        if outside:
-            raise InvalidParameterError(
-                f"logit_bias names token ids outside {self.target.name}'s vocabulary [0, {self.target.vocab_size}): {outside[:5]}",
-                param="logit_bias")
+        for param, tokens in (("logit_bias", [token for token, _ in self.params.logit_bias]), ("stop_token_ids", config.stop_token_ids)):
+            outside = [token for token in tokens if token >= self.target.vocab_size]
+            if outside:
+                raise InvalidParameterError(
+                    f"{param} names token ids outside {self.target.name}'s vocabulary [0, {self.target.vocab_size}): {outside[:5]}",
+                    param=param)
+        # the tokens that end the answer: EOS (unless ignored) and the request's stop token ids
+        self.ends = frozenset(config.stop_token_ids) | (frozenset() if config.ignore_eos else frozenset(self.target.eos_ids))
         self.device = self.target.device  # where the step's tensors live: the target's logits are there
         self.generator = torch.Generator(self.device)  # torch's generators are per device (the CPU's: as before)
         # without a seed, a fresh one from the OS: torch's global generator is left as the caller set it
@@ -464,7 +488,7 @@ class Generation:
         Each phase's seconds go to `stats.phases` (the target's forward: `target_seconds`)."""
         laps = _Laps(self.stats, plan.draft_seconds, target_seconds)
         shape, draft = plan.shape, plan.draft
-        allowed = None if self.constraint is None else self.constraint.masks(draft.tokens.tolist(), shape.parent_list)
+        allowed = self._allowed_rows(draft, shape)
         scores = score_rows(logits, self.params, self.ids, draft.tokens, draft.parents, allowed, output_start=self.prompt_len)  # [n+1, …]
         verdict = shape.verify(scores, self.generator)
         laps.mark("verify")
@@ -482,6 +506,20 @@ class Generation:
         events = self.take_held() + self._emit(new_tokens, origins, logprobs)
         laps.mark("emit")
         return events
+
+    def _allowed_rows(self, draft: Draft, shape: Chain) -> torch.Tensor | None:
+        """bool [n+1, vocab]: what each verified row may be (None: anything): the grammar's tokens, and no end
+        of the answer (`ends`) at an output position before `min_tokens`."""
+        allowed = None if self.constraint is None else self.constraint.masks(draft.tokens.tolist(), shape.parent_list)
+        short = self.config.min_tokens - len(self.output_ids)  # rows at a depth below this may not end the answer
+        if short <= 0 or not self.ends:
+            return allowed
+        parents = shape.parent_list
+        depth = torch.arange(len(draft) + 1) if parents is None else torch.cat([torch.zeros(1, dtype=torch.long),
+                                                                                  depths(torch.tensor(parents))])  # [n+1]
+        allowed = torch.ones(len(draft) + 1, self.target.vocab_size, dtype=torch.bool) if allowed is None else allowed
+        allowed[(depth < short).nonzero()[:, :1], torch.tensor(sorted(self.ends))] = False
+        return allowed
 
     def _commit_tokens(self, shape: Chain, rows: torch.Tensor, new_tokens: list[int], scores: Scores) -> None:
         """Append the accepted tokens; keep their keys/values (`rows` of the block); tell the drafter and
@@ -502,7 +540,7 @@ class Generation:
 
         Text that could still begin a stop string is held back and released by a later token, so the
         events' texts join to exactly `self.text`. An EOS token gets an event only when it releases
-        held-back text.
+        held-back text (as does a stop token id).
         """
         events = []
         for i, (token, origin) in enumerate(zip(tokens, origins)):
@@ -510,15 +548,15 @@ class Generation:
             self.origins.append(origin)
             if logprobs is not None:
                 self.logprobs.append(logprobs[i])
-            eos = token in self.target.eos_ids
-            if eos:
+            end = token in self.ends
+            if end:
                 self._finish("stop")
             else:
                 self._add_text(self._detok.push(token))  # finishes at a stop string
                 if not self.done and len(self.output_ids) >= self.max_new:
                     self._finish("length")
             released = self._release()
-            if not eos or released:
+            if not end or released:
                 events.append(TokenEvent(token, released, origin, None if logprobs is None else logprobs[i]))
             if self.done:
                 break

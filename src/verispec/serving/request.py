@@ -46,6 +46,9 @@ class RequestBody(Protocol):
     drafter: str | None
     gamma: int | None
     gamma_policy: str | None
+    min_tokens: int
+    ignore_eos: bool
+    stop_token_ids: list[int] | None
 
     def token_budget(self) -> tuple[str, int | None]:
         """(the field that sets the most new tokens, its value or None)."""
@@ -136,4 +139,5 @@ def request_config(body: RequestBody, default_max_tokens: int, max_tokens_limit:
         raise InvalidParameterError("stream_options: only allowed with stream: true", param="stream_options")
     return GenerationConfig(max_new_tokens=_max_new_tokens(body, default_max_tokens, max_tokens_limit), sampling=sampling,
                             seed=body.seed, stop=stop, drafter=body.drafter, gamma=body.gamma,
-                            gamma_policy=body.gamma_policy, logprobs=body.logprob_count(), response_format=body.grammar())
+                            gamma_policy=body.gamma_policy, logprobs=body.logprob_count(), response_format=body.grammar(),
+                            min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop_token_ids=tuple(body.stop_token_ids or ()))

@@ -2,8 +2,8 @@
 
 Requests accept OpenAI's fields (model, max_tokens / max_completion_tokens, temperature, top_p,
 n, presence_penalty, frequency_penalty, logit_bias, stop, seed, stream, stream_options, user) and verispec's
-extras: sampling (top_k, min_p, eta, epsilon, repetition_penalty) and speculation (drafter, gamma,
-gamma_policy) for this one request.
+extras (vLLM's names where it has them): sampling (top_k, min_p, eta, epsilon, repetition_penalty), ending
+(min_tokens, ignore_eos, stop_token_ids) and speculation (drafter, gamma, gamma_policy) for this one request.
 `logprobs` (completions: how many alternatives; chat: `logprobs` + `top_logprobs`, at most
 `MAX_TOP_LOGPROBS`) and, on chat, `response_format` (text, json_object, json_schema) and `tools`
 (`tool_choice` none, auto, required or a named function; `verispec.serving.tool_calls`) are implemented.
@@ -24,6 +24,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from pydantic_core import PydanticCustomError
 
 from verispec.drafters.specs import MAX_GAMMA
+from verispec.engine import MAX_STOP_TOKEN_IDS
 from verispec.errors import InvalidParameterError
 from verispec.sampling.grammar import MAX_FORMAT_CHARS
 from verispec.sampling.processors import (
@@ -109,6 +110,10 @@ class _GenerationFields(_Body):
         "`verispec.drafters`) over the models the server loaded; no file paths, no online, no int8= or vocab=. "
         "Default: the server's"))
     gamma: int | None = Field(None, ge=1, le=MAX_GAMMA, description="(starting) draft length γ; default: the server's")
+    min_tokens: int = Field(0, ge=0, description="no end of the answer (EOS, a stop token id) before this many new tokens")
+    ignore_eos: bool = Field(False, description="generate past EOS (fixed-length benchmarks)")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS, description=(
+        "token ids that end the answer as EOS does"))
     gamma_policy: Literal["constant", "heuristic", "analytic"] | None = Field(None, description="default: the server's")
 
     @field_validator("temperature")
