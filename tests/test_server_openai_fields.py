@@ -1,4 +1,4 @@
-"""`logprobs` / `top_logprobs`, `n`, vLLM's ending extras and `response_format` through the official `openai` client.
+"""`logprobs` / `top_logprobs`, `n`, vLLM's ending extras, `response_format` and /tokenize through the official `openai` client.
 
 Choices (`n`): each is what the engine gives alone for that seed (seed + i), streamed or not, with its own
 index and log-probability offsets; `usage` counts the prompt once.
@@ -180,3 +180,20 @@ def test_batch_records_refuse_logprobs_they_would_not_return():
 
     with pytest.raises(ValidationError, match="logprobs"):
         BatchRecord.model_validate({"id": 1, "prompt": "t5", "logprobs": 2})
+
+
+def test_tokenize_and_detokenize_agree_with_generation(client, engine):
+    """/tokenize gives the ids a request is generated from (usage.prompt_tokens counts them); /detokenize inverts it."""
+    url = str(client.base_url).rstrip("/").removesuffix("/v1")
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}]}
+    tokens = httpx.post(url + "/tokenize", json=chat, timeout=60).json()
+    reply = client.chat.completions.create(**chat, max_tokens=1)
+    assert tokens["count"] == len(tokens["tokens"]) == reply.usage.prompt_tokens and tokens["max_model_len"] > 0
+    plain = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": PROMPT}, timeout=60).json()
+    assert plain["tokens"] == engine.prompt_ids(PROMPT, chat=False)
+    text = httpx.post(url + "/detokenize", json={"model": MODEL, "tokens": plain["tokens"]}, timeout=60).json()["prompt"]
+    assert engine.prompt_ids(text, chat=False) == plain["tokens"]
+    for path, body, status, param in [("/tokenize", {"model": MODEL}, 422, None), ("/tokenize", {"model": "x", "prompt": "t5"}, 400, "model"),
+                                      ("/detokenize", {"model": MODEL, "tokens": [10**6]}, 400, "prompt")]:
+        response = httpx.post(url + path, json=body, timeout=60)
+        assert response.status_code == status and (param is None or response.json()["error"]["param"] == param), response.text

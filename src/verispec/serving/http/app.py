@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API: `create_app(engine_or_loader)` builds the FastAPI app.
 
-Endpoints: /v1/models, /v1/completions, /v1/chat/completions (streaming as SSE or not), /health,
-/metrics (Prometheus text) and the playground at /. Handlers validate, hand the request to the
+Endpoints: /v1/models, /v1/completions, /v1/chat/completions (streaming as SSE or not), /tokenize and
+/detokenize (as vLLM's: a prompt's or chat's ids as generation encodes them, and back), /health, /metrics
+(Prometheus text) and the playground at /. Handlers validate, hand the request to the
 `Scheduler` (which owns the models on its worker thread) and relay its updates. Every error is
 `{"error": {"message", "type", "param", "code"}}` with a status that says whose fault it was:
 400/422 bad request (the message names the field), 401 no or wrong API key, 408 body too slow to
@@ -61,8 +62,8 @@ from verispec.serving.http.scheduler import (
     ServerStoppingError,
 )
 from verispec.serving.http.schemas import (
-    ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse,
-    ModelList,
+    ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, DetokenizeRequest,
+    DetokenizeResponse, ErrorResponse, ModelList, TokenizeRequest, TokenizeResponse,
 )
 
 __all__ = ["create_app", "begin_shutdown"]
@@ -325,6 +326,39 @@ def create_app(
         messages = body.messages
         return await serve(request, body, "chat", lambda engine: chat_prompt_ids(engine, messages, body.offered_tools()),
                            ChatFormat(request.app.state.model_name, _tokenizer(request), tools=body.calls_tools))
+
+    async def on_tokenizer_thread(request: Request, model: str, work: Callable[[Engine], dict]) -> JSONResponse:
+        """`work` on the served engine, on the tokenizer thread: its answer, or the error naming the field."""
+        if model != request.app.state.model_name:
+            return error_response(400, f"model: unknown model {model!r}; this server serves {request.app.state.model_name!r}",
+                                  param="model", code="model_not_found")
+        try:
+            return JSONResponse(await asyncio.get_running_loop().run_in_executor(
+                tokenizer_thread, work, request.app.state.scheduler.engine))
+        except VerispecError as error:
+            return error_response(*_error_status(error))
+
+    @app.post("/tokenize", responses={200: {"model": TokenizeResponse}, **ERROR_RESPONSES})
+    async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
+        """The token ids the prompt (or the chat, with its tools) makes, as generation would encode it."""
+        def encode(engine: Engine) -> dict:
+            if body.messages is not None:
+                tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+                ids = chat_prompt_ids(engine, body.messages, tools)
+            else:
+                ids = engine.prompt_ids(body.prompt, chat=False)
+            return {"tokens": ids, "count": len(ids), "max_model_len": request.app.state.scheduler.max_model_len}
+        return await on_tokenizer_thread(request, body.model, encode)
+
+    @app.post("/detokenize", responses={200: {"model": DetokenizeResponse}, **ERROR_RESPONSES})
+    async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
+        """The text of token ids (special tokens kept)."""
+        def decode(engine: Engine) -> dict:
+            vocab = engine.target.vocab_size
+            if any(token >= vocab for token in body.tokens):
+                raise PromptError(f"token ids must lie in [0, {vocab})")
+            return {"prompt": engine.target.tokenizer.decode(body.tokens)}
+        return await on_tokenizer_thread(request, body.model, decode)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models(request: Request) -> dict:

@@ -36,7 +36,7 @@ MAX_CHOICES = 16  # the most choices (n) one request may ask for: each holds a b
 MAX_TOOLS = 128  # the most tools one request may offer (OpenAI's bound)
 
 __all__ = [
-    "MAX_CHOICES", "CompletionRequest", "ChatCompletionRequest", "ChatMessage", "Usage", "CompletionResponse",
+    "MAX_CHOICES", "TokenizeRequest", "TokenizeResponse", "DetokenizeRequest", "DetokenizeResponse", "CompletionRequest", "ChatCompletionRequest", "ChatMessage", "Usage", "CompletionResponse",
     "ChatCompletionResponse", "ModelList", "ErrorResponse", "UNSUPPORTED",
 ]
 
@@ -318,6 +318,34 @@ class ChatCompletionRequest(_GenerationFields):
             raise InvalidParameterError("response_format: json_schema goes with type json_schema, and type json_schema needs it",
                                         param="response_format")
         return None if fmt.type == "text" else fmt.model_dump(by_alias=True, exclude_none=True)
+
+
+class TokenizeRequest(_Body):
+    model: Text = Field(description="the served model's id (see /v1/models)")
+    prompt: Text | None = Field(None, description="text, encoded as /v1/completions does (no chat template)")
+    messages: list[ChatMessage] | None = Field(None, min_length=1, description="a chat, encoded as /v1/chat/completions does")
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS, description="with messages: the tools the template shows")
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' (text) and 'messages' (a chat)")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int = Field(description="prompt + new tokens this server allows a request")
+
+
+class DetokenizeRequest(_Body):
+    model: Text = Field(description="the served model's id (see /v1/models)")
+    tokens: list[Annotated[int, Field(ge=0)]] = Field(max_length=1 << 20, description="token ids")
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class Usage(BaseModel):
