@@ -77,3 +77,21 @@ def test_logprobs_only_when_asked_and_bounded(target):
     for bad in (-1, 21, 2.5):
         with pytest.raises(InvalidParameterError, match="logprobs"):
             GenerationConfig(logprobs=bad)
+
+
+def test_prompt_logprobs_score_every_prompt_token_given_those_before(target, draft, hf_target, monkeypatch):
+    """`prompt_logprobs`: the first prompt token has none, token i the log-softmax of one direct forward at
+    row i − 1; scored a few rows at a time (3 here: the chunks' seams are checked) and the answer unchanged."""
+    from verispec.engine import loop
+
+    monkeypatch.setattr(loop, "PROMPT_LOGPROBS_ROWS", 3)
+    engine = Engine(target, DraftModelDrafter(draft, target.vocab_size), gamma=3, gamma_policy="constant")
+    result = engine.generate(PROMPT, GenerationConfig(max_new_tokens=6, prompt_logprobs=2))
+    assert result.token_ids == engine.generate(PROMPT, GenerationConfig(max_new_tokens=6)).token_ids
+    with torch.inference_mode():
+        direct = torch.log_softmax(hf_target(torch.tensor([PROMPT])).logits[0].float(), dim=-1)  # [len, vocab]
+    scored = result.prompt_logprobs
+    assert len(scored) == len(PROMPT) and scored[0] is None
+    for i in range(1, len(PROMPT)):
+        assert abs(scored[i].logprob - float(direct[i - 1, PROMPT[i]])) < TOL
+        assert [t for t, _ in scored[i].top] == direct[i - 1].topk(2).indices.tolist()

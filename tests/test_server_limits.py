@@ -325,7 +325,6 @@ COMPLETION = {"model": MODEL, "prompt": "t5"}
     (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}], "does not offer tools"),  # the tiny template's
     (CHAT, "tool_choice", "auto", "needs tools"),
     (CHAT, "functions", [{"name": "f"}], "does not call functions"),
-    (COMPLETION, "echo", True, "does not echo"),
     (COMPLETION, "suffix", "end", "does not insert text"),
     (COMPLETION, "best_of", 3, "one candidate per request"),
     (COMPLETION, "max_token", 5, "unknown field 'max_token'"),
@@ -399,7 +398,7 @@ def test_the_openapi_schema_advertises_what_is_accepted(server):
     completion, chat = schemas["CompletionRequest"], schemas["ChatCompletionRequest"]
     assert completion["additionalProperties"] is False and chat["additionalProperties"] is False
     props, chat_props = completion["properties"], chat["properties"]
-    assert props["n"]["maximum"] == 16 and props["echo"]["const"] is False
+    assert props["n"]["maximum"] == 16 and props["best_of"]["anyOf"][0]["const"] == 1
     assert props["model"]["enum"] == [MODEL] and chat_props["model"]["enum"] == [MODEL]  # the one model served
     assert props["presence_penalty"]["maximum"] == 2 and "max_completion_tokens" not in props
     assert props["logit_bias"]["anyOf"][0]["maxProperties"] == 300

@@ -197,3 +197,23 @@ def test_tokenize_and_detokenize_agree_with_generation(client, engine):
                                       ("/detokenize", {"model": MODEL, "tokens": [10**6]}, 400, "prompt")]:
         response = httpx.post(url + path, json=body, timeout=60)
         assert response.status_code == status and (param is None or response.json()["error"]["param"] == param), response.text
+
+
+def test_echo_returns_the_prompt_scored_as_evaluation_harnesses_ask(client, engine):
+    """lm-evaluation-harness's loglikelihood request: echo, logprobs, one new token. The prompt comes back first,
+    its tokens' values the engine's own `prompt_logprobs` (the first null), then the answer's."""
+    alone = engine.generate(PROMPT, GenerationConfig(max_new_tokens=1, chat=False, prompt_logprobs=1, logprobs=1))
+    reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, echo=True, logprobs=1)
+    choice = reply.choices[0]
+    assert choice.text == PROMPT + alone.text
+    prompt_ids = engine.prompt_ids(PROMPT, chat=False)
+    tokenizer = engine.target.tokenizer
+    assert choice.logprobs.tokens == [tokenizer.decode([t]) for t in prompt_ids + alone.token_ids]
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    want = [lp.logprob for lp in alone.prompt_logprobs[1:]] + [lp.logprob for lp in alone.logprobs]
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-6)
+    assert choice.logprobs.text_offset == [sum(len(t) for t in choice.logprobs.tokens[:i]) for i in range(len(prompt_ids) + 1)]
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, echo=True)
+    assert plain.choices[0].text.startswith(PROMPT) and plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="not with stream"):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, echo=True, stream=True)

@@ -291,6 +291,7 @@ class GenerationResult:
     stats: GenerationStats
     origins: list[Origin] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asked for them
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token (the first: None), when asked for
 
     def to_dict(self) -> dict:
         out = {

@@ -87,6 +87,9 @@ class GenerationConfig:
     gamma_policy: constant, heuristic or analytic; None: the engine's.
     stop_token_ids: token ids that end the generation as EOS does (at most `MAX_STOP_TOKEN_IDS`).
     ignore_eos: EOS does not end the generation (a fixed length for benchmarks; not with a response_format).
+    prompt_logprobs: None, or k: each prompt token's log-probability given the tokens before it (the first has
+      none) and its k most likely alternatives (`GenerationResult.prompt_logprobs`; the prompt is then
+      prefilled whole, a chunk of PROMPT_LOGPROBS_ROWS at a time, without the prompt cache).
     min_tokens: no end (EOS unless ignored, a stop token id) before this many new tokens: those rows' end
       tokens are masked out of the target's distribution like a grammar's, so speculation stays exact for
       the masked distribution (not with a response_format; at most max_new_tokens).
@@ -108,6 +111,7 @@ class GenerationConfig:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -117,8 +121,10 @@ class GenerationConfig:
         if self.response_format is not None and (self.ignore_eos or self.min_tokens):
             raise InvalidParameterError("ignore_eos and min_tokens go with free text: a response_format ends where its "
                                         "grammar does", param="ignore_eos" if self.ignore_eos else "min_tokens")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
-            raise InvalidParameterError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS):
+                raise InvalidParameterError(f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, got {value!r}", param=name)
         check_response_format(self.response_format)
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise InvalidParameterError(f"max_new_tokens must be an integer ≥ 1, got {self.max_new_tokens!r}")
@@ -131,6 +137,7 @@ class GenerationConfig:
 
 
 MAX_STOP_TOKEN_IDS = 16  # the most stop token ids one request may give
+PROMPT_LOGPROBS_ROWS = 64  # prompt positions a prefill forward scores at once when their log-probabilities are asked for
 
 _UNPREPARED = object()  # `Engine.prepare`'s lookup: no drafter built yet (None is plain decoding)
 
@@ -352,6 +359,8 @@ class Generation:
         self.output_ids: list[int] = []
         self.origins: list[Origin] = []
         self.logprobs: list[TokenLogprobs] | None = [] if config.logprobs is not None else None  # one per output token
+        # one per prompt token (the first has none), when asked for
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = [None] if config.prompt_logprobs is not None else None
         self.text = ""  # the output text, cut before a stop string
         self._emitted = 0  # characters of `text` already given out in events
         self.finish_reason: str | None = None
@@ -371,7 +380,8 @@ class Generation:
         self.initial_capacity, self.max_capacity = self.capacities(engine, self.prompt_len, config)
         self.session, self.prefilled, self._session_opened = None, False, False
         self._held: list[TokenEvent] = []  # the first token's events, from the prefill, until step() gives them
-        reused = engine.prefixes.take(self.ids, self.initial_capacity) if engine.prefixes is not None else None
+        reuse = engine.prefixes is not None and self.prompt_logprobs is None  # a cached prefix has no logits to score
+        reused = engine.prefixes.take(self.ids, self.initial_capacity) if reuse else None
         self.cache = reused if reused is not None else self.target.runner.new_cache(self.initial_capacity)
         self.stats.cached_tokens = self.cache.length  # the prompt's first tokens, already in the cache
         self._cap_growth()
@@ -423,7 +433,10 @@ class Generation:
             end = min(end, done + max_tokens)
         if not self._session_opened:
             last = end == self.prompt_len
-            logits = self.target.runner.forward(self.cache, torch.tensor(self.ids[done:end]), logits="last" if last else "none")
+            if self.prompt_logprobs is not None:
+                logits = self._score_prompt(done, end)
+            else:
+                logits = self.target.runner.forward(self.cache, torch.tensor(self.ids[done:end]), logits="last" if last else "none")
             if last:  # [1, vocab]: the first token, a step without a draft (its forward is the prefill's)
                 self._open_session(chunked=max_tokens is not None)
                 first = StepPlan(Chain(Draft.empty()), torch.tensor(self.ids[-1:]), 0.0)
@@ -432,6 +445,17 @@ class Generation:
             self.prefilled = self.session.prefill_step(max_tokens)
         self.stats.prefill_seconds += time.perf_counter() - start
         return self.prefilled
+
+    def _score_prompt(self, done: int, end: int) -> torch.Tensor:
+        """Feed prompt positions [done, end) a few rows at a time, recording each next prompt token's
+        log-probability; the last row's logits [1, vocab] (after the prompt's last token: the first new one)."""
+        k = self.config.prompt_logprobs
+        for start in range(done, end, PROMPT_LOGPROBS_ROWS):
+            stop = min(end, start + PROMPT_LOGPROBS_ROWS)
+            logits = self.target.runner.forward(self.cache, torch.tensor(self.ids[start:stop]), logits="all")  # [rows, vocab]
+            scored = min(stop, self.prompt_len - 1) - start  # rows whose next token is a prompt token
+            self.prompt_logprobs += token_logprobs(logits[:scored], self.ids[start + 1 : start + 1 + scored], k) if scored > 0 else []
+        return logits[-1:]
 
     def take_held(self) -> list[TokenEvent]:
         """The events of the first token once the prefill made it (then []): `step()` returns them."""
@@ -623,4 +647,5 @@ class Generation:
         asked for); finish_reason is "stop", "length" or the reason given to `cancel` once done ("length"
         also for a request read before it finished)."""
         return GenerationResult(self.text, list(self.output_ids), self.finish_reason or "length", self.stats, list(self.origins),
-                                None if self.logprobs is None else list(self.logprobs))
+                                None if self.logprobs is None else list(self.logprobs),
+                                None if self.prompt_logprobs is None else list(self.prompt_logprobs))

@@ -56,6 +56,9 @@ class RequestBody(Protocol):
     def logprob_count(self) -> int | None:
         """None: no log-probabilities; k: each token's and its k most likely alternatives."""
 
+    def prompt_logprob_count(self) -> int | None:
+        """None: no log-probabilities of the prompt's tokens; k: each one's and its k most likely alternatives."""
+
     def grammar(self) -> dict | None:
         """The grammar constraint (`GenerationConfig.response_format`); None: free text."""
 
@@ -140,4 +143,5 @@ def request_config(body: RequestBody, default_max_tokens: int, max_tokens_limit:
     return GenerationConfig(max_new_tokens=_max_new_tokens(body, default_max_tokens, max_tokens_limit), sampling=sampling,
                             seed=body.seed, stop=stop, drafter=body.drafter, gamma=body.gamma,
                             gamma_policy=body.gamma_policy, logprobs=body.logprob_count(), response_format=body.grammar(),
-                            min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop_token_ids=tuple(body.stop_token_ids or ()))
+                            min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop_token_ids=tuple(body.stop_token_ids or ()),
+                            prompt_logprobs=body.prompt_logprob_count())

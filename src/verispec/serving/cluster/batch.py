@@ -27,6 +27,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 from rich.console import Console
@@ -57,6 +58,7 @@ class BatchRecord(CompletionRequest):
     max_tokens: int | None = Field(None, ge=1, description="default: the job's --max-new-tokens")
     chat: bool = Field(True, description="wrap a text prompt in the model's chat template (when it has one)")
     logprobs: None = Field(None, description="not returned by batch jobs: absent only")
+    echo: Literal[False] = Field(False, description="not returned by batch jobs: false only")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> BatchRecord:

@@ -53,7 +53,7 @@ from verispec.engine import Engine
 from verispec.errors import PromptError, VerispecError
 from verispec.serving.request import chat_prompt_ids, check_request_drafter, request_config
 from verispec.serving.http.errors import describe_invalid, error_response
-from verispec.serving.http.formats import ChatFormat, CompletionFormat, merged_stats, sse
+from verispec.serving.http.formats import ChatFormat, CompletionFormat, Echo, merged_stats, sse
 from verispec.serving.http.guard import Guard
 from verispec.serving.http.limits import ServerLimits
 from verispec.serving.http.metrics import Metrics
@@ -259,7 +259,10 @@ def create_app(
                 if body.stream:
                     include_usage = body.stream_options is not None and body.stream_options.include_usage
                     return StreamingResponse(stream(jobs, fmt, endpoint, started, include_usage), media_type="text/event-stream")
-                response = JSONResponse(await collect(jobs, request, fmt))
+                echo = None
+                if getattr(body, "echo", False):  # completions: the prompt before the answer
+                    echo = Echo(body.prompt if isinstance(body.prompt, str) else _tokenizer(request).decode(ids), ids)
+                response = JSONResponse(await collect(jobs, request, fmt, echo))
             except ClientDisconnected:
                 for job in jobs:
                     job.cancel()
@@ -272,7 +275,7 @@ def create_app(
         metrics.record_request(endpoint, response.status_code, time.perf_counter() - started)
         return response
 
-    async def collect(jobs: list[Job], request: Request, fmt: CompletionFormat) -> dict:
+    async def collect(jobs: list[Job], request: Request, fmt: CompletionFormat, echo: Echo | None = None) -> dict:
         choices, stats = [], []
         for index, job in enumerate(jobs):  # the others run meanwhile: their updates wait in their queues
             events = []
@@ -281,7 +284,8 @@ def create_app(
             if update.finish_reason == SHUTDOWN_FINISH_REASON:
                 raise ServerStoppingError(f"the server is shutting down and stopped this request after {len(events)} tokens: "
                                           "retry on another server or later")
-            choices.append(fmt.for_choice(index).choice(events, update.finish_reason))
+            echoed = None if echo is None else dataclasses.replace(echo, logprobs=update.prompt_logprobs)
+            choices.append(fmt.for_choice(index).choice(events, update.finish_reason, echoed))
             stats.append(update.stats)
         return fmt.response(choices, merged_stats(stats))
 

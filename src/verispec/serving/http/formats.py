@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import dataclass
 import time
 import uuid
 
 from verispec.serving.tool_calls import ToolCallStream, parse_tool_calls
 from verispec.types import GenerationStats, TokenEvent, TokenLogprobs
 
-__all__ = ["CompletionFormat", "ChatFormat", "usage", "sse", "merged_stats"]
+__all__ = ["CompletionFormat", "ChatFormat", "Echo", "usage", "sse", "merged_stats"]
 
 
 def sse(body: dict | str) -> str:
@@ -42,6 +43,16 @@ def usage(stats: GenerationStats) -> dict:
         "acceptance_rate": round(stats.acceptance_rate, 4),
         "per_position_acceptance": [round(x, 4) for x in stats.per_position_acceptance],
     }
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A prompt echoed before its answer (completions' `echo`): its text, ids and, when asked for, each token's
+    log-probabilities (the first: None)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None
 
 
 def _call_finish(finish_reason: str) -> str:
@@ -93,7 +104,7 @@ class CompletionFormat:
         choice = {"index": self.index, **self._content(self._streamed(event.text)), "finish_reason": None,
                   "origin": event.origin.value, "token_id": event.token_id}
         if event.logprobs is not None:
-            choice["logprobs"] = self.logprobs([event])
+            choice["logprobs"] = self.logprobs([(event.token_id, event.logprobs)])
         return self._envelope(self.chunk_name, [choice], speculative=live)
 
     def _streamed(self, text: str) -> str:
@@ -107,12 +118,17 @@ class CompletionFormat:
     def usage_chunk(self, stats: GenerationStats) -> dict:
         return self._envelope(self.chunk_name, [], usage=usage(stats))
 
-    def choice(self, events: list[TokenEvent], finish_reason: str) -> dict:
-        """This choice of a whole (not streamed) response."""
-        scored = [event for event in events if event.logprobs is not None]
-        logprobs = self.logprobs(scored) if scored else None
-        return {"index": self.index, **self._final_content("".join(event.text for event in events)),
-                "finish_reason": finish_reason, "logprobs": logprobs, "origins": [event.origin.value for event in events]}
+    def choice(self, events: list[TokenEvent], finish_reason: str, echo: Echo | None = None) -> dict:
+        """This choice of a whole (not streamed) response; with `echo`, the prompt comes first (its text, and its
+        tokens' log-probabilities before the answer's when they were asked for)."""
+        text = "".join(event.text for event in events)
+        scored = [(event.token_id, event.logprobs) for event in events if event.logprobs is not None]
+        if echo is not None:
+            text = echo.text + text
+            if echo.logprobs is not None:
+                scored = list(zip(echo.token_ids, echo.logprobs)) + scored
+        return {"index": self.index, **self._final_content(text), "finish_reason": finish_reason,
+                "logprobs": self.logprobs(scored) if scored else None, "origins": [event.origin.value for event in events]}
 
     def response(self, choices: list[dict], stats: GenerationStats) -> dict:
         """The whole response: its `choices` (each from `choice`) and the request's statistics."""
@@ -121,15 +137,16 @@ class CompletionFormat:
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
 
-    def logprobs(self, events: list[TokenEvent]) -> dict:
-        """The legacy completions shape for these tokens (text_offset continues across calls)."""
-        tokens = [self._token(event.token_id) for event in events]
+    def logprobs(self, scored: list[tuple[int, TokenLogprobs | None]]) -> dict:
+        """The legacy completions shape for these (token id, its log-probabilities) pairs (text_offset continues
+        across calls; an echoed prompt's first token has none: null)."""
+        tokens = [self._token(token_id) for token_id, _ in scored]
         offsets = []
         for token in tokens:
             offsets.append(self._offset)
             self._offset += len(token)
-        return {"tokens": tokens, "token_logprobs": [event.logprobs.logprob for event in events],
-                "top_logprobs": [self._top(event.logprobs) for event in events], "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": [None if lp is None else lp.logprob for _, lp in scored],
+                "top_logprobs": [None if lp is None else self._top(lp) for _, lp in scored], "text_offset": offsets}
 
     def _top(self, scored: TokenLogprobs) -> dict[str, float]:
         return {self._token(token): value for token, value in scored.top}
@@ -166,8 +183,8 @@ class ChatFormat(CompletionFormat):
         choice = {"index": self.index, "delta": delta, "finish_reason": finish_reason}
         return self._envelope(self.chunk_name, [choice], usage=usage(stats))
 
-    def choice(self, events: list[TokenEvent], finish_reason: str) -> dict:
-        choice = super().choice(events, finish_reason)
+    def choice(self, events: list[TokenEvent], finish_reason: str, echo: Echo | None = None) -> dict:
+        choice = super().choice(events, finish_reason, echo)
         if self.tools:
             content, calls = parse_tool_calls(choice["message"]["content"])
             if calls:
@@ -189,8 +206,8 @@ class ChatFormat(CompletionFormat):
         token = self._token(token_id)
         return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
 
-    def logprobs(self, events: list[TokenEvent]) -> dict:
+    def logprobs(self, scored: list[tuple[int, TokenLogprobs]]) -> dict:
         """OpenAI's chat shape: one `content` entry per token, with its top alternatives."""
-        content = [{**self._entry(event.token_id, event.logprobs.logprob),
-                    "top_logprobs": [self._entry(token, value) for token, value in event.logprobs.top]} for event in events]
+        content = [{**self._entry(token_id, lp.logprob), "top_logprobs": [self._entry(token, value) for token, value in lp.top]}
+                   for token_id, lp in scored]
         return {"content": content, "refusal": None}

@@ -142,6 +142,7 @@ class JobUpdate:
     finish_reason: str | None = None
     stats: GenerationStats | None = None
     error: BaseException | None = None
+    prompt_logprobs: list | None = None  # "finished": each prompt token's (`GenerationConfig.prompt_logprobs`)
 
 
 @dataclass(frozen=True)
@@ -500,7 +501,8 @@ class Scheduler:
         generation = job.generation
         self._remove(job)
         self.metrics.record_finished(generation.finish_reason)
-        job.push(JobUpdate("finished", finish_reason=generation.finish_reason, stats=generation.stats))
+        job.push(JobUpdate("finished", finish_reason=generation.finish_reason, stats=generation.stats,
+                           prompt_logprobs=generation.prompt_logprobs))
 
     def _verify_forward(self, jobs: list[Job], plans: list[StepPlan]) -> list[torch.Tensor | BaseException]:
         """One target pass for every row: [γ_i+1, vocab] logits each. If the batched pass fails, retry

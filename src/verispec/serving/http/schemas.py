@@ -8,7 +8,7 @@ extras (vLLM's names where it has them): sampling (top_k, min_p, eta, epsilon, r
 `MAX_TOP_LOGPROBS`) and, on chat, `response_format` (text, json_object, json_schema) and `tools`
 (`tool_choice` none, auto, required or a named function; `verispec.serving.tool_calls`) are implemented.
 Ranges are checked here so that a bad value is a 422 naming the field. OpenAI fields this server
-does not implement (`UNSUPPORTED`: echo, suffix, best_of > 1, the deprecated functions) are
+does not implement (`UNSUPPORTED`: suffix, best_of > 1, the deprecated functions) are
 declared with the one neutral value they accept, so the OpenAPI schema says exactly what is accepted; any other value is a 400 naming the field, and an
 unknown field is refused, never silently ignored. Text must be valid Unicode (no lone surrogates).
 Types are strict: a number is not a string, an integer not `true` or 2.0 (`max_tokens: true` is not 1).
@@ -43,7 +43,6 @@ __all__ = [
 # field -> why only its neutral value is accepted (`{input}`: the value sent)
 UNSUPPORTED = {
     "best_of": "this server generates one candidate per request (best_of must be 1 or absent)",
-    "echo": "this server does not echo the prompt back (echo must be false)",
     "suffix": "this server does not insert text (suffix must be empty or absent)",
     "functions": "this server does not call functions (functions must be empty or absent)",
     "function_call": "this server does not call functions (function_call must be \"none\" or absent)",
@@ -128,6 +127,10 @@ class _GenerationFields(_Body):
         """(the field that sets the most new tokens, its value or None for the server's default)."""
         return "max_tokens", self.max_tokens
 
+    def prompt_logprob_count(self) -> int | None:
+        """None: no log-probabilities of the prompt's tokens; k: each one's and its k most likely alternatives."""
+        return None
+
     def grammar(self) -> dict | None:
         """The grammar constraint for the engine (`GenerationConfig.response_format`); None: free text."""
         return None
@@ -138,13 +141,20 @@ class CompletionRequest(_GenerationFields):
     max_tokens: int | None = Field(16, ge=1, description="new tokens at most")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
         "return the target's log-probability of each token and of its `logprobs` most likely alternatives"))
-    echo: Literal[False] = Field(False, description="not implemented: false only")
+    echo: bool = Field(False, description=(
+        "return the prompt before the answer (with `logprobs`: each prompt token's log-probability given the tokens "
+        "before it, the first null, as for scoring); not with stream"))
     suffix: Literal[""] | None = Field(None, description="not implemented: empty only")
     best_of: One | None = Field(None, description="not implemented: 1 only")
 
     def logprob_count(self) -> int | None:
         """None: no log-probabilities; k: each token's and its k most likely alternatives."""
         return self.logprobs
+
+    def prompt_logprob_count(self) -> int | None:
+        if self.echo and self.stream:
+            raise InvalidParameterError("echo: not with stream (send stream: false to get the prompt back)", param="echo")
+        return self.logprobs if self.echo else None
 
 
 class TextPart(_Body):
