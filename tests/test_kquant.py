@@ -648,7 +648,8 @@ def test_a_prefill_in_chunks_continues_a_cached_prefix_exactly(tiny):
     prompt = list(range(5, 40))
     engine.generate(prompt[:30] + [2, 2], GenerationConfig(max_new_tokens=4))
     generation = Generation(engine, prompt, GenerationConfig(max_new_tokens=10), prefill=False)
-    assert generation.cache.length == 30
+    generation.prefill_step(2)  # the cached prefix is taken at the first step, then a chunk follows it
+    assert generation.cache.length == 32 and generation.stats.cached_tokens == 30
     while not generation.prefill_step(2):
         pass
     while not generation.done:
@@ -713,3 +714,26 @@ def test_a_server_with_prompt_caching_gives_each_request_its_answer_alone(tiny, 
     assert [job.generation.stats.cached_tokens for job in jobs] == [20] * 4
     assert max(len(turn.stepped) for turn in scheduler.turns) == 4  # they shared passes
     assert answers == alone
+
+
+def test_a_prompt_prefilled_meanwhile_is_reused_by_a_request_admitted_before(tiny):
+    """A server's n choices: both admitted, then the first prefilled: the second takes its prompt from the cache
+    at its first prefill step (all but the last token) and answers as the first does."""
+    from verispec.engine.loop import Generation
+
+    model = tiny[0]
+    engine = Engine(model, None)
+    prompt, config = list(range(5, 45)), GenerationConfig(max_new_tokens=8)
+    first = Generation(engine, prompt, config, prefill=False)
+    second = Generation(engine, prompt, config, prefill=False)
+    try:
+        while not first.prefill_step(16):
+            pass
+        second.prefill_step(16)
+        assert second.cache.length == len(prompt) and second.stats.cached_tokens == len(prompt) - 1
+        for generation in (first, second):
+            while not generation.done:
+                generation.step()
+        assert first.result().token_ids == second.result().token_ids
+    finally:
+        engine.prefixes.file.unlink(missing_ok=True)

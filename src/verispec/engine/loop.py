@@ -380,10 +380,7 @@ class Generation:
         self.initial_capacity, self.max_capacity = self.capacities(engine, self.prompt_len, config)
         self.session, self.prefilled, self._session_opened = None, False, False
         self._held: list[TokenEvent] = []  # the first token's events, from the prefill, until step() gives them
-        reuse = engine.prefixes is not None and self.prompt_logprobs is None  # a cached prefix has no logits to score
-        reused = engine.prefixes.take(self.ids, self.initial_capacity) if reuse else None
-        self.cache = reused if reused is not None else self.target.runner.new_cache(self.initial_capacity)
-        self.stats.cached_tokens = self.cache.length  # the prompt's first tokens, already in the cache
+        self.cache = self.target.runner.new_cache(self.initial_capacity)
         self._cap_growth()
         if prefill:  # otherwise the caller feeds the prompt with prefill_step(), a chunk at a time
             self.prefill_step()
@@ -428,6 +425,8 @@ class Generation:
         if max_tokens is not None and max_tokens < 1:
             raise InvalidParameterError(f"a prefill chunk must hold at least 1 token, got {max_tokens}")
         start = time.perf_counter()
+        if not self._session_opened and self.cache.length == 0:
+            self._reuse_prefix()
         done, end = self.cache.length, self.prompt_len
         if max_tokens is not None:
             end = min(end, done + max_tokens)
@@ -438,6 +437,8 @@ class Generation:
             else:
                 logits = self.target.runner.forward(self.cache, torch.tensor(self.ids[done:end]), logits="last" if last else "none")
             if last:  # [1, vocab]: the first token, a step without a draft (its forward is the prefill's)
+                if self.engine.prefixes is not None:  # the prompt, for a request with the same one (a server's n choices)
+                    self.engine.prefixes.keep(self.ids, self.cache)
                 self._open_session(chunked=max_tokens is not None)
                 first = StepPlan(Chain(Draft.empty()), torch.tensor(self.ids[-1:]), 0.0)
                 self._held = self.commit(first, logits, 0.0)
@@ -445,6 +446,19 @@ class Generation:
             self.prefilled = self.session.prefill_step(max_tokens)
         self.stats.prefill_seconds += time.perf_counter() - start
         return self.prefilled
+
+    def _reuse_prefix(self) -> None:
+        """Start from the prompt cache's longest prefix of this prompt, if it holds one (taken at the first
+        prefill step, not at admission: a prompt another request finished prefilling meanwhile counts)."""
+        prefixes = self.engine.prefixes
+        if prefixes is None or self.prompt_logprobs is not None:  # a cached prefix has no logits to score
+            return
+        reused = prefixes.take(self.ids, self.initial_capacity)
+        if reused is not None:
+            self.cache.release()
+            self.cache = reused
+            self._cap_growth()
+            self.stats.cached_tokens = self.cache.length  # the prompt's first tokens, already in the cache
 
     def _score_prompt(self, done: int, end: int) -> torch.Tensor:
         """Feed prompt positions [done, end) a few rows at a time, recording each next prompt token's
