@@ -737,3 +737,29 @@ def test_a_prompt_prefilled_meanwhile_is_reused_by_a_request_admitted_before(tin
         assert first.result().token_ids == second.result().token_ids
     finally:
         engine.prefixes.file.unlink(missing_ok=True)
+
+
+def test_a_servers_n_choices_prefill_their_prompt_once(tiny):
+    """n = 3 over a 40-token prompt in chunks of 4: the first choice prefills it (10 turns), the others wait, then
+    take it from the prompt cache (one turn each); every choice answers as the request alone does."""
+    import httpx
+    from server_helpers import LocalServer
+
+    from verispec.serving.http import create_app
+
+    model = tiny[0]
+    engine = Engine(model, None)
+    prompt = [3 + (i * 7) % 44 for i in range(40)]  # 40 tokens of the 48-token vocabulary
+    app = create_app(engine, model_name="tiny", prefill_chunk=4)
+    try:
+        with LocalServer(app) as server:
+            reply = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 4,
+                                                                     "temperature": 0, "n": 3}, timeout=60).json()
+            prefills = [turn.prefilled for turn in app.state.scheduler.turns if turn.prefilled]
+        assert len(prefills) == 10 + 2, (prefills, reply)
+        alone = Engine(model, None)
+        alone.prefixes._entries.clear()
+        text = model.tokenizer.decode(alone.generate(prompt, GenerationConfig(max_new_tokens=4)).token_ids, skip_special_tokens=True)
+        assert [choice["text"] for choice in reply["choices"]] == [text] * 3
+    finally:
+        engine.prefixes.file.unlink(missing_ok=True)

@@ -11,8 +11,9 @@ Every turn of the worker:
      each row keeps its own prefix.
   4. then ONE prefill chunk of at most `prefill_chunk` prompt tokens to the prefilling request with
      the fewest prompt tokens left (a short prompt is not held behind a long one; a prompt passed
-     over STARVATION_TURNS turns in a row goes next; 0: a whole prompt at once), so a long prompt
-     delays the decoding
+     over STARVATION_TURNS turns in a row goes next; 0: a whole prompt at once; a prompt that another
+     request is prefilling already waits for it, then starts from the prompt cache: a request's n choices
+     prefill it once), so a long prompt delays the decoding
      requests by at most one chunk per turn; the chunk with the prompt's last token gives the first
      new token (sent at once); when the target's prefill completes the request opens
      its drafter's session, whose own prefill (the `model` drafter's) follows in chunks the same way
@@ -420,11 +421,22 @@ class Scheduler:
 
     def _next_prefill(self) -> Job:
         """The prompt with the fewest tokens left (the first admitted among equals), unless one has been
-        passed over STARVATION_TURNS prefill turns in a row: then the one passed over longest."""
-        starved = min(self._prefilling, key=lambda job: job.last_prefill_turn)
+        passed over STARVATION_TURNS prefill turns in a row: then the one passed over longest. A prompt
+        another request is prefilling already waits for it (`_waits`)."""
+        ready = [job for job in self._prefilling if not self._waits(job)]
+        starved = min(ready, key=lambda job: job.last_prefill_turn)
         if self._prefill_turns - starved.last_prefill_turn > STARVATION_TURNS:
             return starved
-        return min(self._prefilling, key=lambda job: job.generation.prompt_len - job.generation.cache.length)
+        return min(ready, key=lambda job: job.generation.prompt_len - job.generation.cache.length)
+
+    def _waits(self, job: Job) -> bool:
+        """Whether `job` has not begun its prompt while another request is prefilling the same one: with a
+        prompt cache (`engine/prefixes.py`) it then starts from that one's (a request's n choices prefill
+        their prompt once). The other is never waiting, so someone is always ready."""
+        if self.engine.prefixes is None or job.generation.cache.length:
+            return False
+        return any(other is not job and other.generation.cache.length and other.prompt_ids == job.prompt_ids
+                   for other in self._prefilling)
 
     def _prefill(self) -> dict[int, int]:
         """Feed one chunk of one prefilling request's prompt (`_next_prefill`); {job id: tokens fed}."""
