@@ -45,6 +45,7 @@ def test_answers_are_split_into_text_and_calls(text, content, calls):
     CALL + "\nand then some words",  # text after the calls
     CALL[:-5],  # cut off inside a block
     CALL + "\n<tool_call>\n[1, 2]\n</tool_call>",  # one block of two is no call
+    '<tool_call>\n{"name": "f", "arguments": "not json"}\n</tool_call>',  # arguments as text that holds no object
 ])
 def test_an_answer_whose_blocks_are_not_all_calls_stays_text(text):
     assert parse_tool_calls(text) == (text, [])

@@ -4,8 +4,9 @@ Models whose chat template offers tools in the Hermes format (Qwen2.5 among the 
 `<tool_call>{"name": …, "arguments": {…}}</tool_call>`, one block per call, after any text of their own.
 `parse_tool_calls` turns a whole answer into (its text, its calls); `ToolCallStream` does so for a streamed
 one: it passes text on until a block may begin (holding trailing whitespace and any tail that may start a
-block), then holds the rest until the answer ends: a block is handed over whole. An answer whose blocks are not all valid calls is
-returned as text: a call the client could not run is not made up.
+block), then holds the rest until the answer ends: a block is handed over whole. An answer whose blocks are
+not all valid calls (a name, and arguments that are a JSON object) is returned as text: a call the client
+could not run is not made up.
 
 `tool_choice` "required" or a named function is a grammar (`call_grammar`): the answer is then one or more
 blocks whose JSON follows the functions' parameter schemas, enforced token by token like `response_format`
@@ -33,9 +34,9 @@ class ToolCall(dict):
     """One call as OpenAI returns it: {"id", "type": "function", "function": {"name", "arguments": JSON text}}."""
 
     @classmethod
-    def of(cls, name: str, arguments) -> ToolCall:
-        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-        return cls(id=f"call_{uuid.uuid4().hex[:24]}", type="function", function={"name": name, "arguments": text})
+    def of(cls, name: str, arguments: dict) -> ToolCall:
+        return cls(id=f"call_{uuid.uuid4().hex[:24]}", type="function",
+                   function={"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)})
 
 
 def _call(block: str) -> ToolCall | None:
@@ -46,7 +47,12 @@ def _call(block: str) -> ToolCall | None:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
-    return ToolCall.of(value["name"], arguments) if isinstance(arguments, (dict, str)) else None
+    if isinstance(arguments, str):  # arguments written as JSON text: they must hold an object too
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    return ToolCall.of(value["name"], arguments) if isinstance(arguments, dict) else None
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
