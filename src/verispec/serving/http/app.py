@@ -63,7 +63,7 @@ from verispec.serving.http.scheduler import (
 )
 from verispec.serving.http.schemas import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, DetokenizeRequest,
-    DetokenizeResponse, ErrorResponse, ModelList, TokenizeRequest, TokenizeResponse,
+    DetokenizeResponse, ErrorResponse, ModelList, TokenizeRequest, TokenizeResponse, template_tools,
 )
 
 __all__ = ["create_app", "begin_shutdown"]
@@ -347,8 +347,7 @@ def create_app(
         """The token ids the prompt (or the chat, with its tools) makes, as generation would encode it."""
         def encode(engine: Engine) -> dict:
             if body.messages is not None:
-                tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
-                ids = chat_prompt_ids(engine, body.messages, tools)
+                ids = chat_prompt_ids(engine, body.messages, template_tools(body.tools))
             else:
                 ids = engine.prompt_ids(body.prompt, chat=False)
             return {"tokens": ids, "count": len(ids), "max_model_len": request.app.state.scheduler.max_model_len}

@@ -36,7 +36,7 @@ MAX_CHOICES = 16  # the most choices (n) one request may ask for: each holds a b
 MAX_TOOLS = 128  # the most tools one request may offer (OpenAI's bound)
 
 __all__ = [
-    "MAX_CHOICES", "TokenizeRequest", "TokenizeResponse", "DetokenizeRequest", "DetokenizeResponse", "CompletionRequest", "ChatCompletionRequest", "ChatMessage", "Usage", "CompletionResponse",
+    "MAX_CHOICES", "template_tools", "TokenizeRequest", "TokenizeResponse", "DetokenizeRequest", "DetokenizeResponse", "CompletionRequest", "ChatCompletionRequest", "ChatMessage", "Usage", "CompletionResponse",
     "ChatCompletionResponse", "ModelList", "ErrorResponse", "UNSUPPORTED",
 ]
 
@@ -241,6 +241,11 @@ class Tool(_Body):
     function: FunctionDefinition
 
 
+def template_tools(tools: list[Tool] | None) -> list[dict] | None:
+    """`tools` as the chat template takes them (None: none offered)."""
+    return [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
+
+
 class NamedFunction(_Body):
     name: FunctionName
 
@@ -293,9 +298,7 @@ class ChatCompletionRequest(_GenerationFields):
             raise InvalidParameterError("tools: two tools have the same name", param="tools")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise InvalidParameterError(f"tool_choice: no tool is named {choice.function.name!r}", param="tool_choice")
-        if not self.tools or choice == "none":
-            return None
-        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+        return None if choice == "none" else template_tools(self.tools)
 
     def _call_grammar(self) -> dict | None:
         """The grammar of an answer of calls only, when `tool_choice` asks for one (required, or a named tool)."""
