@@ -161,3 +161,20 @@ def tiny_text_pair(tiny_dir) -> tuple[Path, Path]:
     AutoTokenizer maps a qwen2 config to Qwen2Tokenizer, which drops the word-level vocabulary."""
     return (make_tiny_model(tiny_dir / "text-target", seed=4, layers=2, arch="llama"),
             make_tiny_model(tiny_dir / "text-draft", seed=5, layers=1, arch="llama"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that failed on a timeout reports where every thread of its process stood then (a server's
+    scheduler, its tokenizer thread): a hang in CI shows its place instead of only the client's wait."""
+    report = yield
+    if call.excinfo is not None and "timeout" in call.excinfo.typename.lower():
+        import sys
+        import threading
+        import traceback
+
+        names = {thread.ident: thread.name for thread in threading.enumerate()}
+        stacks = [f"--- {names.get(ident, ident)}\n" + "".join(traceback.format_stack(frame))
+                  for ident, frame in sys._current_frames().items()]
+        report.sections.append(("threads at the timeout", "\n".join(stacks)))
+    return report

@@ -314,3 +314,30 @@ def test_the_shortest_prompt_is_prefilled_first_and_a_long_one_is_not_starved(ti
     s0, s1, s2 = (job.id for job in shorts)
     assert fed == [s0, s0, s1, s1, s2, long.id, s2, long.id, long.id]
     loop.close()
+
+
+@pytest.mark.parametrize("draft", ["ngram", "self"], ids=["ngram", "draft-model"])
+def test_a_request_whose_first_token_ends_it_finishes_at_once(tiny_target, draft):
+    """The prefill's token is EOS (a logit bias forces it): the request finishes then, with no tokens, as
+    the engine alone does — it used to stay on the worker, neither finished nor stepped, until its time
+    limit (with a draft model still to prefill), or waited for a step to notice (with prompt lookup)."""
+    from server_helpers import token_ids
+
+    from verispec import SamplingParams
+    from verispec.serving.http.scheduler import Scheduler
+
+    engine = tiny_engine(tiny_target, draft=tiny_target if draft == "self" else "ngram")
+    scheduler, loop = Scheduler(engine, prefill_chunk=4), asyncio.new_event_loop()
+    config = GenerationConfig(max_new_tokens=8, sampling=SamplingParams(logit_bias={0: 100.0}))
+    prompt = [20, 21, 22, 20, 21, 5]
+    alone = Generation(engine, prompt, config)
+    assert alone.finish_reason == "stop" and alone.take_held() == []  # no events: EOS ends it unseen
+    job = scheduler.submit(prompt, config, loop)
+    scheduler._admit()
+    stepped = []
+    for _ in range(6):  # prompt chunks, the draft's own prefill, and spare turns
+        stepped += scheduler._step()
+        scheduler._prefill()
+    assert scheduler.active_count == 0 and scheduler.reserved_tokens == 0 and stepped == []  # ended by its prefill
+    assert loop.run_until_complete(asyncio.wait_for(token_ids([job]), 5)) == [[]]
+    loop.close()

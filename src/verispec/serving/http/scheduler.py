@@ -457,8 +457,8 @@ class Scheduler:
         fed = generation.cache.length - before
         if held := generation.take_held():  # the first token came with the prompt's last chunk
             job.push(JobUpdate("tokens", events=held, live=live_stats(generation.stats)))
-            if generation.done:
-                self._finished(job)
+        if generation.done:  # that token ended it (an EOS ends it with no event to send)
+            self._finished(job)
         return {job.id: fed}
 
     def _step(self) -> tuple[int, ...]:
