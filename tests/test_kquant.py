@@ -685,6 +685,10 @@ def test_the_prefix_store_keeps_its_budget_and_drops_the_oldest(tiny):
     assert store.positions == 100
     store.keep([7] * 120, cache_of([7] * 120))  # larger than the whole budget: never stored
     assert store.positions == 100
+    running = cache_of(b + [6] * 30)  # a running request's cache: the tokens it holds count, not those it is given
+    assert store.take(b + [6] * 40, 80, running=[(b + [6] * 40, running)]).length == 70  # longer than the entry's 60
+    assert store.take(b + [6] * 40, 80, running=[(b, cache_of(b))]).length == 60  # shorter: the entry's
+    assert store.positions == 100  # running caches are read, never kept
 
 
 @pytest.mark.parametrize("ngram", [False, True], ids=["plain", "ngram"])
@@ -717,8 +721,8 @@ def test_a_server_with_prompt_caching_gives_each_request_its_answer_alone(tiny, 
 
 
 def test_a_prompt_prefilled_meanwhile_is_reused_by_a_request_admitted_before(tiny):
-    """A server's n choices: both admitted, then the first prefilled: the second takes its prompt from the cache
-    at its first prefill step (all but the last token) and answers as the first does."""
+    """A server's n choices: both admitted, then the first prefilled: the second takes its prompt from the first's
+    running cache at its first prefill step (all but the last token) and answers as the first does."""
     from verispec.engine.loop import Generation
 
     model = tiny[0]
@@ -729,12 +733,50 @@ def test_a_prompt_prefilled_meanwhile_is_reused_by_a_request_admitted_before(tin
     try:
         while not first.prefill_step(16):
             pass
-        second.prefill_step(16)
+        second.prefill_step(16, running=[(first.ids, first.cache)])
         assert second.cache.length == len(prompt) and second.stats.cached_tokens == len(prompt) - 1
         for generation in (first, second):
             while not generation.done:
                 generation.step()
         assert first.result().token_ids == second.result().token_ids
+    finally:
+        engine.prefixes.file.unlink(missing_ok=True)
+
+
+def test_requests_over_one_document_prefill_it_once(tiny):
+    """Four requests sharing a 40-token document, each with its own question, submitted together (chunks of 4):
+    the first to begin prefills the document, the others wait until its cache holds it, copy it from there
+    and prefill only their question; each answers as a fresh engine alone does (greedy, and sampled)."""
+    from verispec.serving.http.scheduler import Scheduler
+
+    model = LoadedModel("kq", tiny[0].folder, tiny[0].runner, tiny[0].tokenizer, frozenset())  # no eos: full lengths
+    document = [3 + (i * 7) % 44 for i in range(40)]
+    prompts = [document + [30 + i] * (2 + 3 * i) for i in range(4)]  # questions of 2, 5, 8 and 11 tokens
+    configs = [GenerationConfig(max_new_tokens=6), GenerationConfig(max_new_tokens=6, seed=7,
+                                                                   sampling=SamplingParams(temperature=1.0))]
+    def prompt_lookup() -> Engine:
+        return Engine(model, NgramDrafter(max_n=3), gamma=3, gamma_policy="constant")
+
+    engine = prompt_lookup()
+    try:
+        for config in configs:
+            engine.prefixes._entries.clear()
+            alone = [prompt_lookup().generate(prompt, config).token_ids for prompt in prompts]
+            scheduler = Scheduler(engine, max_batch=8, prefill_chunk=4)
+
+            async def run():
+                jobs = [scheduler.submit(list(prompt), config) for prompt in prompts]
+                scheduler.start()
+                try:
+                    return jobs, await token_ids(jobs)
+                finally:
+                    scheduler.stop()
+
+            jobs, answers = asyncio.run(run())
+            fed = sum(sum(turn.prefilled.values()) for turn in scheduler.turns)
+            assert fed == sum(map(len, prompts)) - 3 * len(document), [turn.prefilled for turn in scheduler.turns]
+            assert sorted(job.generation.stats.cached_tokens for job in jobs) == [0, 40, 40, 40]
+            assert answers == alone
     finally:
         engine.prefixes.file.unlink(missing_ok=True)
 

@@ -47,7 +47,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -60,7 +60,7 @@ from verispec.engine.prefixes import prefix_store_for
 from verispec.engine.shapes import Chain, shape_of
 from verispec.errors import InvalidParameterError, VerispecError
 from verispec.models.loading import ModelCache
-from verispec.models.runner import LoadedModel
+from verispec.models.runner import Cache, LoadedModel
 from verispec.sampling.grammar import Constraint, check_response_format
 from verispec.sampling.processors import MAX_TOP_LOGPROBS, SamplingParams, Scores, score_rows, token_logprobs
 from verispec.tokentree import depths
@@ -412,8 +412,10 @@ class Generation:
             self.session.attach_target_cache(self.cache)
         self.prefilled = self.session is None or self.session.prefill_step(0 if chunked else None)
 
-    def prefill_step(self, max_tokens: int | None = None) -> bool:
-        """Feed at most `max_tokens` more prompt tokens (None: all the rest) into the target's cache.
+    def prefill_step(self, max_tokens: int | None = None, running: Iterable[tuple[Sequence[int], Cache]] = ()) -> bool:
+        """Feed at most `max_tokens` more prompt tokens (None: all the rest) into the target's cache; the first
+        call starts from the longest prefix the prompt cache or a `running` request's cache holds
+        (`PrefixStore.take`).
         Once the last prompt token is in, open the drafter's session (whose own prefill, a draft
         model's, follows in calls of its own); that pass also gives the first new token, from the last
         prompt token's logits in the prefill pass as llama.cpp and Hugging Face `generate()` take it
@@ -426,7 +428,7 @@ class Generation:
             raise InvalidParameterError(f"a prefill chunk must hold at least 1 token, got {max_tokens}")
         start = time.perf_counter()
         if not self._session_opened and self.cache.length == 0:
-            self._reuse_prefix()
+            self._reuse_prefix(running)
         done, end = self.cache.length, self.prompt_len
         if max_tokens is not None:
             end = min(end, done + max_tokens)
@@ -437,8 +439,6 @@ class Generation:
             else:
                 logits = self.target.runner.forward(self.cache, torch.tensor(self.ids[done:end]), logits="last" if last else "none")
             if last:  # [1, vocab]: the first token, a step without a draft (its forward is the prefill's)
-                if self.engine.prefixes is not None:  # the prompt, for a request with the same one (a server's n choices)
-                    self.engine.prefixes.keep(self.ids, self.cache)
                 self._open_session(chunked=max_tokens is not None)
                 first = StepPlan(Chain(Draft.empty()), torch.tensor(self.ids[-1:]), 0.0)
                 self._held = self.commit(first, logits, 0.0)
@@ -447,13 +447,14 @@ class Generation:
         self.stats.prefill_seconds += time.perf_counter() - start
         return self.prefilled
 
-    def _reuse_prefix(self) -> None:
-        """Start from the prompt cache's longest prefix of this prompt, if it holds one (taken at the first
-        prefill step, not at admission: a prompt another request finished prefilling meanwhile counts)."""
+    def _reuse_prefix(self, running: Iterable[tuple[Sequence[int], Cache]]) -> None:
+        """Start from the longest prefix of this prompt that the prompt cache or a running request's cache
+        holds, if one does (taken at the first prefill step, not at admission: what another request
+        prefilled meanwhile counts)."""
         prefixes = self.engine.prefixes
         if prefixes is None or self.prompt_logprobs is not None:  # a cached prefix has no logits to score
             return
-        reused = prefixes.take(self.ids, self.initial_capacity)
+        reused = prefixes.take(self.ids, self.initial_capacity, running)
         if reused is not None:
             self.cache.release()
             self.cache = reused

@@ -10,7 +10,9 @@ is stored (llama.cpp's and torch's batched prefill round a chunk differently fro
 
 A finished request leaves a compact copy of its cache (prompt and answer). The store holds at most
 `budget` bytes of them, the least recently used going first; a prefix is reused from `MIN_REUSE`
-tokens.
+tokens. Running requests' caches count too (`take`'s `running`): a server's requests that share a
+document or a system prompt prefill it once (the scheduler holds a request back while another is
+prefilling what they share: `serving/http/scheduler.py`), a request's n choices their prompt once.
 
 Given a `file`, the store also outlives the process: `save()` writes its `DISK_ENTRIES` most recent entries
 there, at most `DISK_BUDGET` bytes (a long one keeps its beginning; the CLI saves after each answer), and a
@@ -25,7 +27,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -35,7 +37,7 @@ from safetensors.torch import save_file
 from verispec.models.runner import Cache, LoadedModel, Runner
 from verispec.paths import files_stamp, keyed_file, write_whole
 
-__all__ = ["DISK_BUDGET", "DISK_ENTRIES", "MIN_REUSE", "PREFIX_BUDGET", "PrefixStore", "prefix_store_for"]
+__all__ = ["DISK_BUDGET", "DISK_ENTRIES", "MIN_REUSE", "PREFIX_BUDGET", "PrefixStore", "prefix_store_for", "shared_length"]
 
 MIN_REUSE = 16  # shared tokens worth a copy (fewer: prefilling them costs about as little)
 PREFIX_BUDGET = 128 << 20  # bytes of cached keys/values kept for reuse by default (~2,300 positions of the 1.5B)
@@ -43,7 +45,8 @@ DISK_ENTRIES = 4  # the most recent entries `save` keeps for the next process (s
 DISK_BUDGET = 32 << 20  # bytes `save` writes at most (~570 positions of the 1.5B): a long entry keeps its beginning
 
 
-def _shared(a: Sequence[int], b: Sequence[int]) -> int:
+def shared_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens `a` and `b` begin with in common."""
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)
 
@@ -101,19 +104,26 @@ class PrefixStore:
         """Positions held, over every entry."""
         return sum(len(tokens) for tokens, _ in self._entries.values())
 
-    def take(self, prompt_ids: Sequence[int], capacity: int) -> Cache | None:
-        """A new cache of `capacity` positions holding the longest stored prefix of `prompt_ids` (at most
-        all but its last token, which the prefill feeds for the first new token), or None when no entry
-        shares MIN_REUSE tokens."""
+    def take(self, prompt_ids: Sequence[int], capacity: int,
+             running: Iterable[tuple[Sequence[int], Cache]] = ()) -> Cache | None:
+        """A new cache of `capacity` positions holding the longest prefix of `prompt_ids` (at most all but its
+        last token, which the prefill feeds for the first new token) that a stored entry or one of the
+        `running` requests' caches (each with the tokens it holds, from the first) holds, or None when
+        none shares MIN_REUSE tokens."""
+        most = len(prompt_ids) - 1
         with self._lock:
-            best, shared = None, 0
-            for key, (tokens, _) in self._entries.items():
-                if (n := min(_shared(tokens, prompt_ids), len(prompt_ids) - 1)) > shared:
-                    best, shared = key, n
-            if best is None or shared < MIN_REUSE:
+            best, source, shared = None, None, 0
+            for key, (tokens, cache) in self._entries.items():
+                if (n := min(shared_length(tokens, prompt_ids), most)) > shared:
+                    best, source, shared = key, cache, n
+            for tokens, cache in running:
+                if (n := min(shared_length(tokens[: cache.length], prompt_ids), most)) > shared:
+                    best, source, shared = None, cache, n
+            if source is None or shared < MIN_REUSE:
                 return None
-            self._entries.move_to_end(best)
-            return self._entries[best][1].copied(shared, capacity)
+            if best is not None:
+                self._entries.move_to_end(best)
+            return source.copied(shared, capacity)
 
     def keep(self, token_ids: Sequence[int], cache: Cache, owned: bool = False) -> None:
         """Store the first `cache.length` positions of a finished request's `cache` (they hold `token_ids`),
@@ -124,10 +134,10 @@ class PrefixStore:
             return
         tokens = tuple(token_ids[:length])
         with self._lock:
-            if any(_shared(held, tokens) == length for held, _ in self._entries.values()):
+            if any(shared_length(held, tokens) == length for held, _ in self._entries.values()):
                 return
             self._entries = OrderedDict((key, (held, c)) for key, (held, c) in self._entries.items()
-                                        if _shared(held, tokens) < len(held))  # entries this one extends go
+                                        if shared_length(held, tokens) < len(held))  # entries this one extends go
             self._serial += 1
             self._entries[self._serial] = (tokens, cache if owned else cache.copied(length, length))
             while self.positions * self.position_bytes > self.budget:

@@ -11,13 +11,15 @@ Every turn of the worker:
      each row keeps its own prefix.
   4. then ONE prefill chunk of at most `prefill_chunk` prompt tokens to the prefilling request with
      the fewest prompt tokens left (a short prompt is not held behind a long one; a prompt passed
-     over STARVATION_TURNS turns in a row goes next; 0: a whole prompt at once; a prompt that another
-     request is prefilling already waits for it, then starts from the prompt cache: a request's n choices
-     prefill it once), so a long prompt delays the decoding
-     requests by at most one chunk per turn; the chunk with the prompt's last token gives the first
-     new token (sent at once); when the target's prefill completes the request opens
-     its drafter's session, whose own prefill (the `model` drafter's) follows in chunks the same way
-     (other drafters prefill their draft whole then).
+     over STARVATION_TURNS turns in a row goes next; 0: a whole prompt at once), so a long prompt
+     delays the decoding requests by at most one chunk per turn; the chunk with the prompt's last
+     token gives the first new token (sent at once); when the target's prefill completes the request
+     opens its drafter's session, whose own prefill (the `model` drafter's) follows in chunks the same
+     way (other drafters prefill their draft whole then). With a prompt cache (`engine/prefixes.py`), a
+     request starts from the longest prefix of its prompt that a running request's cache or the store
+     holds, and one that has not begun waits while another request is prefilling at least `MIN_REUSE`
+     tokens it shares (`_waits`): requests over one document, or a request's n choices, prefill what
+     they share once.
 
 The chunk is a time budget: by default (`prefill_chunk=None`) the most tokens, a power of two in
 8…512, that the target prefills in `PREFILL_BUDGET_SECONDS` on this CPU (each size timed once per
@@ -60,7 +62,9 @@ import torch
 
 from verispec.control.costs import prefill_seconds_per_token
 from verispec.engine import Engine, Generation, GenerationConfig, StepPlan
+from verispec.engine.prefixes import MIN_REUSE, shared_length
 from verispec.errors import PromptError, VerispecError
+from verispec.models.runner import Cache
 from verispec.serving.http.limits import ServerLimits
 from verispec.serving.http.metrics import Metrics
 from verispec.types import GenerationStats, TokenEvent
@@ -430,13 +434,25 @@ class Scheduler:
         return min(ready, key=lambda job: job.generation.prompt_len - job.generation.cache.length)
 
     def _waits(self, job: Job) -> bool:
-        """Whether `job` has not begun its prompt while another request is prefilling the same one: with a
-        prompt cache (`engine/prefixes.py`) it then starts from that one's (a request's n choices prefill
-        their prompt once). The other is never waiting, so someone is always ready."""
+        """Whether `job` has not begun its prompt while another request, begun, is prefilling at least MIN_REUSE
+        tokens of it that its cache does not hold yet: with a prompt cache `job` then starts from that one's.
+        The other has begun, so it never waits: someone is always ready."""
         if self.engine.prefixes is None or job.generation.cache.length:
             return False
-        return any(other is not job and other.generation.cache.length and other.prompt_ids == job.prompt_ids
-                   for other in self._prefilling)
+        most = len(job.prompt_ids) - 1  # the prompt's last token is always fed: it gives the first new token
+        for other in self._prefilling:
+            done = other.generation.cache.length
+            if other is not job and done and done < (shared := min(shared_length(other.prompt_ids, job.prompt_ids), most)) \
+                    and shared >= MIN_REUSE:
+                return True
+        return False
+
+    def _running_caches(self, job: Job) -> list[tuple[list[int], Cache]]:
+        """Every other running request's (tokens, target cache), to start `job`'s prefill from (a prompt cache only)."""
+        if self.engine.prefixes is None or job.generation.cache.length:
+            return []
+        return [(other.generation.ids, other.generation.cache) for other in self._active
+                if other is not job and other.generation.cache.length]
 
     def _prefill(self) -> dict[int, int]:
         """Feed one chunk of one prefilling request's prompt (`_next_prefill`); {job id: tokens fed}."""
@@ -446,15 +462,15 @@ class Scheduler:
         self._prefill_turns += 1
         job.last_prefill_turn = self._prefill_turns
         generation = job.generation
-        before = generation.cache.length
+        before, copied = generation.cache.length, generation.stats.cached_tokens
         try:
-            done = generation.prefill_step(self.prefill_chunk or None)
+            done = generation.prefill_step(self.prefill_chunk or None, self._running_caches(job))
         except Exception as error:  # noqa: BLE001
             self._fail(job, error, "error")
             return {}
         if done:
             self._prefilling.remove(job)
-        fed = generation.cache.length - before
+        fed = generation.cache.length - before - (generation.stats.cached_tokens - copied)  # copied positions were not fed
         if held := generation.take_held():  # the first token came with the prompt's last chunk
             job.push(JobUpdate("tokens", events=held, live=live_stats(generation.stats)))
         if generation.done:  # that token ended it (an EOS ends it with no event to send)
