@@ -159,8 +159,8 @@ class Constraint:
         paths: list[list[int] | None] = [None] * n  # node -> the nodes from the root to it, if the grammar allows them
         held: list[int] = []  # the path the matcher has accepted now
         for node, parent in enumerate(parents):  # topological order: a parent comes before its children
-            if parent >= 0 and paths[parent] is None:
-                continue
+            if parent >= 0 and paths[parent] is None or not masks[parent + 1, int(draft_tokens[node])]:
+                continue  # the matcher is not asked (it logs a warning for every special token it refuses)
             held = self._move(held, paths[parent] if parent >= 0 else [], draft_tokens)
             if not self.matcher.accept_token(int(draft_tokens[node])):
                 continue
