@@ -325,7 +325,6 @@ COMPLETION = {"model": MODEL, "prompt": "t5"}
     (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}], "does not offer tools"),  # the tiny template's
     (CHAT, "tool_choice", "auto", "needs tools"),
     (CHAT, "functions", [{"name": "f"}], "does not call functions"),
-    (COMPLETION, "suffix", "end", "does not insert text"),
     (COMPLETION, "best_of", 3, "one candidate per request"),
     (COMPLETION, "max_token", 5, "unknown field 'max_token'"),
 ])

@@ -90,7 +90,8 @@ def _config(args: argparse.Namespace):
     if args.ignore_eos and args.max_new_tokens is None:
         raise InvalidParameterError("--ignore-eos needs --max-new-tokens: nothing else would end the answer")
     return GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, seed=args.seed, stop=tuple(args.stop),
-                            chat=not getattr(args, "raw", False), min_tokens=args.min_tokens, ignore_eos=args.ignore_eos)
+                            chat=not getattr(args, "raw", False), min_tokens=args.min_tokens, ignore_eos=args.ignore_eos,
+                            suffix=getattr(args, "suffix", None))
 
 
 def _planned_engine(args: argparse.Namespace):
@@ -141,7 +142,7 @@ def _generate(args: argparse.Namespace) -> int:
     if args.num_beams > 1:
         return _beam(args, config)
     engine = _planned_engine(args)
-    if args.max_new_tokens is None and not engine.target.wraps_in_chat_template(not args.raw):
+    if args.max_new_tokens is None and config.suffix is None and not engine.target.wraps_in_chat_template(not args.raw):
         config = dataclasses.replace(config, max_new_tokens=RAW_MAX_NEW_TOKENS)
         Console(stderr=True).print(
             f"[yellow]note:[/yellow] {'--raw' if args.raw else f'{engine.target.name} has no chat template'}: the prompt is "
@@ -199,6 +200,8 @@ def _beam(args: argparse.Namespace, config) -> int:
     from verispec.models.loading import load_model
     from verispec.engine.beam import beam_search
 
+    if config.suffix is not None:
+        raise InvalidParameterError("--suffix: not with --num-beams (beam search continues a prompt)", param="suffix")
     sampling = config.sampling
     if not sampling.greedy or sampling.penalised or sampling.logit_bias:
         Console(stderr=True).print("[yellow]note:[/yellow] beam search ranks the target's own log-probabilities; "
@@ -377,6 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text with speculative decoding")
     gen.add_argument("prompt")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--suffix", default=None, help="fill in the middle: write what goes between the prompt and this text "
+                                                     "(a code model's fill-in-the-middle tokens; no chat template)")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, finish_reason, stats)")
     EngineSpec.add_arguments(gen, ENGINE_DEFAULTS)
     _add_sampling_options(gen)

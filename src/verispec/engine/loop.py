@@ -81,6 +81,9 @@ class GenerationConfig:
     stop: strings that end the generation; the text is cut before the first one found, and streamed
       text never shows any part of it.
     chat: wrap a text prompt in the target's chat template (when it has one); token ids are used as given.
+    suffix: fill in the middle: the text prompt is what comes before the gap and `suffix` what comes after it,
+      in the target's fill-in-the-middle tokens (`models/infill.py`; never chat-templated), and the tokens that
+      end a middle end the answer as EOS does. None: a plain prompt.
     drafter: a drafter spec for this request only (`ngram`, `tree`, `model:NAME`, `none`, …), built
       over the engine's loaded models and kept for later requests; None: the engine's own.
     gamma: the (starting) number of tokens drafted per step; None: the engine's.
@@ -112,9 +115,12 @@ class GenerationConfig:
     ignore_eos: bool = False
     min_tokens: int = 0
     prompt_logprobs: int | None = None
+    suffix: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.suffix is not None and (not isinstance(self.suffix, str) or self.prompt_logprobs is not None):
+            raise InvalidParameterError("suffix must be text, and not with prompt log-probabilities (echo)", param="suffix")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise InvalidParameterError(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} token ids ≥ 0, "
                                         f"got {self.stop_token_ids!r}", param="stop_token_ids")
@@ -233,9 +239,15 @@ class Engine:
             self._drafters[spec] = drafter
         return self._drafters[spec]
 
-    def prompt_ids(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
-        """The target's checked token ids for `prompt` (`LoadedModel.prompt_ids`)."""
-        return self.target.prompt_ids(prompt, chat)
+    def prompt_ids(self, prompt: str | Sequence[int], chat: bool = True, suffix: str | None = None) -> list[int]:
+        """The target's checked token ids for `prompt` (`LoadedModel.prompt_ids`), or with a `suffix` for the text
+        between a text prompt and it (`LoadedModel.infill_ids`; InvalidParameterError for token ids)."""
+        if suffix is None:
+            return self.target.prompt_ids(prompt, chat)
+        if not isinstance(prompt, str):
+            raise InvalidParameterError("suffix: fill-in-the-middle needs a text prompt (the text before the gap), "
+                                        "not token ids", param="suffix")
+        return self.target.infill_ids(prompt, suffix)
 
     def start(self, prompt: str | Sequence[int], config: GenerationConfig | None = None) -> Generation:
         """Open a request: prefill the target's (and the drafter's) cache and return its `Generation`,
@@ -248,7 +260,7 @@ class Engine:
         """
         config = config or GenerationConfig()
         self.prepare(config.drafter, config.gamma_policy)  # before the prompt's work: a bad drafter fails first
-        return Generation(self, self.prompt_ids(prompt, config.chat), config)
+        return Generation(self, self.prompt_ids(prompt, config.chat, config.suffix), config)
 
     def stream(self, prompt: str | Sequence[int], config: GenerationConfig | None = None) -> Iterator[TokenEvent]:
         """Generate, yielding each token as a `TokenEvent` (its id, the text it made final, its origin)
@@ -347,7 +359,8 @@ class Generation:
                     f"{param} names token ids outside {self.target.name}'s vocabulary [0, {self.target.vocab_size}): {outside[:5]}",
                     param=param)
         # the tokens that end the answer: EOS (unless ignored) and the request's stop token ids
-        self.ends = frozenset(config.stop_token_ids) | (frozenset() if config.ignore_eos else frozenset(self.target.eos_ids))
+        ends = self.target.eos_ids | (self.target.infill_ends if config.suffix is not None else frozenset())
+        self.ends = frozenset(config.stop_token_ids) | (frozenset() if config.ignore_eos else ends)
         self.device = self.target.device  # where the step's tensors live: the target's logits are there
         self.generator = torch.Generator(self.device)  # torch's generators are per device (the CPU's: as before)
         # without a seed, a fresh one from the OS: torch's global generator is left as the caller set it

@@ -22,7 +22,8 @@ from typing import Protocol
 
 import torch
 
-from verispec.errors import PromptError
+from verispec.errors import InvalidParameterError, PromptError
+from verispec.models.infill import infill_format
 
 __all__ = ["Cache", "LoadedModel", "Runner", "RunnerConfig", "ragged_rows", "tensor_bytes"]
 
@@ -195,6 +196,21 @@ class LoadedModel:
         extra = {"tools": tools} if tools else {}
         text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True, **extra)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def infill_ids(self, before: str, after: str) -> list[int]:
+        """Checked token ids asking the model for the text between `before` and `after` (`models/infill.py`);
+        InvalidParameterError (param "suffix") for a model without fill-in-the-middle tokens."""
+        form = infill_format(self.tokenizer)
+        if form is None:
+            raise InvalidParameterError(f"suffix: {self.name} has no fill-in-the-middle tokens (such as <|fim_prefix|>) "
+                                        "to write text between a prompt and a suffix", param="suffix")
+        return self.prompt_ids(form.encode(self.tokenizer, before, after))
+
+    @property
+    def infill_ends(self) -> frozenset[int]:
+        """The tokens that end a fill-in-the-middle answer besides `eos_ids` (none for a model without the format)."""
+        form = infill_format(self.tokenizer)
+        return frozenset() if form is None else form.ends
 
     def prompt_ids(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
         """`prompt` as token ids (text encoded as `encode_prompt` does), checked: PromptError for an empty

@@ -81,6 +81,10 @@ class FastTokenizer:
     def __len__(self) -> int:
         return len(self.hf)
 
+    def token_to_id(self, token: str) -> int | None:
+        """The id of `token` when the vocabulary holds it whole (added and special tokens too), else None."""
+        return self._tokenizer.token_to_id(token)
+
     def encode(self, text: str, add_special_tokens: bool = True, **kwargs) -> list[int]:
         if kwargs or not isinstance(text, str):
             return self.hf.encode(text, add_special_tokens=add_special_tokens, **kwargs)

@@ -62,6 +62,9 @@ class RequestBody(Protocol):
     def grammar(self) -> dict | None:
         """The grammar constraint (`GenerationConfig.response_format`); None: free text."""
 
+    def infill(self) -> str | None:
+        """The text after the gap of a fill-in-the-middle request (`GenerationConfig.suffix`); None: a plain prompt."""
+
 
 class ChatTurn(Protocol):
     """One message of a chat request."""
@@ -144,4 +147,4 @@ def request_config(body: RequestBody, default_max_tokens: int, max_tokens_limit:
                             seed=body.seed, stop=stop, drafter=body.drafter, gamma=body.gamma,
                             gamma_policy=body.gamma_policy, logprobs=body.logprob_count(), response_format=body.grammar(),
                             min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop_token_ids=tuple(body.stop_token_ids or ()),
-                            prompt_logprobs=body.prompt_logprob_count())
+                            prompt_logprobs=body.prompt_logprob_count(), suffix=body.infill())

@@ -66,6 +66,8 @@ class BatchRecord(CompletionRequest):
             raise ValueError("give exactly one of 'prompt' (text or token ids) and 'messages' (a chat)")
         if self.n != 1:
             raise ValueError("n: a record gets one answer; repeat the record with another id for more")
+        if self.suffix and self.messages is not None:
+            raise ValueError("suffix: goes with a text 'prompt' (the text before the gap), not with 'messages'")
         return self
 
 
@@ -141,7 +143,8 @@ class EngineActor:
             if request.messages is not None:
                 encode = lambda engine, messages=request.messages: chat_prompt_ids(engine, messages)  # noqa: E731
             else:
-                encode = lambda engine, prompt=request.prompt, chat=request.chat: engine.prompt_ids(prompt, chat)  # noqa: E731
+                encode = lambda engine, prompt=request.prompt, chat=request.chat, suffix=request.infill(): (  # noqa: E731
+                    engine.prompt_ids(prompt, chat, suffix))
             jobs.append((record_id, self.scheduler.submit(encode, config)))
         rows += await asyncio.gather(*(self._finish(record_id, job) for record_id, job in jobs))
         return rows

@@ -321,8 +321,9 @@ def create_app(
 
     @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **ERROR_RESPONSES})
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        prompt = body.prompt
-        encode = (lambda engine: engine.prompt_ids(prompt, chat=False)) if isinstance(prompt, str) else (lambda engine: engine.prompt_ids(prompt))
+        prompt, suffix = body.prompt, body.infill()
+        encode = (lambda engine: engine.prompt_ids(prompt, chat=False, suffix=suffix)) if isinstance(prompt, str) \
+            else (lambda engine: engine.prompt_ids(prompt, suffix=suffix))
         return await serve(request, body, "completions", encode, CompletionFormat(request.app.state.model_name, _tokenizer(request)))
 
     @app.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}, **ERROR_RESPONSES})

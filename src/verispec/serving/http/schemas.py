@@ -5,10 +5,10 @@ n, presence_penalty, frequency_penalty, logit_bias, stop, seed, stream, stream_o
 extras (vLLM's names where it has them): sampling (top_k, min_p, eta, epsilon, repetition_penalty), ending
 (min_tokens, ignore_eos, stop_token_ids) and speculation (drafter, gamma, gamma_policy) for this one request.
 `logprobs` (completions: how many alternatives; chat: `logprobs` + `top_logprobs`, at most
-`MAX_TOP_LOGPROBS`) and, on chat, `response_format` (text, json_object, json_schema) and `tools`
+`MAX_TOP_LOGPROBS`), completions' `suffix` (fill in the middle: `verispec.models.infill`) and, on chat, `response_format` (text, json_object, json_schema) and `tools`
 (`tool_choice` none, auto, required or a named function; `verispec.serving.tool_calls`) are implemented.
 Ranges are checked here so that a bad value is a 422 naming the field. OpenAI fields this server
-does not implement (`UNSUPPORTED`: suffix, best_of > 1, the deprecated functions) are
+does not implement (`UNSUPPORTED`: best_of > 1, the deprecated functions) are
 declared with the one neutral value they accept, so the OpenAPI schema says exactly what is accepted; any other value is a 400 naming the field, and an
 unknown field is refused, never silently ignored. Text must be valid Unicode (no lone surrogates).
 Types are strict: a number is not a string, an integer not `true` or 2.0 (`max_tokens: true` is not 1).
@@ -43,7 +43,6 @@ __all__ = [
 # field -> why only its neutral value is accepted (`{input}`: the value sent)
 UNSUPPORTED = {
     "best_of": "this server generates one candidate per request (best_of must be 1 or absent)",
-    "suffix": "this server does not insert text (suffix must be empty or absent)",
     "functions": "this server does not call functions (functions must be empty or absent)",
     "function_call": "this server does not call functions (function_call must be \"none\" or absent)",
 }
@@ -135,6 +134,10 @@ class _GenerationFields(_Body):
         """The grammar constraint for the engine (`GenerationConfig.response_format`); None: free text."""
         return None
 
+    def infill(self) -> str | None:
+        """The text after the gap for a fill-in-the-middle request (`GenerationConfig.suffix`), else None."""
+        return None
+
 
 class CompletionRequest(_GenerationFields):
     prompt: Text | list[int] = Field(description="text, or token ids")
@@ -144,7 +147,9 @@ class CompletionRequest(_GenerationFields):
     echo: bool = Field(False, description=(
         "return the prompt before the answer (with `logprobs`: each prompt token's log-probability given the tokens "
         "before it, the first null, as for scoring); not with stream"))
-    suffix: Literal[""] | None = Field(None, description="not implemented: empty only")
+    suffix: Text | None = Field(None, description=(
+        "the text after the gap: the answer is what goes between the prompt and it (fill in the middle, for models "
+        "with such tokens; a text prompt; not with echo); empty or absent: the prompt is continued"))
     best_of: One | None = Field(None, description="not implemented: 1 only")
 
     def logprob_count(self) -> int | None:
@@ -154,7 +159,13 @@ class CompletionRequest(_GenerationFields):
     def prompt_logprob_count(self) -> int | None:
         if self.echo and self.stream:
             raise InvalidParameterError("echo: not with stream (send stream: false to get the prompt back)", param="echo")
+        if self.echo and self.infill() is not None:
+            raise InvalidParameterError("echo: not with suffix (the prompt is two texts around the answer)", param="echo")
         return self.logprobs if self.echo else None
+
+    def infill(self) -> str | None:
+        """The suffix, unless empty (then the prompt is continued as without one)."""
+        return self.suffix or None
 
 
 class TextPart(_Body):
