@@ -776,6 +776,7 @@ def test_requests_over_one_document_prefill_it_once(tiny):
             fed = sum(sum(turn.prefilled.values()) for turn in scheduler.turns)
             assert fed == sum(map(len, prompts)) - 3 * len(document), [turn.prefilled for turn in scheduler.turns]
             assert sorted(job.generation.stats.cached_tokens for job in jobs) == [0, 40, 40, 40]
+            assert "verispec_prompt_tokens_cached_total 120" in scheduler.metrics.render()
             assert answers == alone
     finally:
         engine.prefixes.file.unlink(missing_ok=True)

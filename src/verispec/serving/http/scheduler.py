@@ -470,7 +470,9 @@ class Scheduler:
             return {}
         if done:
             self._prefilling.remove(job)
-        fed = generation.cache.length - before - (generation.stats.cached_tokens - copied)  # copied positions were not fed
+        if reused := generation.stats.cached_tokens - copied:  # positions copied from a cache, not fed
+            self.metrics.record_cached(reused)
+        fed = generation.cache.length - before - reused
         if held := generation.take_held():  # the first token came with the prompt's last chunk
             job.push(JobUpdate("tokens", events=held, live=live_stats(generation.stats)))
         if generation.done:  # that token ended it (an EOS ends it with no event to send)
