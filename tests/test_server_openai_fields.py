@@ -1,7 +1,8 @@
 """`logprobs` / `top_logprobs`, `n`, vLLM's ending extras, `response_format` and /tokenize through the official `openai` client.
 
 Choices (`n`): each is what the engine gives alone for that seed (seed + i), streamed or not, with its own
-index and log-probability offsets; `usage` counts the prompt once.
+index and log-probability offsets; `usage` counts the prompt once. A list of prompts (text or token ids):
+answer i is prompt i // n's, seeded seed + i, each what the engine gives alone; at most MAX_PROMPTS answers.
 
 Log-probabilities: the server's values (streamed and not, completions and chat) are the engine's own,
 which tests/test_logprobs.py checks against a direct forward of the target. JSON: a tiny random model
@@ -11,6 +12,7 @@ text that parses (and follows the schema); on the old server these fields were a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import httpx
@@ -21,6 +23,7 @@ from server_helpers import MODEL, LocalServer, tiny_engine
 from verispec import Engine, GenerationConfig, SamplingParams
 from verispec.drafters import DraftModelDrafter
 from verispec.serving.http import create_app
+from verispec.serving.http.schemas import MAX_PROMPTS
 
 PROMPT = "t20 t21 t22 t20 t21"
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
@@ -96,6 +99,38 @@ def test_n_choices_are_each_what_the_engine_gives_alone(client, engine):
         usage = chunk.usage or usage
     assert texts == [result.text for result in alone] and finished == {0, 1, 2}
     assert usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_a_list_of_prompts_is_answered_prompt_by_prompt(client, engine):
+    """OpenAI's batched completions (lm-evaluation-harness sends them): answer i is prompt i // n's choice i % n, seeded
+    seed + i, each what the engine gives alone; usage counts every prompt once; token-id prompts and echo too."""
+    prompts, n = [PROMPT, "t9 t8 t7 t9 t8", "t30 t31"], 2
+    sampled = GenerationConfig(max_new_tokens=6, sampling=SamplingParams(temperature=1.0), chat=False)
+    alone = [engine.generate(prompt, dataclasses.replace(sampled, seed=3 + i)) for i, prompt in enumerate(p for p in prompts for _ in range(n))]
+    whole = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=1.0, seed=3, n=n)
+    assert [choice.text for choice in whole.choices] == [result.text for result in alone]
+    assert whole.usage.prompt_tokens == sum(result.stats.prompt_tokens for result in alone[::n])
+    streamed = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=1.0, seed=3, n=n, stream=True,
+                                         stream_options={"include_usage": True})
+    texts, usage = [""] * len(alone), None
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+        usage = chunk.usage or usage
+    assert texts == [result.text for result in alone] and usage.prompt_tokens == whole.usage.prompt_tokens
+    ids = [engine.prompt_ids(prompt, chat=False) for prompt in prompts]
+    greedy = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0, echo=True)
+    assert [choice.text for choice in greedy.choices] == [
+        prompt + engine.generate(prompt, GenerationConfig(max_new_tokens=6, chat=False)).text for prompt in prompts]
+
+
+@pytest.mark.parametrize(("prompt", "n", "status", "param"), [
+    (["t5"] * (MAX_PROMPTS + 1), 1, 422, "prompt"), (["t5"] * 3, 11, 400, "n"), ([[5], "t5"], 1, 422, "prompt"),
+])
+def test_too_many_answers_or_mixed_prompts_are_refused(client, prompt, n, status, param):
+    with pytest.raises(openai.APIStatusError) as error:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, n=n)
+    assert error.value.status_code == status and error.value.body["param"].startswith(param), error.value.body
 
 
 def test_n_greedy_chat_choices_are_alike(client):

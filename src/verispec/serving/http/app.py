@@ -65,6 +65,7 @@ from verispec.serving.http.schemas import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, DetokenizeRequest,
     DetokenizeResponse, ErrorResponse, ModelList, TokenizeRequest, TokenizeResponse, template_tools,
 )
+from verispec.types import GenerationStats
 
 __all__ = ["create_app", "begin_shutdown"]
 
@@ -98,11 +99,11 @@ def _error_status(error: BaseException) -> tuple[int, str, str | None]:
     return 500, f"internal error in this generation ({type(error).__name__}: {error}); other requests are unaffected", None
 
 
-def _submit(scheduler: Scheduler, ids: list[int], config, n: int) -> list[Job]:
-    """Queue the request's `n` choices together (choice i seeded seed + i), or none of them."""
+def _submit(scheduler: Scheduler, prompts: list[list[int]], config, n: int) -> list[Job]:
+    """Queue the request's `n` choices of each prompt together (answer i = prompt i // n, seeded seed + i), or none."""
     jobs: list[Job] = []
     try:
-        for index in range(n):
+        for index, ids in enumerate(ids for ids in prompts for _ in range(n)):
             seed = None if config.seed is None else config.seed + index
             jobs.append(scheduler.submit(ids, dataclasses.replace(config, seed=seed)))
     except BaseException:
@@ -238,7 +239,7 @@ def create_app(
         return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", headers=exc.headers)
 
     async def serve(request: Request, body: CompletionRequest | ChatCompletionRequest, endpoint: str,
-                    encode: Callable[[Engine], list[int]], fmt: CompletionFormat) -> Response:
+                    encode: Callable[[Engine], list[list[int]]], fmt: CompletionFormat) -> Response:
         started = time.perf_counter()
         scheduler: Scheduler = request.app.state.scheduler
         if body.model != request.app.state.model_name:
@@ -251,18 +252,19 @@ def create_app(
                 config = request_config(body, default_max_tokens, limits.max_tokens_limit)
                 # a drafter of the request's own is built (and its costs measured) here, not on the scheduler's thread
                 await asyncio.to_thread(scheduler.engine.prepare, config.drafter, config.gamma_policy)
-                ids = await asyncio.get_running_loop().run_in_executor(tokenizer_thread, encode, scheduler.engine)
+                prompts = await asyncio.get_running_loop().run_in_executor(tokenizer_thread, encode, scheduler.engine)
                 if request.app.state.stopping.is_set():  # checked with no await before submit: a stopped scheduler admits none
                     raise ServerStoppingError()
-                jobs = _submit(scheduler, ids, config, body.n)
+                jobs = _submit(scheduler, prompts, config, body.n)
                 await _next(jobs[0], request)  # "admitted": a batch slot and pool room (the prefill follows in chunks)
                 if body.stream:
                     include_usage = body.stream_options is not None and body.stream_options.include_usage
-                    return StreamingResponse(stream(jobs, fmt, endpoint, started, include_usage), media_type="text/event-stream")
-                echo = None
+                    return StreamingResponse(stream(jobs, body.n, fmt, endpoint, started, include_usage), media_type="text/event-stream")
+                echoes = None
                 if getattr(body, "echo", False):  # completions: the prompt before the answer
-                    echo = Echo(body.prompt if isinstance(body.prompt, str) else _tokenizer(request).decode(ids), ids)
-                response = JSONResponse(await collect(jobs, request, fmt, echo))
+                    echoes = [Echo(prompt if isinstance(prompt, str) else _tokenizer(request).decode(ids), ids)
+                              for prompt, ids in zip(body.prompts(), prompts)]
+                response = JSONResponse(await collect(jobs, body.n, request, fmt, echoes))
             except ClientDisconnected:
                 for job in jobs:
                     job.cancel()
@@ -275,7 +277,7 @@ def create_app(
         metrics.record_request(endpoint, response.status_code, time.perf_counter() - started)
         return response
 
-    async def collect(jobs: list[Job], request: Request, fmt: CompletionFormat, echo: Echo | None = None) -> dict:
+    async def collect(jobs: list[Job], n: int, request: Request, fmt: CompletionFormat, echoes: list[Echo] | None = None) -> dict:
         choices, stats = [], []
         for index, job in enumerate(jobs):  # the others run meanwhile: their updates wait in their queues
             events = []
@@ -284,23 +286,23 @@ def create_app(
             if update.finish_reason == SHUTDOWN_FINISH_REASON:
                 raise ServerStoppingError(f"the server is shutting down and stopped this request after {len(events)} tokens: "
                                           "retry on another server or later")
-            echoed = None if echo is None else dataclasses.replace(echo, logprobs=update.prompt_logprobs)
+            echoed = None if echoes is None else dataclasses.replace(echoes[index // n], logprobs=update.prompt_logprobs)
             choices.append(fmt.for_choice(index).choice(events, update.finish_reason, echoed))
             stats.append(update.stats)
-        return fmt.response(choices, merged_stats(stats))
+        return fmt.response(choices, merged_stats(stats, n))
 
-    async def stream(jobs: list[Job], fmt: CompletionFormat, endpoint: str, started: float,
+    async def stream(jobs: list[Job], n: int, fmt: CompletionFormat, endpoint: str, started: float,
                      include_usage: bool) -> AsyncIterator[str]:
         status, first = 200, True
         formats = [fmt.for_choice(index) for index in range(len(jobs))]
-        finished = []
+        finished: list[GenerationStats | None] = [None] * len(jobs)  # by answer index
         try:
             for choice in formats:
                 for chunk in choice.opening_chunks():
                     yield sse(chunk)
             async for index, update in _merged(jobs):
                 if update.kind == "finished":
-                    finished.append(update.stats)
+                    finished[index] = update.stats
                     yield sse(formats[index].final_chunk(update.finish_reason, update.stats))
                     continue
                 if first and update.events:
@@ -309,7 +311,7 @@ def create_app(
                 for event in update.events:
                     yield sse(formats[index].token_chunk(event, update.live))
             if include_usage:
-                yield sse(fmt.usage_chunk(merged_stats(finished)))
+                yield sse(fmt.usage_chunk(merged_stats(finished, n)))
         except Exception as error:  # noqa: BLE001 — headers are sent: report the failure in-band
             status, message, _ = _error_status(error)
             yield sse({"error": {"message": message, "type": "server_error", "code": str(status)}})
@@ -321,15 +323,14 @@ def create_app(
 
     @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **ERROR_RESPONSES})
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        prompt, suffix = body.prompt, body.infill()
-        encode = (lambda engine: engine.prompt_ids(prompt, chat=False, suffix=suffix)) if isinstance(prompt, str) \
-            else (lambda engine: engine.prompt_ids(prompt, suffix=suffix))
+        def encode(engine: Engine) -> list[list[int]]:
+            return [engine.prompt_ids(prompt, chat=False, suffix=body.infill()) for prompt in body.prompts()]
         return await serve(request, body, "completions", encode, CompletionFormat(request.app.state.model_name, _tokenizer(request)))
 
     @app.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}, **ERROR_RESPONSES})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         messages = body.messages
-        return await serve(request, body, "chat", lambda engine: chat_prompt_ids(engine, messages, body.offered_tools()),
+        return await serve(request, body, "chat", lambda engine: [chat_prompt_ids(engine, messages, body.offered_tools())],
                            ChatFormat(request.app.state.model_name, _tokenizer(request), tools=body.calls_tools))
 
     async def on_tokenizer_thread(request: Request, model: str, work: Callable[[Engine], dict]) -> JSONResponse:

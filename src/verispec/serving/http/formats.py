@@ -60,9 +60,11 @@ def _call_finish(finish_reason: str) -> str:
     return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
-def merged_stats(stats: list[GenerationStats]) -> GenerationStats:
-    """One request's statistics over its choices: the prompt counted once, the new tokens and steps of all."""
-    total = GenerationStats(prompt_tokens=stats[0].prompt_tokens, cached_tokens=stats[0].cached_tokens)
+def merged_stats(stats: list[GenerationStats], n: int = 1) -> GenerationStats:
+    """One request's statistics over its answers (`n` choices of each prompt, in order): each prompt counted once,
+    the new tokens and steps of all."""
+    firsts = stats[::n]  # the first choice of each prompt
+    total = GenerationStats(prompt_tokens=sum(s.prompt_tokens for s in firsts), cached_tokens=sum(s.cached_tokens for s in firsts))
     for part in stats:
         total.new_tokens += part.new_tokens
         for record in part.records:

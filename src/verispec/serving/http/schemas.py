@@ -1,7 +1,7 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic), plus verispec's extras.
 
 Requests accept OpenAI's fields (model, max_tokens / max_completion_tokens, temperature, top_p,
-n, presence_penalty, frequency_penalty, logit_bias, stop, seed, stream, stream_options, user) and verispec's
+n (and on completions a list of prompts), presence_penalty, frequency_penalty, logit_bias, stop, seed, stream, stream_options, user) and verispec's
 extras (vLLM's names where it has them): sampling (top_k, min_p, eta, epsilon, repetition_penalty), ending
 (min_tokens, ignore_eos, stop_token_ids) and speculation (drafter, gamma, gamma_policy) for this one request.
 `logprobs` (completions: how many alternatives; chat: `logprobs` + `top_logprobs`, at most
@@ -33,10 +33,11 @@ from verispec.sampling.processors import (
 from verispec.serving.tool_calls import call_grammar
 
 MAX_CHOICES = 16  # the most choices (n) one request may ask for: each holds a batch slot
+MAX_PROMPTS = 32  # the most prompts one completions request may give, and the most answers (prompts × n) it may ask for
 MAX_TOOLS = 128  # the most tools one request may offer (OpenAI's bound)
 
 __all__ = [
-    "MAX_CHOICES", "template_tools", "TokenizeRequest", "TokenizeResponse", "DetokenizeRequest", "DetokenizeResponse", "CompletionRequest", "ChatCompletionRequest", "ChatMessage", "Usage", "CompletionResponse",
+    "MAX_CHOICES", "MAX_PROMPTS", "template_tools", "TokenizeRequest", "TokenizeResponse", "DetokenizeRequest", "DetokenizeResponse", "CompletionRequest", "ChatCompletionRequest", "ChatMessage", "Usage", "CompletionResponse",
     "ChatCompletionResponse", "ModelList", "ErrorResponse", "UNSUPPORTED",
 ]
 
@@ -140,7 +141,10 @@ class _GenerationFields(_Body):
 
 
 class CompletionRequest(_GenerationFields):
-    prompt: Text | list[int] = Field(description="text, or token ids")
+    prompt: Text | list[int] | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)] \
+        | Annotated[list[list[int]], Field(min_length=1, max_length=MAX_PROMPTS)] = Field(description=(
+            f"text, or token ids; or a list of up to {MAX_PROMPTS} of either: each answered in turn as its own request "
+            "(choice index = prompt index × n + choice)"))
     max_tokens: int | None = Field(16, ge=1, description="new tokens at most")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
         "return the target's log-probability of each token and of its `logprobs` most likely alternatives"))
@@ -166,6 +170,14 @@ class CompletionRequest(_GenerationFields):
     def infill(self) -> str | None:
         """The suffix, unless empty (then the prompt is continued as without one)."""
         return self.suffix or None
+
+    def prompts(self) -> list[str | list[int]]:
+        """Every prompt of the request (one, or each of a list), checked: at most MAX_PROMPTS answers in all."""
+        batch = self.prompt if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int) else [self.prompt]
+        if len(batch) * self.n > MAX_PROMPTS:
+            raise InvalidParameterError(f"n: {len(batch)} prompts × n = {self.n} asks for {len(batch) * self.n} answers; "
+                                        f"at most {MAX_PROMPTS} per request", param="n")
+        return batch
 
 
 class TextPart(_Body):
