@@ -691,19 +691,10 @@ def test_the_prefix_store_keeps_its_budget_and_drops_the_oldest(tiny):
     assert store.positions == 100  # running caches are read, never kept
 
 
-@pytest.mark.parametrize("ngram", [False, True], ids=["plain", "ngram"])
-def test_a_server_with_prompt_caching_gives_each_request_its_answer_alone(tiny, ngram):
-    """Requests sharing a system-prompt-like head, all at once through the real scheduler (chunked
-    prefill after the cached head, shared passes): each answer equals a fresh engine's answer alone."""
+def _served_together(engine: Engine, prompts: list[list[int]], config: GenerationConfig):
+    """(scheduler, jobs, each job's token ids): `prompts` submitted at once to a real scheduler's thread, chunks of 4."""
     from verispec.serving.http.scheduler import Scheduler
 
-    model = LoadedModel("kq", tiny[0].folder, tiny[0].runner, tiny[0].tokenizer, frozenset())  # no eos: full lengths
-    head = list(range(3, 23))  # 20 tokens
-    prompts = [head + [30 + i] * (i + 1) for i in range(4)]
-    config = GenerationConfig(max_new_tokens=12)
-    alone = [Engine(model, None).generate(prompt, config).token_ids for prompt in prompts]
-    engine = Engine(model, NgramDrafter(max_n=3) if ngram else None, gamma=3, gamma_policy="constant")
-    engine.generate(head + [44, 45], config)  # leaves the head in the store
     scheduler = Scheduler(engine, max_batch=8, prefill_chunk=4)
 
     async def run():
@@ -714,7 +705,21 @@ def test_a_server_with_prompt_caching_gives_each_request_its_answer_alone(tiny, 
         finally:
             scheduler.stop()
 
-    jobs, answers = asyncio.run(run())
+    return scheduler, *asyncio.run(run())
+
+
+@pytest.mark.parametrize("ngram", [False, True], ids=["plain", "ngram"])
+def test_a_server_with_prompt_caching_gives_each_request_its_answer_alone(tiny, ngram):
+    """Requests sharing a system-prompt-like head, all at once through the real scheduler (chunked
+    prefill after the cached head, shared passes): each answer equals a fresh engine's answer alone."""
+    model = LoadedModel("kq", tiny[0].folder, tiny[0].runner, tiny[0].tokenizer, frozenset())  # no eos: full lengths
+    head = list(range(3, 23))  # 20 tokens
+    prompts = [head + [30 + i] * (i + 1) for i in range(4)]
+    config = GenerationConfig(max_new_tokens=12)
+    alone = [Engine(model, None).generate(prompt, config).token_ids for prompt in prompts]
+    engine = Engine(model, NgramDrafter(max_n=3) if ngram else None, gamma=3, gamma_policy="constant")
+    engine.generate(head + [44, 45], config)  # leaves the head in the store
+    scheduler, jobs, answers = _served_together(engine, prompts, config)
     assert [job.generation.stats.cached_tokens for job in jobs] == [20] * 4
     assert max(len(turn.stepped) for turn in scheduler.turns) == 4  # they shared passes
     assert answers == alone
@@ -747,13 +752,12 @@ def test_requests_over_one_document_prefill_it_once(tiny):
     """Four requests sharing a 40-token document, each with its own question, submitted together (chunks of 4):
     the first to begin prefills the document, the others wait until its cache holds it, copy it from there
     and prefill only their question; each answers as a fresh engine alone does (greedy, and sampled)."""
-    from verispec.serving.http.scheduler import Scheduler
-
     model = LoadedModel("kq", tiny[0].folder, tiny[0].runner, tiny[0].tokenizer, frozenset())  # no eos: full lengths
     document = [3 + (i * 7) % 44 for i in range(40)]
     prompts = [document + [30 + i] * (2 + 3 * i) for i in range(4)]  # questions of 2, 5, 8 and 11 tokens
     configs = [GenerationConfig(max_new_tokens=6), GenerationConfig(max_new_tokens=6, seed=7,
                                                                    sampling=SamplingParams(temperature=1.0))]
+
     def prompt_lookup() -> Engine:
         return Engine(model, NgramDrafter(max_n=3), gamma=3, gamma_policy="constant")
 
@@ -762,17 +766,7 @@ def test_requests_over_one_document_prefill_it_once(tiny):
         for config in configs:
             engine.prefixes._entries.clear()
             alone = [prompt_lookup().generate(prompt, config).token_ids for prompt in prompts]
-            scheduler = Scheduler(engine, max_batch=8, prefill_chunk=4)
-
-            async def run():
-                jobs = [scheduler.submit(list(prompt), config) for prompt in prompts]
-                scheduler.start()
-                try:
-                    return jobs, await token_ids(jobs)
-                finally:
-                    scheduler.stop()
-
-            jobs, answers = asyncio.run(run())
+            scheduler, jobs, answers = _served_together(engine, prompts, config)
             fed = sum(sum(turn.prefilled.values()) for turn in scheduler.turns)
             assert fed == sum(map(len, prompts)) - 3 * len(document), [turn.prefilled for turn in scheduler.turns]
             assert sorted(job.generation.stats.cached_tokens for job in jobs) == [0, 40, 40, 40]
