@@ -776,6 +776,31 @@ def test_requests_over_one_document_prefill_it_once(tiny):
         engine.prefixes.file.unlink(missing_ok=True)
 
 
+def test_a_prompt_others_wait_for_is_prefilled_before_shorter_ones(tiny):
+    """Worker turns by hand (chunks of 4): A begins a 40-token document; B shares it and waits; E, a short unrelated
+    prompt, would go first by the fewest-tokens rule, but A goes on while B waits for it (E only when passed over
+    STARVATION_TURNS turns), until A holds the document; then B, passed over longest, starts from A's cache."""
+    from verispec.serving.http.scheduler import STARVATION_TURNS, Scheduler
+
+    assert STARVATION_TURNS == 4  # the expected order below counts on it
+    engine = Engine(tiny[0], None)
+    scheduler, loop = Scheduler(engine, prefill_chunk=4), asyncio.new_event_loop()
+    config = GenerationConfig(max_new_tokens=2)
+    document = [3 + (i * 7) % 44 for i in range(40)]
+    a = scheduler.submit(document + [30, 31], config, loop)
+    scheduler._admit()
+    assert list(scheduler._prefill()) == [a.id]
+    b, e = scheduler.submit(document + [32] * 5, config, loop), scheduler.submit([40, 41, 42, 43, 44, 45, 46, 47], config, loop)
+    scheduler._admit()
+    names = {a.id: "a", b.id: "b", e.id: "e"}
+    fed = [names[next(iter(scheduler._prefill()))] for _ in range(7)]
+    assert fed == ["a"] * 5 + ["e"] + ["a"], fed  # fewest tokens first would have fed E first, twice
+    fed = [names[next(iter(scheduler._prefill()))] for _ in range(4)]
+    assert fed == ["a"] * 3 + ["b"], fed  # A reaches 40 tokens, then B (waiting since turn 1) goes
+    assert a.generation.cache.length == 40 and b.generation.stats.cached_tokens == 40
+    loop.close()
+
+
 def test_a_servers_n_choices_prefill_their_prompt_once(tiny):
     """n = 3 over a 40-token prompt in chunks of 4: the first choice prefills it (10 turns), the others wait, then
     take it from the prompt cache (one turn each); every choice answers as the request alone does."""

@@ -18,8 +18,8 @@ Every turn of the worker:
      way (other drafters prefill their draft whole then). With a prompt cache (`engine/prefixes.py`), a
      request starts from the longest prefix of its prompt that a running request's cache or the store
      holds, and one that has not begun waits while another request is prefilling at least `MIN_REUSE`
-     tokens it shares (`_waits`): requests over one document, or a request's n choices, prefill what
-     they share once.
+     tokens it shares (`_donor`), which then goes before other prompts: requests over one document, or
+     a request's n choices, prefill what they share once.
 
 The chunk is a time budget: by default (`prefill_chunk=None`) the most tokens, a power of two in
 8…512, that the target prefills in `PREFILL_BUDGET_SECONDS` on this CPU (each size timed once per
@@ -426,26 +426,29 @@ class Scheduler:
     def _next_prefill(self) -> Job:
         """The prompt with the fewest tokens left (the first admitted among equals), unless one has been
         passed over STARVATION_TURNS prefill turns in a row: then the one passed over longest. A prompt
-        another request is prefilling already waits for it (`_waits`)."""
-        ready = [job for job in self._prefilling if not self._waits(job)]
+        another request is prefilling already waits for it (`_donor`), and a prompt others wait for goes
+        before the rest."""
+        donors = {job.id: self._donor(job) for job in self._prefilling}
+        ready = [job for job in self._prefilling if donors[job.id] is None]
         starved = min(ready, key=lambda job: job.last_prefill_turn)
         if self._prefill_turns - starved.last_prefill_turn > STARVATION_TURNS:
             return starved
-        return min(ready, key=lambda job: job.generation.prompt_len - job.generation.cache.length)
+        awaited = [job for job in ready if job in donors.values()]
+        return min(awaited or ready, key=lambda job: job.generation.prompt_len - job.generation.cache.length)
 
-    def _waits(self, job: Job) -> bool:
-        """Whether `job` has not begun its prompt while another request, begun, is prefilling at least MIN_REUSE
-        tokens of it that its cache does not hold yet: with a prompt cache `job` then starts from that one's.
-        The other has begun, so it never waits: someone is always ready."""
+    def _donor(self, job: Job) -> Job | None:
+        """The request `job` waits for: `job` has not begun its prompt while that one, begun, is prefilling at least
+        MIN_REUSE tokens of it that its cache does not hold yet (with a prompt cache `job` then starts from
+        that one's); None: `job` is ready. A donor has begun, so it never waits: someone is always ready."""
         if self.engine.prefixes is None or job.generation.cache.length:
-            return False
+            return None
         most = len(job.prompt_ids) - 1  # the prompt's last token is always fed: it gives the first new token
         for other in self._prefilling:
             done = other.generation.cache.length
             if other is not job and done and done < (shared := min(shared_length(other.prompt_ids, job.prompt_ids), most)) \
                     and shared >= MIN_REUSE:
-                return True
-        return False
+                return other
+        return None
 
     def _running_caches(self, job: Job) -> list[tuple[list[int], Cache]]:
         """Every other running request's (tokens, target cache), to start `job`'s prefill from (a prompt cache only)."""
