@@ -332,6 +332,8 @@ def test_a_request_whose_first_token_ends_it_finishes_at_once(tiny_target, draft
     prompt = [20, 21, 22, 20, 21, 5]
     alone = Generation(engine, prompt, config)
     assert alone.finish_reason == "stop" and alone.take_held() == []  # no events: EOS ends it unseen
+    chunked = Generation(engine, prompt, config, prefill=False)
+    assert [chunked.prefill_step(4) for _ in range(2)] == [False, True]  # the chunk with the first token ends the prefill
     job = scheduler.submit(prompt, config, loop)
     scheduler._admit()
     stepped = []

@@ -458,7 +458,7 @@ class Generation:
         else:
             self.prefilled = self.session.prefill_step(max_tokens)
         self.stats.prefill_seconds += time.perf_counter() - start
-        return self.prefilled
+        return self.prefilled or self.finish_reason is not None  # a first token that ends it leaves no draft to prefill
 
     def _reuse_prefix(self, running: Iterable[tuple[Sequence[int], Cache]]) -> None:
         """Start from the longest prefix of this prompt that the prompt cache or a running request's cache
