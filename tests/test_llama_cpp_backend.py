@@ -74,6 +74,14 @@ def test_exact_width_is_bit_identical_to_single_steps(target):
     assert torch.equal(runner.forward(batch_cache, fed), single)
 
 
+def test_the_cost_curve_is_timed_no_wider_than_the_exact_width(target):
+    """Past the exact width the runner never verifies, so its curve is not timed there."""
+    from verispec.control.costs import CostModel
+
+    costs = CostModel.calibrated(target, 13, long=False)
+    assert len(costs.target_seconds) == min(13, target.runner.exact_positions) and costs.long_target_seconds is None
+
+
 def test_rollback_then_refeed_matches_a_fresh_sequence(wide_target):
     runner = wide_target.runner
     prompt, fed, other = wide_target.encode_prompt(PROMPT), _tokens(wide_target, 6, 1), _tokens(wide_target, 6, 2)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from verispec.control import CostModel
 from verispec.control.costs import LONG_CONTEXT, SHORT_CONTEXT
@@ -176,6 +177,42 @@ def test_the_long_curve_is_measured_and_cached_beside_the_short_one(tiny_target,
     assert len(keys) == 2 and sum(key.endswith(f"|context={LONG_CONTEXT}") for key in keys) == 1
     assert CostModel.calibrated(model, 3).long_target_seconds == costs.long_target_seconds  # read back, not measured
     assert CostModel.calibrated(load_model(tiny_target), 3).long_target_seconds is None  # a 128-token context
+
+
+def test_a_curve_is_timed_after_placeholder_slots_not_a_prefill(tiny_target):
+    """The own runner times T(n) after `context` slots it counts as held (`placeholder_cache`): no forward feeds the
+    context, only the timed positions, and a forward after those slots scores as after any context."""
+    from verispec.control.costs import measure_verify_curve
+    from verispec.models.loading import load_model
+
+    runner = load_model(tiny_target).runner
+    cache = runner.placeholder_cache(100, 104)
+    assert cache.length == 100 and cache.capacity >= 104
+    assert runner.forward(cache, torch.tensor([3, 4]), logits="all").isfinite().all() and cache.length == 102
+    fed, forward = [], runner.forward
+    runner.forward = lambda cache, tokens, **kwargs: (fed.append(len(tokens)), forward(cache, tokens, **kwargs))[1]
+    assert len(measure_verify_curve(runner, 3, context=100, repeats=1, attempts=1)) == 3
+    assert sorted(set(fed)) == [1, 2, 3]  # never the 100-token context
+
+
+def test_a_plan_times_the_long_context_only_for_the_backend_it_keeps(tmp_path, monkeypatch):
+    """Backends are compared on the short-context curve; only the kept plan's γ policy reads the curve after
+    LONG_CONTEXT tokens, so only that backend is timed there (a first run measured every backend's)."""
+    from conftest import make_tiny_model
+
+    from verispec.engine.build import EngineBuilder
+    from verispec.paths import read_table
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    folder = make_tiny_model(tmp_path / "long", seed=5, context=2 * LONG_CONTEXT)
+    engine = EngineBuilder(str(folder)).planned_engine(backends=["float32", "int8"], settle=True)
+    long_keys = [key for key in read_table("verify_costs.json") if key.endswith(f"|context={LONG_CONTEXT}")]
+    expected = 0 if engine.plan.drafter == "none" else 1
+    assert len(long_keys) == expected
+    assert len(read_table("verify_costs.json")) == 2 + expected  # each backend's short curve
+    if expected:  # the kept backend's (int8 variants are tagged ",int8")
+        assert (",int8" in long_keys[0]) == (engine.plan.precision == "int8")
+        assert engine.costs.long_target_seconds is not None
 
 
 def test_cli_default_is_the_auto_plan(capsys, tiny_target):

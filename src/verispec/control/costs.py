@@ -6,8 +6,11 @@ over n new positions; far from flat on a CPU in some dtypes) and the draft model
 token. The curve is measured after `SHORT_CONTEXT` cached tokens and again after `LONG_CONTEXT`: each
 new position attends the whole context, so verifying n positions costs more, relative to one, as the
 context grows (kquant's T(5)/T(1): 1.22 after 64 tokens, 1.64 after 700); `verify_cost` interpolates
-the ratio linearly in the context a step attends. They are not re-measured during a generation on
-purpose: γ then depends only on acceptance (and the context), so a seed reproduces an output exactly.
+the ratio linearly in the context a step attends. To keep a first run short, a runner with its own
+static cache is timed after placeholder slots (`Runner.placeholder_cache`) rather than a real prefill of
+that context, a curve stops at the width the runner verifies exactly, and a plan comparing backends times
+the long context only for the one it keeps (`calibrated(long=)`). They are not re-measured during a
+generation on purpose: γ then depends only on acceptance (and the context), so a seed reproduces an output exactly.
 A model-free drafter (n-gram) counts as free (c = 0).
 """
 
@@ -54,8 +57,10 @@ def measure_verify_curve(runner: Runner, max_positions: int, context: int = SHOR
     the best of `repeats` rounds over every n (so a drift of the machine's speed, which on a shared CPU
     lasts seconds, touches every n alike), measured again (keeping each n's best) while the curve is
     implausible."""
-    cache = runner.new_cache(context + max_positions + 1)
-    runner.forward(cache, torch.zeros(context, dtype=torch.long), logits="none")
+    cache = runner.placeholder_cache(context, context + max_positions + 1)
+    if cache is None:  # a backend that must be fed the context it is timed after
+        cache = runner.new_cache(context + max_positions + 1)
+        runner.forward(cache, torch.zeros(context, dtype=torch.long), logits="none")
     times = [float("inf")] * max_positions
     for _ in range(attempts):
         for _ in range(repeats):
@@ -114,17 +119,21 @@ class CostModel:
         self.draft_catch_up = draft_catch_up  # the draft model's T_d(2)/T_d(1) (`theory.draft_step_cost`); 1 model-free
 
     @classmethod
-    def calibrated(cls, target: LoadedModel, max_positions: int, draft: LoadedModel | None = None) -> CostModel:
-        """T(n) of the target, the draft model's seconds per token and its T_d(2)/T_d(1), from the cache or
-        measured now; a model-free drafter costs 0."""
+    def calibrated(cls, target: LoadedModel, max_positions: int, draft: LoadedModel | None = None,
+                   long: bool = True) -> CostModel:
+        """T(n) of the target for n up to `max_positions` (no wider than the runner verifies exactly), the draft
+        model's seconds per token and its T_d(2)/T_d(1), from the cache or measured now; a model-free drafter
+        costs 0. `long`: the curve after LONG_CONTEXT tokens too, which only the γ policy reads inside a request
+        (a plan compares backends on the short curve, so one it does not keep is never timed there)."""
+        max_positions = min(max_positions, target.runner.exact_positions or max_positions)
         target_seconds = _cached_curve(target.runner, str(target.folder), max_positions)
-        long = None  # after LONG_CONTEXT tokens, where the target holds them
-        if target.context_length > LONG_CONTEXT + max_positions:
-            long = _cached_curve(target.runner, str(target.folder), max_positions, LONG_CONTEXT)
+        long_seconds = None  # after LONG_CONTEXT tokens, where the target holds them
+        if long and target.context_length > LONG_CONTEXT + max_positions:
+            long_seconds = _cached_curve(target.runner, str(target.folder), max_positions, LONG_CONTEXT)
         if draft is None:
-            return cls(target_seconds, 0.0, long_target_seconds=long)
+            return cls(target_seconds, 0.0, long_target_seconds=long_seconds)
         draft_curve = _cached_curve(draft.runner, str(draft.folder), 2)
-        return cls(target_seconds, draft_curve[0], draft_curve[1] / draft_curve[0], long)
+        return cls(target_seconds, draft_curve[0], draft_curve[1] / draft_curve[0], long_seconds)
 
     def verify_cost(self, gamma: int, context: int | None = None) -> float:
         """T(γ+1) / T(1) for a step after `context` cached tokens (None: SHORT_CONTEXT): between the two

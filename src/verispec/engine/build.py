@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from verispec.control.costs import CostModel
 from verispec.control.plan import Plan, choose_backend, choose_plan, worth_measuring
 from verispec.drafters import make_drafter
 from verispec.drafters.base import Drafter
@@ -112,8 +113,9 @@ class EngineBuilder:
         shipped target), whichever the measured costs on this CPU predict fastest (`choose_plan`) for
         the target in `precision`. Its verification curve and the draft model's cost are measured
         once and cached; the draft model only where it could be the plan (`worth_measuring`), so a first
-        run neither fetches nor times a draft whose least possible cost already rules it out."""
-        costs = {"ngram": self.engine("ngram", gamma, "auto", precision).costs}  # measured or cached
+        run neither fetches nor times a draft whose least possible cost already rules it out. Only the short-context
+        curve is measured here (`_candidate_costs`): `planned_engine` times the kept plan's after a long context."""
+        costs = {"ngram": self._candidate_costs("ngram", gamma, precision)}  # measured or cached
         target = self.target(precision)
         exact = target.runner.exact_positions
         max_gamma = exact - 1 if exact is not None else Engine.MAX_GAMMA
@@ -129,11 +131,17 @@ class EngineBuilder:
             rival = max((speedup for speedup, _ in plan.predicted.values()), default=0.0)
             worth, bound = (True, 0.0) if least_c is None else worth_measuring(least_c, curve, max_gamma, rival)
             if worth:
-                costs["model"] = self.engine("model", gamma, "auto", precision).costs
+                costs["model"] = self._candidate_costs("model", gamma, precision)
                 plan = planned()
             else:
                 plan = dataclasses.replace(plan, bounds={"model": bound})
         return plan
+
+    def _candidate_costs(self, spec: str, gamma: int, precision: str | None) -> CostModel:
+        """The costs a plan compares for drafter `spec` on the target in `precision`: its short-context curve and
+        the draft model's cost, never the curve after a long context (which only the kept plan's γ policy reads)."""
+        engine = self.engine(spec, gamma, "auto", precision)
+        return engine.costs_for(engine.drafter, "auto", long=False)
 
     def planned_engine(self, gamma: int = 4, gamma_policy: str | None = None, precision: str | None = None,
                        backends: list[str] | None = None, settle: bool = False) -> Engine:
@@ -171,6 +179,7 @@ class EngineBuilder:
             self._let_go_of_candidates(plan)
         engine = self.engine(plan.drafter, max(plan.gamma, 1), gamma_policy or "auto", precision)
         engine.plan = plan
+        engine.prepare()  # the kept plan's costs after a long context: measured now, not in its first request
         return engine
 
     def _let_go_of_candidates(self, plan: Plan) -> None:

@@ -207,14 +207,15 @@ class Engine:
                 self._prepared[key] = built
             return self._prepared[key]
 
-    def costs_for(self, drafter: Drafter | None, gamma_policy: str) -> CostModel:
-        """T(n) of the target and the draft model's cost, which only the analytic γ policy reads."""
+    def costs_for(self, drafter: Drafter | None, gamma_policy: str, long: bool = True) -> CostModel:
+        """T(n) of the target and the draft model's cost, which only the analytic γ policy reads (`long`: the
+        curve after a long context too, `CostModel.calibrated`)."""
         if drafter is None or gamma_policy not in ("analytic", "auto"):
             return CostModel()
         draft_model = drafter.model
-        key = (draft_model.name, draft_model.precision) if draft_model is not None else None
+        key = ((draft_model.name, draft_model.precision) if draft_model is not None else None, long)
         if key not in self._costs:
-            self._costs[key] = CostModel.calibrated(self.target, self.max_gamma + 1, draft_model)
+            self._costs[key] = CostModel.calibrated(self.target, self.max_gamma + 1, draft_model, long)
         return self._costs[key]
 
     def drafter_for(self, spec: str | None) -> Drafter | None:

@@ -184,6 +184,10 @@ class HFRunner:
     def new_cache(self, capacity: int = 0) -> HFCache:
         return HFCache(self)
 
+    def placeholder_cache(self, length: int, capacity: int) -> None:
+        """None: a context must be fed here to be timed (`Runner.placeholder_cache`)."""
+        return None
+
     def prefilled_cache(self, prompt_ids: list[int], spare: int = 0) -> HFCache:
         """A cache holding prompt_ids[:-1] (the last prompt token is fed with the first step)."""
         cache = self.new_cache()

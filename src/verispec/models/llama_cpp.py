@@ -452,6 +452,10 @@ class LlamaCppRunner:
         context = self._context_for(min(max(capacity, 1), self.window))
         return LlamaCppCache(self, context, context.take())
 
+    def placeholder_cache(self, length: int, capacity: int) -> None:
+        """None: a context must be fed here to be timed (`Runner.placeholder_cache`)."""
+        return None
+
     def prefilled_cache(self, prompt_ids: list[int], spare: int = 0) -> LlamaCppCache:
         """A cache holding prompt_ids[:-1] (the last prompt token is fed with the first step)."""
         if len(prompt_ids) + 1 > self.window:
@@ -515,22 +519,18 @@ def exact_width(runner: LlamaCppRunner, widest: int = 16, context: int = 32) -> 
 
 
 def _measure_exact_width(runner: LlamaCppRunner, widest: int, context: int) -> int:
+    """One prefill of the prefix; the single steps, then each width fed at once, rolled back to the prefix
+    after each (as a decoding step rolls back a rejected draft): the prefix is never fed twice."""
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, runner.config.vocab_size, (context + widest,), generator=generator)  # [context + widest]
     prefix, fed = tokens[:context].tolist(), tokens[context:]
-
-    def fed_at_once(width: int) -> torch.Tensor:  # [width, vocab]: the first `width` fed tokens in one pass
-        cache = runner.prefilled_cache(prefix + [0])  # holds the prefix
-        logits = runner.forward(cache, fed[:width], logits="all")
-        cache.release()
-        return logits
-
-    cache = runner.prefilled_cache(prefix + [0])
+    cache = runner.prefilled_cache(prefix + [0])  # holds the prefix
     single = torch.cat([runner.forward(cache, fed[i : i + 1], logits="all") for i in range(widest)])  # [widest, vocab]
-    cache.release()
     exact = 1
     for width in range(2, widest + 1):
-        if not torch.equal(fed_at_once(width), single[:width]):
+        cache.truncate(context)
+        if not torch.equal(runner.forward(cache, fed[:width], logits="all"), single[:width]):
             break
         exact = width
+    cache.release()
     return exact

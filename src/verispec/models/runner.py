@@ -133,6 +133,11 @@ class Runner(Protocol):
     def prefilled_cache(self, prompt_ids: list[int], spare: int = ...) -> Cache:
         """A cache holding prompt_ids[:-1]: the last prompt token is fed with the first step."""
 
+    def placeholder_cache(self, length: int, capacity: int) -> Cache | None:
+        """A new cache of `capacity` positions whose first `length` count as held without being computed: for
+        timing forwards after a context that long (`control/costs.py`), never for decoding. None where the
+        backend must be fed its context (llama.cpp's cells, Hugging Face's cache)."""
+
     def forward(self, cache: Cache, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 tree_mask: torch.Tensor | None = None, logits: str = "all") -> torch.Tensor | None:
         """Feed `tokens` [n] after the cache; logits "all" [n, vocab], "last" [1, vocab] or "none".

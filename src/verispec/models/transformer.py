@@ -428,6 +428,15 @@ class Transformer:
         cache.length = keys.shape[2]
         return cache
 
+    def placeholder_cache(self, length: int, capacity: int) -> KVCache:
+        """A new cache whose first `length` slots count as held: zero keys and values (or a pooled storage's
+        stale ones). Attention's arithmetic does not depend on the values, so a forward after them takes the
+        time it takes after a real context of that length, without the prefill (most of a first run's
+        measuring on a CPU): the cost model's timings only."""
+        cache = self.new_cache(max(capacity, length))
+        cache.length = length
+        return cache
+
     def _new_storage(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Zeroed keys and values [layers, kv_heads, capacity, head_dim] for the storage pool."""
         cfg = self.config
