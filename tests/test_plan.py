@@ -252,6 +252,26 @@ def test_the_backend_with_the_fewest_predicted_seconds_a_token_is_kept():
     assert plain_faster.drafter == "none" and choose_backend([steep, plain_faster]).precision == "kquant"
 
 
+def test_backends_are_compared_on_their_t1_timed_in_turns(tiny_target, monkeypatch):
+    """Each backend's T(1) is timed alternately with the others' (`interleaved_token_seconds`), and the choice
+    reads those, not its curve's T(1), measured a minute apart from the other backend's."""
+    import verispec.engine.build as build
+    from verispec.control.costs import interleaved_token_seconds
+    from verispec.models.loading import load_model
+
+    runners, order = [load_model(tiny_target).runner, load_model(tiny_target, "int8").runner], []
+    for index, runner in enumerate(runners):
+        forward = runner.forward
+        runner.forward = lambda cache, tokens, _i=index, _f=forward, **kwargs: (order.append(_i), _f(cache, tokens, **kwargs))[1]
+    seconds = interleaved_token_seconds(runners, rounds=3)
+    assert order == [0, 1] * 3 and all(0 < t < 1 for t in seconds)
+    for timed, expected in (([1.0, 0.5], "int8"), ([0.5, 1.0], "float32")):
+        monkeypatch.setattr(build, "interleaved_token_seconds", lambda runners, _t=timed: _t)
+        engine = build.EngineBuilder(str(tiny_target)).planned_engine(backends=["float32", "int8"])
+        assert engine.plan.precision == expected and engine.plan.token_seconds == min(timed)
+        assert engine.plan.backends[expected] == pytest.approx(min(timed) / engine.plan.speedup)
+
+
 def test_a_settled_backend_choice_is_remembered_and_only_that_backend_loads_again(tiny_target):
     """The first run plans every backend (one in memory at a time) and keeps the fastest; a later run with
     the same target, candidates, threads and CPU loads only the backend chosen before."""

@@ -22,12 +22,13 @@ from collections.abc import Callable, Sequence
 import torch
 
 from verispec.models.device import device_tag, synchronize
-from verispec.models.runner import LoadedModel, Runner
+from verispec.models.runner import Cache, LoadedModel, Runner
 from verispec.paths import cpu_key, read_table, store_in_table
 from verispec.progress import status
 from verispec.types import StepRecord
 
-__all__ = ["CostModel", "LONG_CONTEXT", "SHORT_CONTEXT", "measure_verify_curve", "prefill_seconds_per_token"]
+__all__ = ["CostModel", "LONG_CONTEXT", "SHORT_CONTEXT", "interleaved_token_seconds", "measure_verify_curve",
+           "prefill_seconds_per_token"]
 
 COSTS_TABLE = "verify_costs.json"  # measured seconds, per runner key (`_runner_key`), in the cache directory
 SHORT_CONTEXT, LONG_CONTEXT = 64, 1024  # cached tokens before the two measured verification curves
@@ -45,6 +46,16 @@ def _best_seconds(runner: Runner, cache, positions: int, logits: str, repeats: i
     return best
 
 
+def _context_cache(runner: Runner, context: int, room: int) -> Cache:
+    """A cache holding `context` positions to time forwards after, with `room` more: placeholder slots where the
+    runner has them, else a prefill (a backend that must be fed the context it is timed after)."""
+    cache = runner.placeholder_cache(context, context + room)
+    if cache is None:
+        cache = runner.new_cache(context + room)
+        runner.forward(cache, torch.zeros(context, dtype=torch.long), logits="none")
+    return cache
+
+
 def _plausible(times: list[float]) -> bool:
     """No forward over more positions took under half the time of one: a curve that breaks this was
     measured while something else held the cores (it is cached, so it must not steer later plans)."""
@@ -57,10 +68,7 @@ def measure_verify_curve(runner: Runner, max_positions: int, context: int = SHOR
     the best of `repeats` rounds over every n (so a drift of the machine's speed, which on a shared CPU
     lasts seconds, touches every n alike), measured again (keeping each n's best) while the curve is
     implausible."""
-    cache = runner.placeholder_cache(context, context + max_positions + 1)
-    if cache is None:  # a backend that must be fed the context it is timed after
-        cache = runner.new_cache(context + max_positions + 1)
-        runner.forward(cache, torch.zeros(context, dtype=torch.long), logits="none")
+    cache = _context_cache(runner, context, max_positions + 1)
     times = [float("inf")] * max_positions
     for _ in range(attempts):
         for _ in range(repeats):
@@ -69,6 +77,20 @@ def measure_verify_curve(runner: Runner, max_positions: int, context: int = SHOR
             break
     cache.release()
     return times
+
+
+def interleaved_token_seconds(runners: Sequence[Runner], rounds: int = 7, context: int = SHORT_CONTEXT) -> list[float]:
+    """Each runner's T(1) after `context` cached tokens, timed in turns (runner 1, 2, …, 1, 2, …; each the best of
+    its `rounds`), so that the machine's drift touches them alike: what a choice between backends compares. Their
+    curves are measured a minute apart, while a shared CPU's speed can move by a fifth, enough to flip the choice."""
+    caches = [_context_cache(runner, context, 2) for runner in runners]
+    best = [float("inf")] * len(runners)
+    for _ in range(rounds):
+        for i, (runner, cache) in enumerate(zip(runners, caches)):
+            best[i] = min(best[i], _best_seconds(runner, cache, 1, "all", 1))
+    for cache in caches:
+        cache.release()
+    return best
 
 
 def _cached(key: str, needed: int, measure: Callable[[], list[float]], what: str = "verification costs") -> list[float]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from verispec.control.costs import CostModel
+from verispec.control.costs import CostModel, interleaved_token_seconds
 from verispec.control.plan import Plan, choose_backend, choose_plan, worth_measuring
 from verispec.drafters import make_drafter
 from verispec.drafters.base import Drafter
@@ -147,9 +147,9 @@ class EngineBuilder:
                        backends: list[str] | None = None, settle: bool = False) -> Engine:
         """An Engine over the plan's drafter and γ (`plan`), with the plan kept as `engine.plan`. With
         several `backends` (precisions of the same target), each is planned and the fastest kept
-        (`choose_backend`); `settle`: it becomes the builder's precision and the others' models are let go,
-        each as soon as it is measured (a first run never holds two copies of the target; the kept one is
-        loaded again if it was let go), and the choice is remembered with its plan (`backend_choices`): a later
+        (`choose_backend`) on their T(1) timed in turns (`interleaved_token_seconds`: measured a minute apart, a shared
+        CPU's drift could flip the choice), so each backend's target stays loaded until one is chosen; `settle`: it
+        becomes the builder's precision and the others' models are let go, and the choice is remembered with its plan (`backend_choices`): a later
         run with the same target, candidates, default draft, threads and CPU loads the chosen backend and the
         plan's drafter alone; a first run lets go of the draft models it loaded for candidates it did not choose."""
         if backends and len(backends) > 1 and settle and (chosen := backend_choices().get(self._choice_key(backends))):
@@ -161,17 +161,15 @@ class EngineBuilder:
                 remember_backend_choice(self._choice_key(backends), plan)
             self.dtype = precision = plan.precision
         elif backends and len(backends) > 1:
-            plans = []
-            for backend in backends:  # settling: one backend's target in memory at a time (its costs are kept)
-                plans.append(self.plan(gamma, backend))
-                if settle and backend != backends[-1]:
-                    self.release(backend)
-            plan = choose_backend(plans)
+            plans = [self.plan(gamma, backend) for backend in backends]
+            seconds = interleaved_token_seconds([self.target(backend).runner for backend in backends])
+            plan = choose_backend([dataclasses.replace(each, token_seconds=t) for each, t in zip(plans, seconds)])
             precision = plan.precision
             if settle:
                 self.dtype = precision
-                if precision != backends[-1]:
-                    self.release(backends[-1])
+                for backend in backends:
+                    if backend != precision:
+                        self.release(backend)
                 remember_backend_choice(self._choice_key(backends), plan)
         else:
             plan = self.plan(gamma, precision)
