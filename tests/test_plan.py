@@ -272,6 +272,40 @@ def test_backends_are_compared_on_their_t1_timed_in_turns(tiny_target, monkeypat
         assert engine.plan.backends[expected] == pytest.approx(min(timed) / engine.plan.speedup)
 
 
+def test_a_first_run_reads_the_tokenizer_while_the_kernels_compile(monkeypatch, capsys):
+    """`auto_backends` reads a GGUF's tokenizer on a thread of its own while kquant's kernels build; both show on the
+    one spinner the terminal has (`progress.status` from two threads at once), and each is logged done."""
+    import threading
+    import time
+
+    import verispec.engine.build as build
+    import verispec.models.kquant as kquant
+    from verispec.progress import status
+
+    started, threads = threading.Barrier(2, timeout=10), {}
+
+    def read(path):  # each waits for the other to begin: they run at the same time or the barrier times out
+        with status("reading"):
+            threads["read"] = threading.current_thread().name
+            started.wait()
+            time.sleep(0.05)
+
+    def compile_kernels(path):
+        with status("compiling"):
+            threads["compile"] = threading.current_thread().name
+            started.wait()
+        return True
+
+    monkeypatch.setattr(build, "auto_precision", lambda target, device: "gguf")
+    monkeypatch.setattr(build, "gguf_file", lambda target: target)
+    monkeypatch.setattr(build, "gguf_tokenizer_folder", read)
+    monkeypatch.setattr(kquant, "kquant_suits", compile_kernels)
+    assert build.auto_backends("model.gguf") == ["gguf", "kquant"]
+    assert threads["compile"] == threading.current_thread().name and threads["read"].startswith("verispec-tokenizer")
+    logged = capsys.readouterr().err
+    assert "reading: done" in logged and "compiling: done" in logged
+
+
 def test_a_settled_backend_choice_is_remembered_and_only_that_backend_loads_again(tiny_target):
     """The first run plans every backend (one in memory at a time) and keeps the fastest; a later run with
     the same target, candidates, threads and CPU loads only the backend chosen before."""

@@ -8,6 +8,7 @@ with it, the benchmarks build several over the same models.
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -22,7 +23,7 @@ from verispec.models.device import resolve_device
 from verispec.models.kernels import build_key
 from verispec.models.linear import VERIFY_ROWS
 from verispec.models.loading import ModelCache, parse_precision
-from verispec.models.registry import SHIPPED_MODELS, default_draft_for, gguf_file, least_cost_ratio
+from verispec.models.registry import SHIPPED_MODELS, default_draft_for, gguf_file, gguf_tokenizer_folder, least_cost_ratio
 from verispec.models.runner import LoadedModel
 from verispec.paths import cpu_key, read_table, store_in_table
 
@@ -69,7 +70,14 @@ def auto_backends(target: str, device: str = "cpu") -> list[str]:
         return [first]
     from verispec.models.kquant import kquant_suits
 
-    return ["gguf", "kquant"] if kquant_suits(gguf_file(str(target))) else ["gguf"]
+    gguf = gguf_file(str(target))
+    # a first run reads the file's tokenizer (transformers: tens of seconds) while the kernels compile (a compiler
+    # process): both are needed, and on one thread they took turns
+    with ThreadPoolExecutor(1, thread_name_prefix="verispec-tokenizer") as pool:
+        reading = pool.submit(gguf_tokenizer_folder, gguf)
+        suits = kquant_suits(gguf)
+        reading.result()
+    return ["gguf", "kquant"] if suits else ["gguf"]
 
 
 class EngineBuilder:
