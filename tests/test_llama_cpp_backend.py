@@ -346,6 +346,7 @@ def test_the_exact_width_holds_after_a_long_context_too(target):
     from verispec.models.llama_cpp import SPLIT_ATTENTION_CELLS
 
     runner = target.runner
+    runner.prepare_decoding()  # what an engine's prepare() measures before its first request
     short, long = runner.exact_positions_after(0), runner.exact_positions_after(2 * SPLIT_ATTENTION_CELLS)
     assert short == runner.exact_positions and long == runner.exact_positions_long and 1 <= long <= short
     prompt, fed = _tokens(target, SPLIT_ATTENTION_CELLS + 40, 10).tolist(), _tokens(target, long, 11)

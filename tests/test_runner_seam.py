@@ -134,6 +134,10 @@ def test_llama_cpp_measures_exact_widths_only_when_asked_and_clones_caches():
     runner = LlamaCppRunner(gguf_file("smollm2-135m-instruct"))
     with pytest.raises(VerispecError, match="not measured"):
         runner.exact_positions  # noqa: B018 - reading it never measures
+    short, _ = runner.measure_exact_widths(long=False)  # what loading measures: the long one is left for decoding
+    with pytest.raises(VerispecError, match="prepare_decoding"):
+        runner.exact_positions_long  # noqa: B018
+    runner.prepare_decoding()
     short, long = runner.measure_exact_widths()
     assert runner.exact_positions == short >= 1 and runner.exact_positions_long == long >= 1
     config = runner.config

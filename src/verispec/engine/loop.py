@@ -200,6 +200,7 @@ class Engine:
             return found  # the request path: a lookup, never the lock a preparing thread holds
         with self._preparing:
             if key not in self._prepared:
+                self.target.runner.prepare_decoding()
                 built = self.drafter_for(drafter)
                 self.costs_for(built, key[1])
                 if len(self._prepared) > self.MAX_EXTRA_DRAFTERS:  # the oldest request's drafter first

@@ -184,6 +184,9 @@ class HFRunner:
     def new_cache(self, capacity: int = 0) -> HFCache:
         return HFCache(self)
 
+    def prepare_decoding(self) -> None:
+        """Nothing to measure (`Runner.prepare_decoding`)."""
+
     def placeholder_cache(self, length: int, capacity: int) -> None:
         """None: a context must be fed here to be timed (`Runner.placeholder_cache`)."""
         return None

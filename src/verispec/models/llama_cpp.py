@@ -336,7 +336,7 @@ class LlamaCppRunner:
         self.exact = exact
         self.precision = "gguf" if exact else "gguf-wide"
         self.variant = "," + self.precision
-        self._exact_widths: tuple[int, int] | None = None  # (short, long), set by `measure_exact_widths`
+        self._exact_widths: tuple[int | None, int | None] = (None, None)  # (short, long): `measure_exact_widths`
         self._shared = None if exact else _Context(self, self.window, max_sequences, shared=True)
         self._dropped: deque[tuple[_Context, list[int]]] = deque()  # caches dropped without release()
 
@@ -368,32 +368,39 @@ class LlamaCppRunner:
         """The GGUF file's size: llama.cpp maps its tensors from it."""
         return self.path.stat().st_size
 
-    def measure_exact_widths(self) -> tuple[int | None, int | None]:
-        """Measure both exact widths now (or read them from the cache): the loader calls it, so that no
-        request waits for it, and reading `exact_positions` never measures."""
-        if self.exact and self._exact_widths is None:
-            self._exact_widths = exact_width(self), exact_width(self, context=SPLIT_ATTENTION_CELLS)
-        return self.exact_positions, self.exact_positions_long
-
-    def _widths(self) -> tuple[int | None, int | None]:
-        if not self.exact:
-            return None, None
-        if self._exact_widths is None:
-            raise VerispecError("the exact verification widths of this GGUF runner are not measured yet: call "
-                                "measure_exact_widths() after building it (load_model does)")
+    def measure_exact_widths(self, long: bool = True) -> tuple[int | None, int | None]:
+        """Measure the exact width while a cache is short now (or read it from the cache) and, with `long`, the one
+        after a long context: the loader measures the first (what a plan reads), `prepare_decoding` the second (what
+        decoding past SPLIT_ATTENTION_CELLS reads: a backend a plan does not keep is never measured there), so that
+        no request waits for either and reading them never measures."""
+        if self.exact and self._exact_widths[0] is None:
+            self._exact_widths = exact_width(self), self._exact_widths[1]
+        if self.exact and long and self._exact_widths[1] is None:
+            self._exact_widths = self._exact_widths[0], exact_width(self, context=SPLIT_ATTENTION_CELLS)
         return self._exact_widths
+
+    def prepare_decoding(self) -> None:
+        """The exact width after a long context, measured now (`Engine.prepare` calls this before any request)."""
+        self.measure_exact_widths()
+
+    def _width(self, which: int, measure: str) -> int | None:
+        if not self.exact:
+            return None
+        if self._exact_widths[which] is None:
+            raise VerispecError(f"this exact width of the GGUF runner is not measured yet: call {measure} first")
+        return self._exact_widths[which]
 
     @property
     def exact_positions(self) -> int | None:
         """With `exact`: the most positions one pass scores bit for bit as single-token steps would
         while a cache is short (`exact_width`, measured once per file, threads and CPU kind); None without."""
-        return self._widths()[0]
+        return self._width(0, "measure_exact_widths() (load_model does)")
 
     @property
     def exact_positions_long(self) -> int | None:
         """`exact_positions` once single-token steps attend SPLIT_ATTENTION_CELLS cells or more
         (measured after a context that long)."""
-        return self._widths()[1]
+        return self._width(1, "prepare_decoding() (Engine.prepare does)")
 
     def exact_positions_after(self, length: int) -> int | None:
         """`exact_positions` while every single-token step of the pass would attend fewer than

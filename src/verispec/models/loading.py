@@ -233,7 +233,7 @@ def _load_gguf(spec: str | Path, exact: bool) -> LoadedModel:
     with status(f"loading {spec} into llama.cpp"):
         runner = LlamaCppRunner(gguf, exact=exact)
         tokenizer = load_tokenizer(folder)
-    runner.measure_exact_widths()  # here, never inside a request (a spinner while it measures)
+    runner.measure_exact_widths(long=False)  # here, never inside a request; the long one in `Engine.prepare`
     return LoadedModel(str(spec), gguf, runner, tokenizer, _eos_ids(folder, tokenizer) | runner.eos_ids)
 
 

@@ -133,6 +133,10 @@ class Runner(Protocol):
     def prefilled_cache(self, prompt_ids: list[int], spare: int = ...) -> Cache:
         """A cache holding prompt_ids[:-1]: the last prompt token is fed with the first step."""
 
+    def prepare_decoding(self) -> None:
+        """Measure, once, what decoding reads beyond what loading measured (llama.cpp: its exact width after a long
+        context); `Engine.prepare` calls it, so that no request waits for it."""
+
     def placeholder_cache(self, length: int, capacity: int) -> Cache | None:
         """A new cache of `capacity` positions whose first `length` count as held without being computed: for
         timing forwards after a context that long (`control/costs.py`), never for decoding. None where the

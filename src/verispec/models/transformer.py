@@ -428,6 +428,9 @@ class Transformer:
         cache.length = keys.shape[2]
         return cache
 
+    def prepare_decoding(self) -> None:
+        """Nothing to measure (`Runner.prepare_decoding`)."""
+
     def placeholder_cache(self, length: int, capacity: int) -> KVCache:
         """A new cache whose first `length` slots count as held: zero keys and values (or a pooled storage's
         stale ones). Attention's arithmetic does not depend on the values, so a forward after them takes the
