@@ -261,8 +261,11 @@ def test_backends_are_compared_on_their_t1_timed_in_turns(tiny_target, monkeypat
 
     runners, order = [load_model(tiny_target).runner, load_model(tiny_target, "int8").runner], []
     for index, runner in enumerate(runners):
-        forward = runner.forward
-        runner.forward = lambda cache, tokens, _i=index, _f=forward, **kwargs: (order.append(_i), _f(cache, tokens, **kwargs))[1]
+        def counted(cache, tokens, _index=index, _forward=runner.forward, **kwargs):
+            order.append(_index)
+            return _forward(cache, tokens, **kwargs)
+
+        runner.forward = counted
     seconds = interleaved_token_seconds(runners, rounds=3)
     assert order == [0, 1] * 3 and all(0 < t < 1 for t in seconds)
     for timed, expected in (([1.0, 0.5], "int8"), ([0.5, 1.0], "float32")):

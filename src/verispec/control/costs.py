@@ -10,8 +10,8 @@ the ratio linearly in the context a step attends. To keep a first run short, a r
 static cache is timed after placeholder slots (`Runner.placeholder_cache`) rather than a real prefill of
 that context, a curve stops at the width the runner verifies exactly, and a plan comparing backends times
 the long context only for the one it keeps (`calibrated(long=)`). They are not re-measured during a
-generation on purpose: γ then depends only on acceptance (and the context), so a seed reproduces an output exactly.
-A model-free drafter (n-gram) counts as free (c = 0).
+generation on purpose: γ then depends only on acceptance (and the context), so a seed reproduces an
+output exactly. A model-free drafter (n-gram) counts as free (c = 0).
 """
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ def measure_verify_curve(runner: Runner, max_positions: int, context: int = SHOR
     return times
 
 
-def interleaved_token_seconds(runners: Sequence[Runner], rounds: int = 7, context: int = SHORT_CONTEXT) -> list[float]:
+def interleaved_token_seconds(runners: Sequence[Runner], rounds: int = 7,
+                              context: int = SHORT_CONTEXT) -> list[float]:
     """Each runner's T(1) after `context` cached tokens, timed in turns (runner 1, 2, …, 1, 2, …; each the best of
     its `rounds`), so that the machine's drift touches them alike: what a choice between backends compares. Their
     curves are measured a minute apart, while a shared CPU's speed can move by a fifth, enough to flip the choice."""

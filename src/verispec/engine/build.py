@@ -23,7 +23,8 @@ from verispec.models.device import resolve_device
 from verispec.models.kernels import build_key
 from verispec.models.linear import VERIFY_ROWS
 from verispec.models.loading import ModelCache, parse_precision
-from verispec.models.registry import SHIPPED_MODELS, default_draft_for, gguf_file, gguf_tokenizer_folder, least_cost_ratio
+from verispec.models.registry import (SHIPPED_MODELS, default_draft_for, gguf_file, gguf_tokenizer_folder,
+                                      least_cost_ratio)
 from verispec.models.runner import LoadedModel
 from verispec.paths import cpu_key, read_table, store_in_table
 
@@ -155,11 +156,11 @@ class EngineBuilder:
                        backends: list[str] | None = None, settle: bool = False) -> Engine:
         """An Engine over the plan's drafter and γ (`plan`), with the plan kept as `engine.plan`. With
         several `backends` (precisions of the same target), each is planned and the fastest kept
-        (`choose_backend`) on their T(1) timed in turns (`interleaved_token_seconds`: measured a minute apart, a shared
-        CPU's drift could flip the choice), so each backend's target stays loaded until one is chosen; `settle`: it
-        becomes the builder's precision and the others' models are let go, and the choice is remembered with its plan (`backend_choices`): a later
-        run with the same target, candidates, default draft, threads and CPU loads the chosen backend and the
-        plan's drafter alone; a first run lets go of the draft models it loaded for candidates it did not choose."""
+        (`choose_backend`) on their T(1) timed in turns (`interleaved_token_seconds`: measured a minute apart, a
+        shared CPU's drift could flip the choice), so each backend's target stays loaded until one is chosen;
+        `settle`: it becomes the builder's precision and the others' models are let go, and the choice is
+        remembered with its plan (`backend_choices`): a later run with the same target, candidates, default draft,
+        threads and CPU loads the chosen backend and the plan's drafter alone; a first run lets go of the draft models it loaded for candidates it did not choose."""
         if backends and len(backends) > 1 and settle and (chosen := backend_choices().get(self._choice_key(backends))):
             # the plan as made then (its costs are cached): no candidate drafter is built again to read them, so a
             # draft model the plan did not choose is not loaded
