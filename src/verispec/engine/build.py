@@ -73,11 +73,11 @@ def auto_backends(target: str, device: str = "cpu") -> list[str]:
 
     gguf = gguf_file(str(target))
     # a first run reads the file's tokenizer (transformers: tens of seconds) while the kernels compile (a compiler
-    # process): both are needed, and on one thread they took turns
+    # process): both are needed, and on one thread they took turns. A reading that fails is left to fail again
+    # where the model loads, which says what it was loading.
     with ThreadPoolExecutor(1, thread_name_prefix="verispec-tokenizer") as pool:
-        reading = pool.submit(gguf_tokenizer_folder, gguf)
+        pool.submit(gguf_tokenizer_folder, gguf)
         suits = kquant_suits(gguf)
-        reading.result()
     return ["gguf", "kquant"] if suits else ["gguf"]
 
 
