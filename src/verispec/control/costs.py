@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -115,7 +116,8 @@ def _runner_key(runner: Runner, folder: str) -> str:
 
 def _cached_curve(runner: Runner, folder: str, max_positions: int, context: int = SHORT_CONTEXT) -> list[float]:
     key = _runner_key(runner, folder) + ("" if context == SHORT_CONTEXT else f"|context={context}")
-    return _cached(key, max_positions, lambda: measure_verify_curve(runner, max_positions, context))
+    what = f"{Path(folder).name} on {runner.precision}: T(1…{max_positions}) after {context} tokens"  # the spinner's
+    return _cached(key, max_positions, lambda: measure_verify_curve(runner, max_positions, context), what)
 
 
 def measure_prefill(runner: Runner, chunk: int, repeats: int = 2) -> float:
