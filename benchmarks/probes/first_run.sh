@@ -12,7 +12,7 @@ arms=(); [[ -n "${OTHER:-}" ]] && arms+=("other:$OTHER"); arms+=("verispec:$PWD/
 for arm in "${arms[@]}"; do
   cache=$(mktemp -d)
   echo "== ${arm%%:*} $(date +%T)"
-  PYTHONPATH=${arm#*:} VERISPEC_CACHE=$cache /usr/bin/time -f "wall %e s, peak RSS %M KB" \
+  COLUMNS=200 PYTHONPATH=${arm#*:} VERISPEC_CACHE=$cache /usr/bin/time -f "wall %e s, peak RSS %M KB" \
     python -m verispec.cli generate "Write a haiku about rain." --max-new-tokens 32 2>&1 \
     | grep -E 'done|plan:|wall' | sed 's/ *progress.py:[0-9]*//'
   rm -rf "$cache"
