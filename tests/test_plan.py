@@ -209,7 +209,8 @@ def test_a_plan_times_the_long_context_only_for_the_backend_it_keeps(tmp_path, m
     long_keys = [key for key in read_table("verify_costs.json") if key.endswith(f"|context={LONG_CONTEXT}")]
     expected = 0 if engine.plan.drafter == "none" else 1
     assert len(long_keys) == expected
-    assert len(read_table("verify_costs.json")) == 2 + expected  # each backend's short curve
+    curves = [key for key in read_table("verify_costs.json") if not key.startswith("prefill")]
+    assert len(curves) == 2 + expected  # each backend's short curve
     if expected:  # the kept backend's (int8 variants are tagged ",int8")
         assert (",int8" in long_keys[0]) == (engine.plan.precision == "int8")
         assert engine.costs.long_target_seconds is not None
@@ -252,6 +253,27 @@ def test_the_backend_with_the_fewest_predicted_seconds_a_token_is_kept():
     assert plain_faster.drafter == "none" and choose_backend([steep, plain_faster]).precision == "kquant"
 
 
+def test_a_backend_as_fast_a_token_and_faster_at_prefill_is_kept():
+    """kquant beside llama.cpp on the AVX2 EPYC: T(1) within noise of ggml's, a prompt token 1.6× cheaper. Where
+    decoding is within BACKEND_MARGIN the faster prefill decides; never where decoding is slower by more, or
+    where a prefill speed is unknown."""
+    from dataclasses import replace
+
+    from verispec.control.plan import choose_backend
+
+    def plain(precision, token_seconds, prefill_seconds):
+        plan = choose_plan(precision, [token_seconds * r for r in STEEP], {"ngram": 0.0}, max_gamma=2, alphas={"ngram": 0.1})
+        assert plan.drafter == "none"
+        return replace(plan, prefill_seconds=prefill_seconds)
+
+    gguf, kquant = plain("gguf", 0.070, 0.019), plain("kquant", 0.071, 0.012)
+    chosen = choose_backend([gguf, kquant])
+    assert chosen.precision == "kquant" and "a prompt token: gguf 19.0, kquant 12.0" in chosen.summary()
+    assert choose_backend([gguf, plain("kquant", 0.070 * BACKEND_MARGIN * 1.01, 0.012)]).precision == "gguf"
+    assert choose_backend([gguf, plain("kquant", 0.071, 0.019 / BACKEND_MARGIN * 1.01)]).precision == "gguf"
+    assert choose_backend([gguf, replace(kquant, prefill_seconds=None)]).precision == "gguf"
+
+
 def test_backends_are_compared_on_their_t1_timed_in_turns(tiny_target, monkeypatch):
     """Each backend's T(1) is timed alternately with the others' (`interleaved_token_seconds`), and the choice
     reads those, not its curve's T(1), measured a minute apart from the other backend's."""
@@ -268,7 +290,9 @@ def test_backends_are_compared_on_their_t1_timed_in_turns(tiny_target, monkeypat
         runner.forward = counted
     seconds = interleaved_token_seconds(runners, rounds=3)
     assert order == [0, 1] * 3 and all(0 < t < 1 for t in seconds)
-    for timed, expected in (([1.0, 0.5], "int8"), ([0.5, 1.0], "float32")):
+    monkeypatch.setattr(build, "prefill_seconds_per_token", lambda model: 0.01)  # a tie: decoding decides
+    # 10× apart: beyond any ratio of the two plans' predicted speedups on the tiny model's noisy curves
+    for timed, expected in (([1.0, 0.1], "int8"), ([0.1, 1.0], "float32")):
         monkeypatch.setattr(build, "interleaved_token_seconds", lambda runners, _t=timed: _t)
         engine = build.EngineBuilder(str(tiny_target)).planned_engine(backends=["float32", "int8"])
         assert engine.plan.precision == expected and engine.plan.token_seconds == min(timed)

@@ -51,16 +51,18 @@ def best_gamma(alpha: float, c: float, curve: Sequence[float], max_gamma: int, c
 class Plan:
     """What runs: the precision, the drafter spec ("none": plain decoding) and its starting γ, and
     every candidate's predicted speedup over plain decoding (with the γ it was predicted at);
-    `token_seconds`: the backend's measured T(1); `backends`: each backend considered → its plan's
-    predicted seconds a token (`choose_backend`); `bounds`: each candidate left unmeasured → the most it
-    could be predicted (`worth_measuring`)."""
+    `token_seconds`: the backend's measured T(1); `prefill_seconds`: its measured seconds a prompt token (where
+    backends were compared); `backends`: each backend considered → its plan's predicted seconds a token
+    (`choose_backend`), `prefills` → its seconds a prompt token; `bounds`: each candidate left unmeasured → the most it could be predicted (`worth_measuring`)."""
 
     precision: str
     drafter: str
     gamma: int
     predicted: dict[str, tuple[float, int]]
     token_seconds: float | None = None
+    prefill_seconds: float | None = None
     backends: dict[str, float] = field(default_factory=dict)
+    prefills: dict[str, float] = field(default_factory=dict)
     bounds: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -76,6 +78,8 @@ class Plan:
         line = f"plan: {self.precision} · {chosen} · predicted over plain: {considered.lstrip(', ') or 'nothing to compare'}"
         if len(self.backends) > 1:
             line += " · ms a token: " + ", ".join(f"{name} {seconds * 1e3:.1f}" for name, seconds in self.backends.items())
+        if len(self.prefills) > 1:
+            line += " · a prompt token: " + ", ".join(f"{name} {seconds * 1e3:.1f}" for name, seconds in self.prefills.items())
         return line
 
 
@@ -110,10 +114,19 @@ def worth_measuring(least_c: float, curve: Sequence[float], max_gamma: int, riva
 
 def choose_backend(plans: Sequence[Plan]) -> Plan:
     """The first plan (the default backend) unless another is predicted faster by `BACKEND_MARGIN` in
-    seconds a token (its measured T(1) over its predicted speedup): switching backend switches numerics,
-    so a gain within a measurement's noise is not worth it. Every backend's prediction is kept in `backends`."""
+    seconds a token (its measured T(1) over its predicted speedup), or is no slower than that margin there and
+    faster by it in seconds a prompt token (`prefill_seconds`, where measured: a request's time is its prompt's
+    prefill and its tokens' steps). Switching backend switches numerics, so a gain within a measurement's noise
+    is not worth it. Every backend's prediction is kept in `backends`."""
     seconds = {plan.precision: plan.token_seconds / plan.speedup for plan in plans}
-    best = min(plans, key=lambda plan: seconds[plan.precision])
-    if seconds[best.precision] * BACKEND_MARGIN > seconds[plans[0].precision]:
-        best = plans[0]
-    return replace(best, backends=seconds)
+    default = plans[0]
+
+    def gains(plan: Plan) -> bool:
+        decode, base = seconds[plan.precision], seconds[default.precision]
+        faster_prefill = (plan.prefill_seconds is not None and default.prefill_seconds is not None
+                          and plan.prefill_seconds * BACKEND_MARGIN < default.prefill_seconds)
+        return decode * BACKEND_MARGIN < base or (faster_prefill and decode <= base * BACKEND_MARGIN)
+
+    best = min((plan for plan in plans[1:] if gains(plan)), key=lambda plan: seconds[plan.precision], default=default)
+    prefills = {plan.precision: plan.prefill_seconds for plan in plans if plan.prefill_seconds is not None}
+    return replace(best, backends=seconds, prefills=prefills)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from verispec.control.costs import CostModel, interleaved_token_seconds
+from verispec.control.costs import CostModel, interleaved_token_seconds, prefill_seconds_per_token
 from verispec.control.plan import Plan, choose_backend, choose_plan, worth_measuring
 from verispec.drafters import make_drafter
 from verispec.drafters.base import Drafter
@@ -157,7 +157,7 @@ class EngineBuilder:
         """An Engine over the plan's drafter and γ (`plan`), with the plan kept as `engine.plan`. With
         several `backends` (precisions of the same target), each is planned and the fastest kept
         (`choose_backend`) on their T(1) timed in turns (`interleaved_token_seconds`: measured a minute apart, a
-        shared CPU's drift could flip the choice), so each backend's target stays loaded until one is chosen;
+        shared CPU's drift could flip the choice) and their prefill speed, so each backend's target stays loaded until one is chosen;
         `settle`: it becomes the builder's precision and the others' models are let go, and the choice is
         remembered with its plan (`backend_choices`): a later run with the same target, candidates, default draft,
         threads and CPU loads the chosen backend and the plan's drafter alone; a first run lets go of the draft models it loaded for candidates it did not choose."""
@@ -172,7 +172,9 @@ class EngineBuilder:
         elif backends and len(backends) > 1:
             plans = [self.plan(gamma, backend) for backend in backends]
             seconds = interleaved_token_seconds([self.target(backend).runner for backend in backends])
-            plan = choose_backend([dataclasses.replace(each, token_seconds=t) for each, t in zip(plans, seconds)])
+            prefills = [prefill_seconds_per_token(self.target(backend)) for backend in backends]
+            plan = choose_backend([dataclasses.replace(each, token_seconds=t, prefill_seconds=p)
+                                   for each, t, p in zip(plans, seconds, prefills)])
             precision = plan.precision
             if settle:
                 self.dtype = precision
