@@ -53,7 +53,8 @@ class Plan:
     every candidate's predicted speedup over plain decoding (with the γ it was predicted at);
     `token_seconds`: the backend's measured T(1); `prefill_seconds`: its measured seconds a prompt token (where
     backends were compared); `backends`: each backend considered → its plan's predicted seconds a token
-    (`choose_backend`), `prefills` → its seconds a prompt token; `bounds`: each candidate left unmeasured → the most it could be predicted (`worth_measuring`)."""
+    (`choose_backend`), `prefills` → its seconds a prompt token; `bounds`: each candidate left unmeasured → the
+    most it could be predicted (`worth_measuring`)."""
 
     precision: str
     drafter: str
