@@ -370,3 +370,6 @@ def test_a_remembered_plan_loads_no_draft_model_it_did_not_choose(tiny_target, t
     assert build.remembered_plan({"plan": {"precision": "int8", "unknown": 1}}) is None  # another version's form
     other = build.EngineBuilder(str(tiny_target), default_draft=str(tiny_target))  # another default draft: planned anew
     assert other._choice_key(["float32", "int8"]) != later._choice_key(["float32", "int8"])
+    key = later._choice_key(["float32", "int8"])
+    monkeypatch.setattr(build, "CHOICE_RULE", build.CHOICE_RULE + 1)  # backends compared another way: chosen anew
+    assert later._choice_key(["float32", "int8"]) != key

@@ -31,6 +31,8 @@ from verispec.paths import cpu_key, read_table, store_in_table
 __all__ = ["EngineBuilder", "auto_backends", "auto_precision", "backend_choices", "load"]
 
 BACKEND_CHOICES = "backend_choices.json"
+# how backends are compared (2: T(1) timed in turns, prefill weighed): a choice made by another rule is made again
+CHOICE_RULE = 2
 
 
 def auto_precision(target: str, device: str = "cpu") -> str:
@@ -202,14 +204,16 @@ class EngineBuilder:
 
     def _choice_key(self, backends: list[str]) -> str:
         """What a backend choice and its plan depend on: the target (its file's size and time), the candidates,
-        the default draft model, the threads and the CPU kind (its measured costs are cached under the same things)."""
+        the default draft model, the threads and the CPU kind (its measured costs are cached under the same things),
+        and the rule that compared them (`CHOICE_RULE`)."""
         path = Path(self.target_spec)
         if self.target_spec in SHIPPED_MODELS:
             path = gguf_file(self.target_spec) if "gguf" in backends else path
         stamp = f"{path.stat().st_size}:{int(path.stat().st_mtime)}" if path.exists() else "?"
         kernels = f"|kquant={build_key('kquant')}" if "kquant" in backends else ""  # a new kernel: choose again
         draft = f"|draft={self.models.default_draft}" if self.models.default_draft else ""
-        return f"{self.target_spec}|{stamp}|{','.join(backends)}{kernels}{draft}|threads={torch.get_num_threads()}|cpu={cpu_key()}"
+        return (f"{self.target_spec}|{stamp}|{','.join(backends)}{kernels}{draft}|threads={torch.get_num_threads()}"
+                f"|cpu={cpu_key()}|rule={CHOICE_RULE}")
 
     def release(self, precision: str) -> None:
         """Let the target in `precision` and the drafters built for it go (a backend the plan did not keep)."""
