@@ -122,8 +122,7 @@ def _cached_curve(runner: Runner, folder: str, max_positions: int, context: int 
 
 def measure_prefill(runner: Runner, chunk: int, repeats: int = 2) -> float:
     """Seconds of one prefill forward over `chunk` prompt tokens after `chunk` cached ones (best of `repeats`)."""
-    cache = runner.new_cache(2 * chunk + 1)
-    runner.forward(cache, torch.zeros(chunk, dtype=torch.long), logits="none")
+    cache = _context_cache(runner, chunk, chunk + 1)
     seconds = _best_seconds(runner, cache, chunk, "none", repeats)
     cache.release()
     return seconds
