@@ -76,9 +76,10 @@ def environment(device: torch.device) -> dict:
     return info
 
 
-def build_random_model(name: str, folder: Path, tiny: bool, seed: int, sharpen: float) -> Path:
+def build_random_model(name: str, folder: Path, tiny: bool, seed: int, sharpen: float, device: torch.device) -> Path:
     """A Hugging Face folder with random weights of the shipped `name`'s config (tiny: shrunk) and a
     word-level tokenizer ("t0" … ), with no EOS so that every run makes the same number of tokens.
+    The weights are drawn on `device` (a 1.5B model's initialisation takes over a minute on a CPU).
     The head is scaled by `sharpen`: a random model's top logits are otherwise nearly tied, and greedy
     outputs of kernels that round differently part at once (timing does not depend on values)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -90,7 +91,8 @@ def build_random_model(name: str, folder: Path, tiny: bool, seed: int, sharpen: 
     model_type = values.pop("model_type")
     config = AutoConfig.for_model(model_type, **values, eos_token_id=None, bos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if not tiny else torch.float32)
+    with device:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if not tiny else torch.float32)
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(sharpen)
     model.save_pretrained(folder)
@@ -346,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.real is not None:  # real weights: real acceptance, and generations stop at the model's EOS
             folders = {"target": args.real, **({"draft": args.real_draft} if args.real_draft else {})}
         else:
-            folders = {role: build_random_model(name, Path(work) / role, tiny, seed, args.sharpen)
+            folders = {role: build_random_model(name, Path(work) / role, tiny, seed, args.sharpen, device)
                        for role, name, seed in (("target", args.target, 1), ("draft", args.draft, 2))}
         names = {role: folder.name for role, folder in folders.items()} if args.real else {"target": args.target, "draft": args.draft}
         draft = str(folders["draft"]) if "draft" in folders else None

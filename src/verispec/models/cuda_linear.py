@@ -1,10 +1,10 @@
 """A row-invariant linear layer for a verifying target on a GPU: y = x Wᵀ (+ b) in one Triton kernel whose
 blocking never depends on the rows.
 
-cuBLAS picks its kernel by shape: a matrix-vector kernel for one row, matrix kernels of several tilings for
-more. So on a GPU a position's logits change with the number of positions its forward holds, and greedy
-speculation parts from plain decoding wherever a near tie flips; and the step from one row to two is most of
-what verification costs there (BENCHMARKS.md "GPU"). This kernel multiplies tiles of `TILE_ROWS` rows (the
+cuBLAS picks its kernel by shape, and may pick a matrix-vector kernel for one row and matrix kernels of several
+tilings for more (whether it does depends on the card, the library and the shapes: BENCHMARKS.md "GPU"). Where it
+does, a position's logits change with the number of positions its forward holds, and greedy speculation parts from
+plain decoding wherever a near tie flips. This kernel multiplies tiles of `TILE_ROWS` rows (the
 missing rows of the last tile read as zeros) in blocks fixed by the weight's shape alone, so row i's sums run
 in the same order in every call whatever the other rows hold, and a call of one row costs what one of sixteen
 does (the weight is read once; the matrix units idle either way). Every call takes it: a decode step, a

@@ -553,7 +553,7 @@ class Transformer:
             self._row(cache, feed.shape[0], pos, mask)
             for cache, feed, pos, mask in zip(caches, feeds, positions, tree_masks)
         ]
-        x = self._run(torch.cat(feeds).to(self.device), rows)  # [Σn_i, hidden]
+        x = self._run(torch.cat([feed.to(self.device) for feed in feeds]), rows)  # [Σn_i, hidden]: feeds on any device
         return list(self._logits(x).split([row.n for row in rows]))
 
     def _row(self, cache: KVCache, n: int, positions: torch.Tensor | None, tree_mask: torch.Tensor | None) -> _Row:
