@@ -10,8 +10,9 @@
 
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 with torch's tensor casters, without the C++ frontend
 
 #include <atomic>
 #include <cmath>

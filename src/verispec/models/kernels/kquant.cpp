@@ -16,8 +16,9 @@
 // AVX2 and portable code (`dot_tile_portable`) perform the same integer sums and float operations, so
 // they give the same bits as the AVX-512 code: the tests compare them.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 with torch's tensor casters, without the C++ frontend
 
 #include <algorithm>
 #include <cmath>
@@ -569,14 +570,14 @@ void gemm(const std::vector<Part>& parts, const Activations& a, int64_t rows, fl
 }  // namespace
 
 // raw [columns, blocks × raw block bytes] uint8 (a GGUF tensor's rows) -> packed tiles (uint8, 1-D)
-torch::Tensor repack(int64_t kind, torch::Tensor raw) {
+at::Tensor repack(int64_t kind, at::Tensor raw) {
   check_kind(kind);
-  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == torch::kUInt8, "repack wants uint8 [columns, bytes]");
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte, "repack wants uint8 [columns, bytes]");
   TORCH_CHECK(raw.size(1) % raw_bytes(kind) == 0, "a row of this type is a whole number of ", raw_bytes(kind), "-byte blocks");
   raw = raw.contiguous();
   const int64_t columns = raw.size(0), blocks = raw.size(1) / raw_bytes(kind);
   const int64_t tiles = (columns + kCols - 1) / kCols;
-  auto out = torch::zeros({tiles * blocks * tile_bytes(kind)}, raw.options());
+  auto out = at::zeros({tiles * blocks * tile_bytes(kind)}, raw.options());
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
@@ -594,12 +595,12 @@ torch::Tensor repack(int64_t kind, torch::Tensor raw) {
 }
 
 // raw [rows, blocks × raw block bytes] -> float32 [rows, blocks × 256]: the weights as the file means them
-torch::Tensor dequantize(int64_t kind, torch::Tensor raw) {
+at::Tensor dequantize(int64_t kind, at::Tensor raw) {
   check_kind(kind);
-  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == torch::kUInt8, "dequantize wants uint8 [rows, bytes]");
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte, "dequantize wants uint8 [rows, bytes]");
   raw = raw.contiguous();
   const int64_t rows = raw.size(0), blocks = raw.size(1) / raw_bytes(kind);
-  auto out = torch::empty({rows, blocks * kBlock}, torch::kFloat);
+  auto out = at::empty({rows, blocks * kBlock}, at::kFloat);
   const uint8_t* src = raw.data_ptr<uint8_t>();
   float* dst = out.data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
@@ -628,14 +629,14 @@ namespace {
 
 // x [rows, K] float32 -> (q int8 [rows, P], d float32 [rows, P / 256], sums int32 [rows, P / 16], pair sums int16
 // [rows, P / 32]) for P = K rounded up to whole super-blocks: the values past K are zeros (a padded layer's)
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> quantize_padded(torch::Tensor x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "quantize_rows wants float32 [rows, K]");
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_padded(at::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "quantize_rows wants float32 [rows, K]");
   x = x.contiguous();
   const int64_t rows = x.size(0), width = x.size(1), k = (width + kBlock - 1) / kBlock * kBlock, blocks = k / kBlock;
-  auto q = torch::empty({rows, k}, x.options().dtype(torch::kInt8));
-  auto d = torch::empty({rows, blocks}, x.options());
-  auto sums = torch::empty({rows, k / 16}, x.options().dtype(torch::kInt32));
-  auto pair_sums = torch::empty({rows, k / 32}, x.options().dtype(torch::kInt16));
+  auto q = at::empty({rows, k}, x.options().dtype(at::kChar));
+  auto d = at::empty({rows, blocks}, x.options());
+  auto sums = at::empty({rows, k / 16}, x.options().dtype(at::kInt));
+  auto pair_sums = at::empty({rows, k / 32}, x.options().dtype(at::kShort));
   const float* xp = x.data_ptr<float>();
   int8_t* qp = q.data_ptr<int8_t>();
   float* dp = d.data_ptr<float>();
@@ -672,7 +673,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> quantize_
 
 // x [rows, K] float32 (K a multiple of 256) -> (q int8 [rows, K], d float32 [rows, K / 256],
 // sums int32 [rows, K / 16], pair sums int16 [rows, K / 32])
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> quantize_rows(torch::Tensor x) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_rows(at::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "kquant layers need an input width that is a multiple of 256, not ",
               x.dim() == 2 ? x.size(1) : -1);
   return quantize_padded(x);
@@ -682,8 +683,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> quantize_
 // parts: packed tiles, one per GGUF tensor of the layer (e.g. q, k and v), with their kinds and columns.
 // A K that is not a multiple of 256 takes weights whose rows were padded with zeros to whole super-blocks
 // (`models/requantize.py`): x is quantized as if padded with zeros too (`quantize_padded`): exact zeros in every sum.
-torch::Tensor linear(torch::Tensor x, std::vector<torch::Tensor> packed, std::vector<int64_t> kinds,
-                     std::vector<int64_t> columns, c10::optional<torch::Tensor> bias) {
+at::Tensor linear(at::Tensor x, std::vector<at::Tensor> packed, std::vector<int64_t> kinds,
+                     std::vector<int64_t> columns, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(packed.size() == kinds.size() && kinds.size() == columns.size() && !packed.empty(), "linear: one kind and width per part");
   TORCH_CHECK(x.dim() == 2, "linear wants x [rows, K]");
   auto [q, d, sums, pair_sums] = quantize_padded(x);  // weights padded with zeros to whole super-blocks: x too
@@ -696,15 +697,15 @@ torch::Tensor linear(torch::Tensor x, std::vector<torch::Tensor> packed, std::ve
                 "linear: part ", i, " was packed for another input width");
     total += columns[i];
   }
-  auto y = torch::empty({rows, total}, x.options());
+  auto y = at::empty({rows, total}, x.options());
   const Activations a{q.data_ptr<int8_t>(), d.data_ptr<float>(), sums.data_ptr<int32_t>(), pair_sums.data_ptr<int16_t>(),
                       k, k / kBlock};
   std::vector<Part> parts;
   for (size_t i = 0, offset = 0; i < packed.size(); offset += columns[i], ++i)
     parts.push_back({kinds[i], packed[i].data_ptr<uint8_t>(), columns[i], int64_t(offset)});
-  torch::Tensor b;
+  at::Tensor b;
   if (bias.has_value()) {
-    b = bias->to(torch::kFloat).contiguous();
+    b = bias->to(at::kFloat).contiguous();
     TORCH_CHECK(b.numel() == total, "linear: the bias has ", b.numel(), " values for ", total, " outputs");
   }
   gemm(parts, a, rows, y.data_ptr<float>(), total, bias.has_value() ? b.data_ptr<float>() : nullptr);
@@ -714,16 +715,16 @@ torch::Tensor linear(torch::Tensor x, std::vector<torch::Tensor> packed, std::ve
 namespace {
 
 struct Linear {  // a `KQuantLinear`: its parts and bias
-  std::vector<torch::Tensor> packed;
+  std::vector<at::Tensor> packed;
   std::vector<int64_t> kinds, columns;
-  c10::optional<torch::Tensor> bias;
+  c10::optional<at::Tensor> bias;
 
   at::Tensor operator()(const at::Tensor& x) const { return linear(x, packed, kinds, columns, bias); }
 };
 
 Linear to_linear(const py::tuple& t) {  // (packed parts, kinds, columns, bias or None)
-  Linear l{t[0].cast<std::vector<torch::Tensor>>(), t[1].cast<std::vector<int64_t>>(), t[2].cast<std::vector<int64_t>>(), c10::nullopt};
-  if (!t[3].is_none()) l.bias = t[3].cast<torch::Tensor>();
+  Linear l{t[0].cast<std::vector<at::Tensor>>(), t[1].cast<std::vector<int64_t>>(), t[2].cast<std::vector<int64_t>>(), c10::nullopt};
+  if (!t[3].is_none()) l.bias = t[3].cast<at::Tensor>();
   return l;
 }
 
