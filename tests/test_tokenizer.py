@@ -101,3 +101,25 @@ def test_the_shipped_tokenizers_agree_with_transformers_on_public_prompts(name):
         chat = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": text}]
         assert fast.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
             hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+
+
+@pytest.mark.real
+def test_a_ggufs_tokenizer_is_read_with_one_parse_of_the_file(tmp_path, monkeypatch):
+    """transformers' legacy GGUF reader walks every vocabulary entry; told the config's model type, the tokenizer
+    does not parse the file again, and it is the tokenizer transformers' own way makes (the 0.5B's qwen2 GGUF; a llama
+    one, whose model type names no tokenizer class, still takes the two parses)."""
+    from transformers import AutoTokenizer
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    from verispec.models.registry import gguf_file, gguf_tokenizer_folder
+
+    gguf = gguf_file("qwen2.5-coder-0.5b-instruct")
+    parses, parse = [], gguf_utils.load_gguf_checkpoint
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", lambda *a, **k: parses.append(a) or parse(*a, **k))
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    folder = gguf_tokenizer_folder(gguf)
+    assert len(parses) == 1 and (folder / "config.json").exists()
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp_path / "control")
+    assert len(parses) == 2  # the control: transformers' own way parses the file for the model type
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (folder / name).read_bytes() == (tmp_path / "control" / name).read_bytes()

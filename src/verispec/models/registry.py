@@ -249,19 +249,34 @@ def gguf_tokenizer_folder(gguf: Path) -> Path:
     out = cache_dir() / "tokenizers" / f"{gguf.stem}-{key}"
     if (out / "tokenizer_config.json").exists():
         return out
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     with status(f"reading the tokenizer of {gguf.name} (once)"):
-        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
         try:
-            AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
         except (ValueError, KeyError):  # an architecture transformers cannot describe: stop ids come from llama.cpp
-            pass
+            config = None
+        _gguf_tokenizer(gguf, config).save_pretrained(tmp)
+        if config is not None:
+            config.save_pretrained(tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
+
+
+def _gguf_tokenizer(gguf: Path, config):
+    """The tokenizer in `gguf`. Told the model type of `config` (when known), transformers does not parse the whole
+    file a second time to find it (its reader for most architectures walks every vocabulary entry)."""
+    from transformers import AutoTokenizer
+
+    if config is not None:
+        try:
+            return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, tokenizer_type=config.model_type)
+        except ValueError:  # a model type without a tokenizer class of its own: let transformers find one
+            pass
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
 def prepare_shipped_model(name: str) -> Path:
