@@ -81,12 +81,14 @@ def build_random_model(name: str, folder: Path, tiny: bool, seed: int, sharpen: 
     word-level tokenizer ("t0" … ), with no EOS so that every run makes the same number of tokens.
     The weights are drawn on `device` (a 1.5B model's initialisation takes over a minute on a CPU).
     The head is scaled by `sharpen`: a random model's top logits are otherwise nearly tied, and greedy
-    outputs of kernels that round differently part at once (timing does not depend on values)."""
+    outputs of kernels that round differently part at once (timing does not depend on values). It is never tied
+    to the embeddings (SmolLM2's is): a random tied head scores each token highest after itself, so every output
+    would repeat its prompt's last token (the same bytes a step either way)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
     values = dict(json.loads(CONFIGS.read_text())[name])
-    values.update(TINY if tiny else {})
+    values.update(TINY if tiny else {}, tie_word_embeddings=False)
     values.setdefault("rope_theta", values.get("rope_parameters", {}).get("rope_theta", 10000.0))
     model_type = values.pop("model_type")
     config = AutoConfig.for_model(model_type, **values, eos_token_id=None, bos_token_id=None, pad_token_id=None)

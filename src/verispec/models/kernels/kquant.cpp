@@ -684,7 +684,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_rows(at::Ten
 // A K that is not a multiple of 256 takes weights whose rows were padded with zeros to whole super-blocks
 // (`models/requantize.py`): x is quantized as if padded with zeros too (`quantize_padded`): exact zeros in every sum.
 at::Tensor linear(at::Tensor x, std::vector<at::Tensor> packed, std::vector<int64_t> kinds,
-                     std::vector<int64_t> columns, c10::optional<at::Tensor> bias) {
+                  std::vector<int64_t> columns, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(packed.size() == kinds.size() && kinds.size() == columns.size() && !packed.empty(), "linear: one kind and width per part");
   TORCH_CHECK(x.dim() == 2, "linear wants x [rows, K]");
   auto [q, d, sums, pair_sums] = quantize_padded(x);  // weights padded with zeros to whole super-blocks: x too
