@@ -259,9 +259,48 @@ def test_cuda_generations_with_graphs_equal_plain_decoding(tiny_target, tiny_dra
     speculative = EngineBuilder(str(tiny_target), "float32", default_draft=str(tiny_draft), device="cuda").engine(
         draft, 4, "constant")
     assert plain.target.runner.graphs and speculative.target.runner.graphs
-    want = [plain.generate(p, GREEDY).token_ids for p in PROMPTS]
-    assert [speculative.generate(p, GREEDY).token_ids for p in PROMPTS] == want
+    for prompt in PROMPTS:
+        want = plain.generate(prompt, GREEDY).token_ids
+        assert _same_or_a_near_tie(plain.target.runner, prompt, speculative.generate(prompt, GREEDY).token_ids, want)
     assert speculative.target.runner._graphs.failed is None
+
+
+def _same_or_a_near_tie(runner, prompt: list[int], got: list[int], want: list[int], tolerance: float = 1e-4) -> bool:
+    """Whether `got` is `want` (greedy plain decoding's), or first parts from it where plain's two best logits are
+    within `tolerance` (relative) of each other. On a GPU cuBLAS picks float32 kernels by shape, so a verification
+    may round a position's logits otherwise than a decode step and flip a near tie (seen once in three runs on an
+    H200); a wrong cache, mask or acceptance parts at a clear winner."""
+    if got == want:
+        return True
+    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    if first is None:  # one is the other's prefix: not rounding
+        return False
+    cache = runner.new_cache(len(prompt) + first + 1)
+    logits = runner.forward(cache, torch.tensor(prompt + want[:first]), logits="last")[-1].float()  # [vocab]
+    best, second = logits.topk(2).values.tolist()
+    return best - second < tolerance * max(1.0, abs(best))
+
+
+class _FixedLogits:
+    """A runner whose every forward scores token 1 at `best` and token 2 at `second`."""
+
+    def __init__(self, best: float, second: float):
+        self.logits = torch.zeros(1, 8)  # [1, vocab]
+        self.logits[0, 1], self.logits[0, 2] = best, second
+
+    def new_cache(self, capacity: int):
+        return None
+
+    def forward(self, cache, tokens, logits="last"):
+        return self.logits
+
+
+def test_only_a_near_tie_excuses_a_generation_that_parts_from_plain():
+    prompt, want = [3, 4], [1, 1, 1]
+    assert _same_or_a_near_tie(_FixedLogits(5.0, 1.0), prompt, want, want)
+    assert _same_or_a_near_tie(_FixedLogits(5.0, 5.0 - 1e-6), prompt, [1, 2, 2], want)
+    assert not _same_or_a_near_tie(_FixedLogits(5.0, 4.9), prompt, [1, 2, 2], want)  # a clear winner lost
+    assert not _same_or_a_near_tie(_FixedLogits(5.0, 5.0 - 1e-6), prompt, [1, 1], want)  # shorter: not rounding
 
 
 @needs_cuda
