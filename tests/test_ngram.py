@@ -69,3 +69,21 @@ def test_the_lookup_benchmark_times_both_methods_at_every_length():
     rows = time_lookups([5, 6, 7, 8, 9] * 40, [100, 150], steps=5, gamma=4)
     assert [(r["length"], r["method"].split()[0]) for r in rows] == [(100, "verispec"), (100, "HF"), (150, "verispec"), (150, "HF")]
     assert all(0 < r["median_us"] <= r["p99_us"] for r in rows)
+
+
+def test_a_tree_holds_every_earlier_matchs_continuation_up_to_its_nodes(target):
+    """nodes=N: the continuations of [1, 2] at 3 (→ 8 3) and at 0 (→ 7 1), latest first, then of [2] (the same
+    ones: merged), as a tree of up to N nodes and γ deep; without a match, nothing."""
+    def tree(nodes: int, gamma: int, ids=TEXT):
+        draft = NgramDrafter(max_n=2, nodes=nodes).start(ids).propose(ids, gamma, SamplingParams(), None)
+        return draft.tokens.tolist(), None if draft.parents is None else draft.parents.tolist()
+
+    assert tree(8, 2) == ([8, 3, 7, 1], [-1, 0, -1, 2])
+    assert tree(3, 2) == ([8, 3, 7], [-1, 0, -1])
+    assert tree(8, 1) == ([8, 7], [-1, -1])
+    assert tree(8, 2, [1, 2, 7, 1, 2]) == ([7, 1], [-1, 0])  # one continuation: a chain (the engine verifies it so)
+    assert tree(8, 2, [5, 6]) == ([], None)
+    assert make_drafter("ngram:nodes=16", target).name == "ngram:max_n=3,nodes=16"
+    assert make_drafter("ngram:nodes=16", target).drafts_trees and not make_drafter("ngram", target).drafts_trees
+    with pytest.raises(InvalidParameterError, match="nodes"):
+        make_drafter("ngram:nodes=100000", target)

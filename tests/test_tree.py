@@ -35,12 +35,16 @@ def tree_drafters(target, draft, kind):
         from verispec.drafters.stand import StandDrafter
 
         return StandDrafter(vocab, k=2, depth=4)
+    if kind == "ngram-tree":
+        from verispec.drafters.ngram import NgramDrafter
+
+        return NgramDrafter(nodes=8)
     from verispec.drafters.hybrid import HybridDrafter
 
     return HybridDrafter(DraftModelDrafter(draft, vocab))
 
 
-KINDS = ["expansion", "expansion-self", "merge", "stand", "hybrid"]
+KINDS = ["expansion", "expansion-self", "merge", "stand", "hybrid", "ngram-tree"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -147,6 +151,19 @@ def test_sampled_tree_drafts_are_lossless(small_pair, kind):
     samples = sample_sequences(engine, PROMPT, PARAMS, SAMPLES, LENGTH)
     result = assert_same_distribution(samples, sequence_distribution(hf, PROMPT, LENGTH, PARAMS))
     assert result.detectable_tv < 0.18  # the power the module doc promises
+
+
+def test_sampled_ngram_trees_are_lossless(small_pair):
+    """Deterministic trees (point-mass nodes): a prompt where the last token occurred twice before, followed by
+    different tokens, so the first step's draft branches (checked), and the outputs keep repeating tokens."""
+    target, draft, hf = small_pair
+    prompt = [3, 7, 3, 5, 3]
+    drafter = tree_drafters(target, draft, "ngram-tree")
+    assert drafter.start(prompt).propose(prompt, GAMMA, PARAMS, None).parents.tolist() == [-1, 0, -1, 2]  # 5 3 | 7 3
+    engine = Engine(target, drafter, gamma=GAMMA, gamma_policy="constant")
+    samples = sample_sequences(engine, prompt, PARAMS, SAMPLES, LENGTH)
+    result = assert_same_distribution(samples, sequence_distribution(hf, prompt, LENGTH, PARAMS))
+    assert result.detectable_tv < 0.18
 
 
 def test_the_end_to_end_test_catches_a_wrong_bonus(small_pair, monkeypatch):

@@ -6,7 +6,8 @@ Specs (`KIND` alone uses the defaults; options are `name=integer`, comma-separat
                                 one with another tokenizer drafts through the text (`drafters.cross_vocab`)
   gguf | gguf:NAME_OR_GGUF      the draft model run by llama.cpp from its GGUF file, whatever runs the
                                 target (`model:NAME` in precision gguf)
-  ngram[:max_n=3,min_n=1,oldest=0]   prompt lookup (latest longest match; oldest=1: the first, as HF)
+  ngram[:max_n=3,min_n=1,oldest=0,nodes=0]   prompt lookup (latest longest match; oldest=1: the first, as HF;
+                                nodes=N: a tree of every earlier match's continuation, up to N nodes)
   tree[:k=2,depth=4,wide=1]     SpecInfer top-k expansion by the draft model (k children at `wide` depths)
   merge[:max_n=3]               the draft model's chain and the n-gram continuation merged into one tree
   stand[:max_n=4,min_n=2,k=2,depth=5,wide=1]   STAND: n-gram table of the target's own distributions

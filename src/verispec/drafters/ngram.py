@@ -13,6 +13,11 @@ How long a suffix matched says how likely its continuation is right (far more of
 after one: BENCHMARKS.md), so each step tells the γ policy its match length (`hint`, capped at
 `HINT_CLASSES`, with `MATCH_PRIORS` as priors), and the policy sizes each class of step by its own measured
 acceptance: a short draft or none after a weak match, a long one after a strong match. `hints=0` turns this off.
+
+`nodes=N` drafts a token tree instead of one continuation: the continuations of every earlier match of the last
+`max_n` … `min_n` tokens (longest suffix first, latest match first), merged where they agree, up to N nodes and γ
+deep. Where verifying more positions costs almost nothing (a GPU) more of the output is found in the text this way
+(`benchmarks/probes/lookup_bound.py` measures how much on public prompts).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from verispec.drafters.base import Drafter, DraftSession
+from verispec.drafters.branching import TreeBuilder
 from verispec.drafters.prefix import common_prefix_length
 from verispec.errors import InvalidParameterError
 from verispec.types import Draft, Hint
@@ -30,29 +36,35 @@ __all__ = ["NgramDrafter", "MATCH_PRIORS"]
 # groups and HumanEval, the 1.5B target's greedy outputs: `benchmarks/probes/lookup_bound.py`): the classes' priors
 MATCH_PRIORS = {1: 0.25, 2: 0.45, 3: 0.8}
 HINT_CLASSES = max(MATCH_PRIORS)
+MAX_NODES = 256  # the largest tree `nodes=N` asks for (a step verifies every node in one pass)
+MATCHES_PER_NODE = 4  # a tree reads at most this many matches a node (a frequent token's repeat the same text)
 
 
 class NgramDrafter(Drafter):
-    def __init__(self, max_n: int = 3, min_n: int = 1, oldest: int = 0, hints: int = 1):
+    def __init__(self, max_n: int = 3, min_n: int = 1, oldest: int = 0, hints: int = 1, nodes: int = 0):
         if not 1 <= min_n <= max_n:
             raise InvalidParameterError(f"n-gram sizes need 1 ≤ min_n ≤ max_n, got min_n={min_n}, max_n={max_n}")
         for option, value in (("oldest", oldest), ("hints", hints)):
             if value not in (0, 1):
                 raise InvalidParameterError(f"ngram option {option} must be 0 or 1, got {value}")
-        self.max_n, self.min_n, self.oldest, self.hints = max_n, min_n, bool(oldest), bool(hints)
-        self.name = f"ngram:max_n={max_n}" + (",oldest=1" if oldest else "") + ("" if hints else ",hints=0")
+        if not 0 <= nodes <= MAX_NODES:
+            raise InvalidParameterError(f"ngram option nodes must be 0 (a chain) … {MAX_NODES}, got {nodes}")
+        self.max_n, self.min_n, self.oldest, self.hints, self.nodes = max_n, min_n, bool(oldest), bool(hints), nodes
+        self.drafts_trees = nodes > 0
+        self.name = (f"ngram:max_n={max_n}" + (",oldest=1" if oldest else "") + ("" if hints else ",hints=0")
+                     + (f",nodes={nodes}" if nodes else ""))
 
     def start(self, prompt_ids: list[int]) -> DraftSession:
-        return _NgramSession(self.max_n, self.min_n, self.oldest, self.hints)
+        return _NgramSession(self.max_n, self.min_n, self.oldest, self.hints, self.nodes)
 
 
 class _NgramSession(DraftSession):
-    def __init__(self, max_n: int, min_n: int, oldest: bool = False, hints: bool = True):
-        self.max_n, self.min_n, self.oldest, self.hints = max_n, min_n, oldest, hints
-        self.index: dict[tuple[int, ...], int] = {}  # n-gram -> position right after its latest (oldest) occurrence
+    def __init__(self, max_n: int, min_n: int, oldest: bool = False, hints: bool = True, nodes: int = 0):
+        self.max_n, self.min_n, self.oldest, self.hints, self.nodes = max_n, min_n, oldest, hints, nodes
+        self.index: dict[tuple[int, ...], list[int]] = {}  # n-gram -> the positions right after its occurrences, in order
         self.indexed_until = 0  # n-grams ending before this position are indexed
         self.indexed_ids: list[int] = []  # the sequence they were read from
-        self.undo: list[list[tuple[tuple[int, ...], int | None]]] = []  # per end position: (n-gram, previous entry)
+        self.undo: list[list[tuple[int, ...]]] = []  # per end position: the n-grams it added an occurrence of
 
     def _rollback(self, ids: list[int]) -> None:
         """Make `ids` the indexed sequence: undo the entries of n-grams ending where the two part."""
@@ -62,25 +74,20 @@ class _NgramSession(DraftSession):
         valid = min(same, len(ids) - 1)  # n-grams ending before: still valid
         while self.indexed_until > valid:
             self.indexed_until -= 1
-            for key, previous in reversed(self.undo.pop()):
-                if previous is None:
+            for key in self.undo.pop():
+                self.index[key].pop()
+                if not self.index[key]:
                     del self.index[key]
-                else:
-                    self.index[key] = previous
 
     def _index(self, ids: list[int]) -> None:
         self._rollback(ids)
         # Index n-grams ending at positions < len(ids) - 1, so each has a continuation
         # and the current suffix never matches itself.
         for end in range(self.indexed_until, len(ids) - 1):
-            changes = []
-            for n in range(self.min_n, self.max_n + 1):
-                if end - n + 1 >= 0:
-                    key = tuple(ids[end - n + 1 : end + 1])
-                    if not (self.oldest and key in self.index):
-                        changes.append((key, self.index.get(key)))
-                        self.index[key] = end + 1
-            self.undo.append(changes)
+            added = [tuple(ids[end - n + 1 : end + 1]) for n in range(self.min_n, self.max_n + 1) if end - n + 1 >= 0]
+            for key in added:
+                self.index.setdefault(key, []).append(end + 1)
+            self.undo.append(added)
         self.indexed_until = max(self.indexed_until, len(ids) - 1)
 
     def lookup(self, ids: list[int], gamma: int) -> tuple[list[int], int]:
@@ -88,10 +95,32 @@ class _NgramSession(DraftSession):
         self._index(ids)
         if gamma > 0:
             for n in range(min(self.max_n, len(ids)), self.min_n - 1, -1):
-                start = self.index.get(tuple(ids[-n:]))
-                if start is not None:
+                starts = self.index.get(tuple(ids[-n:]))
+                if starts:
+                    start = starts[0] if self.oldest else starts[-1]
                     return ids[start : start + gamma], n
         return [], 0
+
+    def tree(self, ids: list[int], gamma: int) -> TreeBuilder:
+        """The continuations (up to γ tokens) of every earlier match of the last max_n … min_n tokens, longest suffix
+        first, latest (oldest=1: first) match first, merged where they agree, up to `nodes` nodes."""
+        self._index(ids)
+        builder, matches = TreeBuilder(), MATCHES_PER_NODE * self.nodes
+        for n in range(min(self.max_n, len(ids)), self.min_n - 1, -1):
+            starts = self.index.get(tuple(ids[-n:]), [])
+            for start in (starts if self.oldest else reversed(starts)):
+                matches -= 1
+                if matches < 0:
+                    return builder
+                parent = -1
+                for token in ids[start : start + gamma]:
+                    node = builder.find(parent, token)
+                    if node is None:
+                        if len(builder) == self.nodes:
+                            return builder
+                        node = builder.add(token, parent)
+                    parent = node
+        return builder
 
     def hint(self, ids):
         """The matched suffix's length (up to HINT_CLASSES) as the step's class; None without a match (nothing
@@ -100,4 +129,7 @@ class _NgramSession(DraftSession):
         return Hint(min(matched, HINT_CLASSES), MATCH_PRIORS[min(matched, HINT_CLASSES)]) if matched else None
 
     def propose(self, ids, gamma, params, generator):
-        return Draft(torch.tensor(self.lookup(ids, gamma)[0], dtype=torch.long))
+        if not self.nodes:
+            return Draft(torch.tensor(self.lookup(ids, gamma)[0], dtype=torch.long))
+        builder = self.tree(ids, gamma) if gamma > 0 else TreeBuilder()
+        return builder.build(0) if len(builder) else Draft.empty()  # deterministic nodes: no vocabulary needed

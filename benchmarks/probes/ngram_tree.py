@@ -1,0 +1,46 @@
+"""τ of prompt lookup as a chain against as a token tree (`ngram:nodes=N`), through the engine on real prompts.
+
+Acceptance does not depend on the device, so τ measured here on a CPU, times the T(n)/T(1) a GPU measured
+(`benchmarks/gpu/measure.py`), predicts what the tree gains there. Greedy, constant γ, the same prompts for every
+method; prints τ, the mean depth drafted and how many outputs equal plain decoding's.
+
+    .venv/bin/python benchmarks/probes/ngram_tree.py --target smollm2-135m-instruct --questions question.jsonl,humaneval
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from verispec.engine.build import EngineBuilder
+from verispec.engine.loop import GenerationConfig
+from verispec.paths import cpu_summary
+from verispec.tools.bench.questions import encoded_prompts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="float32", help="a precision whose runner verifies token trees")
+    parser.add_argument("--questions", default="question.jsonl,humaneval")
+    parser.add_argument("--per-category", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--gamma", type=int, default=12)
+    parser.add_argument("--methods", default="none,ngram,ngram:nodes=16,ngram:nodes=32")
+    args = parser.parse_args()
+    print(cpu_summary(), flush=True)
+    builder = EngineBuilder(args.target, args.dtype)
+    prompts = encoded_prompts(builder.target(), args.questions, args.per_category)
+    config, plain = GenerationConfig(max_new_tokens=args.max_new_tokens), None
+    for method in args.methods.split(","):
+        engine = builder.engine(method, args.gamma, "constant")
+        results = [engine.generate(prompt, config) for prompt in prompts]
+        tokens, steps = (sum(getattr(r.stats, field) for r in results) for field in ("new_tokens", "steps"))
+        depth = sum(record.proposed for r in results for record in r.stats.records)  # a tree's: its longest path
+        outputs = [r.token_ids for r in results]
+        plain = plain or outputs
+        same = sum(a == b for a, b in zip(outputs, plain))
+        print(f"{method:<16} τ {tokens / steps:.3f}  mean depth {depth / steps:.1f}  = plain {same}/{len(prompts)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
