@@ -37,7 +37,7 @@ __all__ = ["NgramDrafter", "MATCH_PRIORS"]
 MATCH_PRIORS = {1: 0.25, 2: 0.45, 3: 0.8}
 HINT_CLASSES = max(MATCH_PRIORS)
 MAX_NODES = 256  # the largest tree `nodes=N` asks for (a step verifies every node in one pass)
-MATCHES_PER_NODE = 4  # a tree reads at most this many matches a node (a frequent token's repeat the same text)
+MATCHES_PER_NODE = 4  # a tree reads at most this many matches a node (a frequent token's matches repeat one text)
 
 
 class NgramDrafter(Drafter):
