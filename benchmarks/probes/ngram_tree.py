@@ -2,7 +2,7 @@
 
 Acceptance does not depend on the device, so τ measured here on a CPU, times the T(n)/T(1) a GPU measured
 (`benchmarks/gpu/measure.py`), predicts what the tree gains there. Greedy, constant γ, the same prompts for every
-method; prints τ, the mean depth drafted and how many outputs equal plain decoding's.
+method; prints τ, the mean depth and size of a step's draft and how many outputs equal plain decoding's.
 
     .venv/bin/python benchmarks/probes/ngram_tree.py --target smollm2-135m-instruct --questions question.jsonl,humaneval
 """
@@ -35,11 +35,14 @@ def main() -> None:
         engine = builder.engine(method, args.gamma, "constant")
         results = [engine.generate(prompt, config) for prompt in prompts]
         tokens, steps = (sum(getattr(r.stats, field) for r in results) for field in ("new_tokens", "steps"))
-        depth = sum(record.proposed for r in results for record in r.stats.records)  # a tree's: its longest path
+        records = [record for r in results for record in r.stats.records]
+        depth = sum(record.proposed for record in records)  # a tree's: its longest path
+        width = sum(record.proposed if record.width is None else record.width for record in records)  # a tree's: nodes
         outputs = [r.token_ids for r in results]
         plain = plain or outputs
         same = sum(a == b for a, b in zip(outputs, plain))
-        print(f"{method:<16} τ {tokens / steps:.3f}  mean depth {depth / steps:.1f}  = plain {same}/{len(prompts)}", flush=True)
+        print(f"{method:<16} τ {tokens / steps:.3f}  mean depth {depth / steps:.1f}, drafted {width / steps:.1f}"
+              f"  = plain {same}/{len(prompts)}", flush=True)
 
 
 if __name__ == "__main__":
