@@ -119,3 +119,38 @@ def test_linear_widths_runs_on_cpu_with_tiny_shapes(tmp_path):
     assert [r["m"] for r in records if r["kind"] == "attention"] == [1, 2, 3]
     assert all(r["seconds"] > 0 for r in records if r["kind"] != "env")
     assert all(r["weight_first_seconds"] > 0 for r in records if r["kind"] == "linear")
+
+
+def test_step_kernels_runs_on_cpu_with_tiny_shapes(tmp_path):
+    out = tmp_path / "steps.jsonl"
+    assert _script(GPU / "step_kernels.py").main(["--device", "cpu", "--tiny", "--widths", "1,3", "--steps", "2",
+                                                  "--workdir", str(tmp_path), "--out", str(out)]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert records[0]["kind"] == "env" and records[0]["device"] == "cpu"
+    steps = [r for r in records if r["kind"] == "step_kernels"]
+    assert [(r["mode"], r["n"]) for r in steps] == [("graph", 1), ("graph", 3), ("eager", 1), ("eager", 3)]
+    for record in steps:
+        assert record["wall_us"] > 0 and record["busy_us"] > 0
+        assert sum(record["families_us"].values()) == pytest.approx(record["busy_us"])  # on a CPU: the operators' own times
+        assert {"linear", "attention"} <= set(record["families_us"])
+
+
+def test_step_kernels_counts_overlapping_kernels_once():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    step_kernels = _script(GPU / "step_kernels.py")
+
+    def kernel(name, start, end, device_type=DeviceType.CUDA):
+        span = SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)
+        return SimpleNamespace(name=name, device_type=device_type, time_range=span, self_cpu_time_total=0)
+
+    events = [kernel("gemv", 0, 10), kernel("gemv", 20, 30), kernel("flash_fwd", 25, 40),  # overlaps the second gemv
+              kernel("aten::linear", 0, 100, DeviceType.CPU)]  # the host's operator: not device time
+    totals, calls, busy = step_kernels.kernel_times(events, torch.device("cuda"))
+    assert totals == {"gemv": 20, "flash_fwd": 15} and calls == {"gemv": 2, "flash_fwd": 1}
+    assert busy == 30  # 0–10 and 20–40: the overlap once
+    assert [step_kernels.family(name) for name in ("ampere_bf16_s16816gemm", "rows_linear", "fmha_cutlassF", "attend",
+                                                    "vectorized_elementwise_kernel", "RMSNorm", "something")] == [
+        "linear", "linear", "attention", "attention", "elementwise", "norm", "other"]

@@ -1,6 +1,7 @@
-"""A short table of what `measure.py` and `linear_widths.py` wrote (JSON lines), for the end of a device call's
-output: each T(n) curve's T(1) and T(n)/T(1) at a few widths, each run's tok/s, τ and agreement with plain decoding,
-and each layer's cuBLAS against row-invariant kernel time at a few row counts.
+"""A short table of what `measure.py`, `linear_widths.py` and `step_kernels.py` wrote (JSON lines), for the end of a
+device call's output: each T(n) curve's T(1) and T(n)/T(1) at a few widths, each run's tok/s, τ and agreement with
+plain decoding, each layer's cuBLAS against row-invariant kernel time at a few row counts, and each profiled step's
+wall time, idle time and largest kernel families.
     python benchmarks/gpu/summary.py OUT/*.jsonl
 """
 
@@ -37,6 +38,12 @@ def _linear(record: dict) -> str:
             f"{record['same_bits']}{kernel}")
 
 
+def _step(record: dict) -> str:
+    families = " ".join(f"{name} {us:.0f}" for name, us in list(record["families_us"].items())[:5])
+    return (f"  step {record['mode']:<5} n {record['n']:>2}  wall {record['wall_us']:7.1f} µs  idle {record['idle_us']:6.1f}  "
+            f"kernels: {families}")
+
+
 def main(paths: list[str]) -> int:
     for path in map(Path, paths):
         if not path.exists():  # a step that ran out of time, or a shell pattern that matched nothing
@@ -53,6 +60,8 @@ def main(paths: list[str]) -> int:
                 print(_speed(record))
             elif kind == "linear" and record["m"] in ROWS:
                 print(_linear(record))
+            elif kind == "step_kernels":
+                print(_step(record))
             elif kind in ("error", "flips"):
                 print(f"  {kind}: {json.dumps(record)[:300]}")
     return 0
