@@ -120,24 +120,26 @@ def step_profile(runner, device: torch.device, n: int, context: int, steps: int,
 
 
 def table(records: list[dict]) -> str:
-    """Each width's wall, busy and idle µs and each family's µs, with its change from the mode's n = 1."""
+    """Each width's wall, busy and idle µs and each family's µs, with its change from the mode's first width; then
+    the kernels that grew most from the first width to the last."""
     lines = []
     for mode in dict.fromkeys(r["mode"] for r in records):
         rows = [r for r in records if r["mode"] == mode]
-        base = rows[0]
+        base, widest = rows[0], rows[-1]
         names = list(dict.fromkeys(name for r in rows for name in r["families_us"]))
         lines.append(f"{mode}: µs a step (change from n = {base['n']})")
         lines.append("  n    wall    busy    idle  " + "  ".join(f"{name:>16}" for name in names))
         for r in rows:
-            cells = [f"{r['families_us'].get(name, 0.0):7.1f} ({r['families_us'].get(name, 0.0) - base['families_us'].get(name, 0.0):+6.1f})"
-                     for name in names]
+            cells = []
+            for name in names:
+                now, before = r["families_us"].get(name, 0.0), base["families_us"].get(name, 0.0)
+                cells.append(f"{now:7.1f} ({now - before:+6.1f})")
             lines.append(f"  {r['n']:<3} {r['wall_us']:7.1f} {r['busy_us']:7.1f} {r['idle_us']:7.1f}  " + "  ".join(cells))
-        widest = rows[-1]
-        grown = sorted(widest["kernels"], key=lambda k: -(k["us"] - next((b["us"] for b in base["kernels"] if b["name"] == k["name"]), 0.0)))
+        before = {k["name"]: k["us"] for k in base["kernels"]}
         lines.append(f"  kernels that grew most from n = {base['n']} to {widest['n']}:")
-        for kernel in grown[:8]:
-            before = next((b["us"] for b in base["kernels"] if b["name"] == kernel["name"]), 0.0)
-            lines.append(f"    {before:7.1f} → {kernel['us']:7.1f} µs  ×{kernel['calls']:.0f}  {kernel['name'][:100]}")
+        for kernel in sorted(widest["kernels"], key=lambda k: before.get(k["name"], 0.0) - k["us"])[:8]:
+            lines.append(f"    {before.get(kernel['name'], 0.0):7.1f} → {kernel['us']:7.1f} µs  ×{kernel['calls']:.0f}  "
+                         f"{kernel['name'][:100]}")
     return "\n".join(lines)
 
 
