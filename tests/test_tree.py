@@ -15,10 +15,12 @@ import torch
 from distribution import assert_rejected, assert_same_distribution, sample_sequences, token_0_as_every_bonus
 
 from verispec import Engine, GenerationConfig, SamplingParams
+from verispec.drafters.branching import TreeBuilder
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.tree import ExpansionDrafter, MergeDrafter
 from verispec.testing.reference import reference_generate, sequence_distribution
 from verispec.tokentree import ancestor_mask, path_to, tree_attention_mask
+from verispec.types import Draft
 
 PROMPTS = [[5, 9, 2, 7], [11, 3, 3, 3, 8, 1, 30, 12, 5, 11, 3, 3], [40]]
 
@@ -39,12 +41,14 @@ def tree_drafters(target, draft, kind):
         from verispec.drafters.ngram import NgramDrafter
 
         return NgramDrafter(nodes=8)
+    if kind == "lookup":
+        return MergeDrafter.lookup(vocab, nodes=8, table_nodes=8)
     from verispec.drafters.hybrid import HybridDrafter
 
     return HybridDrafter(DraftModelDrafter(draft, vocab))
 
 
-KINDS = ["expansion", "expansion-self", "merge", "stand", "hybrid", "ngram-tree"]
+KINDS = ["expansion", "expansion-self", "merge", "stand", "hybrid", "ngram-tree", "lookup"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -93,7 +97,6 @@ def test_greedy_trees_hold_off_the_end_until_min_tokens(target, draft, hf_target
 def test_min_tokens_masks_a_trees_rows_by_their_output_position(target):
     """Rows are masked by depth, not by index: the second child of the root is as early as the first."""
     from verispec.engine.shapes import shape_of
-    from verispec.types import Draft
 
     eos = min(target.eos_ids)
     generation = Engine(target, None).start(PROMPTS[0], GenerationConfig(max_new_tokens=16, min_tokens=3))
@@ -164,6 +167,39 @@ def test_sampled_ngram_trees_are_lossless(small_pair):
     samples = sample_sequences(engine, prompt, PARAMS, SAMPLES, LENGTH)
     result = assert_same_distribution(samples, sequence_distribution(hf, prompt, LENGTH, PARAMS))
     assert result.detectable_tv < 0.18
+
+
+def test_sampled_lookup_trees_are_lossless(small_pair, monkeypatch):
+    """Prompt lookup's deterministic nodes and STAND's sampled ones in one tree (`lookup`): some step's tree holds
+    both kinds (checked), and the outputs are the target's distribution."""
+    target, draft, hf = small_pair
+    prompt = [3, 7, 3, 5, 3]
+    drafter = tree_drafters(target, draft, "lookup")
+    kinds = set()
+    build = TreeBuilder.build
+
+    def recording(builder, vocab_size):
+        if len(builder.tokens):
+            kinds.add((any(row is None for row in builder.rows), any(row is not None for row in builder.rows)))
+        return build(builder, vocab_size)
+
+    monkeypatch.setattr(TreeBuilder, "build", recording)
+    engine = Engine(target, drafter, gamma=GAMMA, gamma_policy="constant")
+    samples = sample_sequences(engine, prompt, PARAMS, SAMPLES, LENGTH)
+    assert (True, True) in kinds  # a mixed tree: deterministic and sampled nodes side by side
+    result = assert_same_distribution(samples, sequence_distribution(hf, prompt, LENGTH, PARAMS))
+    assert result.detectable_tv < 0.18
+
+
+def test_merged_trees_share_deterministic_paths_and_keep_sampled_nodes_apart():
+    builder = TreeBuilder()
+    builder.add_draft(Draft(torch.tensor([5, 3, 7, 3]), None, torch.tensor([-1, 0, -1, 2])), gamma=4)  # 5 3 | 7 3
+    row = torch.full((10,), 0.1)
+    builder.add_draft(Draft(torch.tensor([7, 3, 9, 5]), None, torch.tensor([-1, 0, 1, -1])), gamma=4)  # 7 3 9 | 5
+    builder.add_draft(Draft(torch.tensor([5, 8]), torch.stack([row, row]), torch.tensor([-1, 0])), gamma=4)  # sampled
+    builder.add_draft(Draft(torch.tensor([7, 3, 1])), gamma=2)  # a chain: its first γ tokens, both already there
+    assert builder.tokens == [5, 3, 7, 3, 9, 5, 8]
+    assert builder.parents == [-1, 0, -1, 2, 3, -1, 5]  # 9 under the first tree's 7 3; the sampled 5 its own branch
 
 
 def test_the_end_to_end_test_catches_a_wrong_bonus(small_pair, monkeypatch):

@@ -46,6 +46,7 @@ import torch
 from verispec.control.gamma import check_gamma_policy
 from verispec.control.theory import curve_verify_cost, expected_speedup
 from verispec.drafters import make_drafter
+from verispec.drafters.specs import split_specs
 from verispec.drafters.prefix import common_prefix_length
 from verispec.engine.build import EngineBuilder
 from verispec.engine.loop import Engine, GenerationConfig
@@ -387,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             attempt(f"plain graphs={graphs}", measure_plain)
         runners["target"].use_graphs(replay)
         reference = plain.get(replay)
-        for entry in [m.strip() for m in methods.split(",") if m.strip() != "none"]:
+        for entry in [m for m in split_specs(methods) if m != "none"]:
             def measure_method(entry=entry):
                 method, gamma, policy = method_and_policy(entry, args.gamma)
                 record, outputs = verispec_speed(builder, method, prompts, new_tokens, gamma, device, stop, policy)

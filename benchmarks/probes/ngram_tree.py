@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 
+from verispec.drafters.specs import split_specs
 from verispec.engine.build import EngineBuilder
 from verispec.engine.loop import GenerationConfig
 from verispec.paths import cpu_summary
@@ -31,7 +32,7 @@ def main() -> None:
     builder = EngineBuilder(args.target, args.dtype)
     prompts = encoded_prompts(builder.target(), args.questions, args.per_category)
     config, plain = GenerationConfig(max_new_tokens=args.max_new_tokens), None
-    for method in args.methods.split(","):
+    for method in split_specs(args.methods):
         engine = builder.engine(method, args.gamma, "constant")
         results = [engine.generate(prompt, config) for prompt in prompts]
         tokens, steps = (sum(getattr(r.stats, field) for r in results) for field in ("new_tokens", "steps"))

@@ -10,6 +10,8 @@ Specs (`KIND` alone uses the defaults; options are `name=integer`, comma-separat
                                 nodes=N: a tree of every earlier match's continuation, up to N nodes)
   tree[:k=2,depth=4,wide=1]     SpecInfer top-k expansion by the draft model (k children at `wide` depths)
   merge[:max_n=3]               the draft model's chain and the n-gram continuation merged into one tree
+  lookup[:nodes=16,table_nodes=16,max_n=3]   no draft model: prompt lookup's tree and STAND's (the target's own
+                                n-gram table) merged into one tree, for a device where width costs little (a GPU)
   stand[:max_n=4,min_n=2,k=2,depth=5,wide=1]   STAND: n-gram table of the target's own distributions
   hybrid[:min_match=2,min_rate=30,max_n=4,window=0]   n-gram when its match is long enough, else the draft model
                                 (window=W: it reads the prompt's last W tokens);
@@ -83,6 +85,8 @@ def make_drafter(
         return NgramDrafter(**options)
     if kind == "stand":
         return StandDrafter(vocab, **options)
+    if kind == "lookup":  # model-free: nothing to load
+        return MergeDrafter.lookup(vocab, **options)
     if kind == "hybrid":  # its draft model may be of another tokenizer (`draft=NAME`)
         return HybridDrafter(model_drafter(spec.name, target, dtype, load), **options)
     self_layers = options.pop("self_layers", None)  # online: distil the target's own first layers (a self-speculative draft)

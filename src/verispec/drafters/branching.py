@@ -118,6 +118,20 @@ class TreeBuilder:
             existing = self.find(parent, token) if row is None else None
             parent = existing if existing is not None else self.add(token, parent, row)
 
+    def add_draft(self, draft: Draft, gamma: int) -> None:
+        """Append a drafter's proposal below the root: a chain's first `gamma` tokens, or a whole tree (its parents
+        mapped to this builder's nodes). A deterministic node reuses an identical existing child of its parent; a
+        sampled one never merges (its row is the distribution it was drawn from, given its own earlier siblings)."""
+        if not draft.is_tree:
+            self.add_chain(draft.tokens[:gamma].tolist(), None if draft.probs is None else draft.probs[:gamma])
+            return
+        placed: list[int] = []  # this builder's node for each of the draft's nodes (parents come first)
+        for i, (token, parent) in enumerate(zip(draft.tokens.tolist(), draft.parents.tolist())):
+            parent = -1 if parent < 0 else placed[parent]
+            row = None if draft.probs is None else draft.probs[i]
+            existing = self.find(parent, token) if row is None else None
+            placed.append(existing if existing is not None else self.add(token, parent, row))
+
     def build(self, vocab_size: int) -> Draft:
         tokens = torch.tensor(self.tokens, dtype=torch.long)  # [n]
         parents = torch.tensor(self.parents, dtype=torch.long)  # [n]

@@ -18,6 +18,7 @@ benchmark's comma-separated --methods list.
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -31,7 +32,7 @@ from verispec.errors import InvalidParameterError
 
 __all__ = [
     "CASCADE_OPTIONS", "DRAFTER_KINDS", "DrafterSpec", "FACTORIES", "KIND_OPTIONS", "MAX_GAMMA", "MAX_TREE_NODES",
-    "NOT_OPTIONS", "OPTION_RANGES", "ORDERED", "VARIANT_OPTIONS", "tree_nodes",
+    "NOT_OPTIONS", "OPTION_RANGES", "ORDERED", "VARIANT_OPTIONS", "split_specs", "tree_nodes",
 ]
 
 MAX_GAMMA = 32  # the longest draft (γ) any option or request may ask for
@@ -40,7 +41,7 @@ MAX_TREE_NODES = 256  # draft tokens one token tree may hold (the target scores 
 # of one step (tree sizes, n-gram lengths, draft lengths) and the memory of one drafter (tables, caches).
 OPTION_RANGES: dict[str, tuple[int, int]] = {
     "max_n": (1, 16), "min_n": (1, 16), "oldest": (0, 1), "hints": (0, 1), "min_match": (1, 16), "min_rate": (0, 100),
-    "k": (1, 8), "depth": (1, 12), "wide": (0, 12), "nodes": (0, MAX_TREE_NODES),
+    "k": (1, 8), "depth": (1, 12), "wide": (0, 12), "nodes": (0, MAX_TREE_NODES), "table_nodes": (1, MAX_TREE_NODES),
     "rank": (1, 64), "buffer_size": (1, 1024), "steps": (1, 500), "eval_requests": (1, 64), "replay": (1, 16),
     "holdout": (0, 90), "support": (1, 1024), "self_layers": (1, 256),
     "budget": (1, 8192), "chunk": (1, 1024), "recent": (1, 8192), "sinks": (0, 256), "window": (1, 8192),
@@ -51,7 +52,8 @@ ORDERED = (("min_n", "max_n"), ("wide", "depth"), ("chunk", "budget"))  # the fi
 
 # the kinds whose options are their factory's keyword arguments; these arguments are not options
 FACTORIES: dict[str, Callable] = {
-    "ngram": NgramDrafter, "tree": ExpansionDrafter, "merge": MergeDrafter.model_and_ngram, "stand": StandDrafter,
+    "ngram": NgramDrafter, "tree": ExpansionDrafter, "merge": MergeDrafter.model_and_ngram, "lookup": MergeDrafter.lookup,
+    "stand": StandDrafter,
     "hybrid": HybridDrafter, "online": OnlineDrafter, "triforce": TriForceDrafter,
 }
 NOT_OPTIONS = frozenset({"self", "model", "model_drafter", "target", "draft", "target_vocab_size", "vocab_size", "table",
@@ -73,6 +75,12 @@ KIND_OPTIONS: dict[str, dict[str, int | None]] = {
 }
 KIND_OPTIONS["online"]["self_layers"] = None  # distil the target's own first layers instead of the draft model
 NAMED_DRAFT = ("hybrid",)  # kinds that take `draft=NAME` (any model, of the target's tokenizer or not) besides their options
+
+
+def split_specs(text: str | None) -> list[str]:
+    """A comma-separated list of drafter specs (each perhaps with `@POLICY`), split at the commas that begin a
+    new spec rather than another option (`name=value`): "none,lookup:nodes=16,table_nodes=8@12" is two."""
+    return [item.strip() for item in re.split(r",(?!\s*\w+\s*=)", text or "") if item.strip()]
 
 
 def tree_nodes(k: int, depth: int, wide: int) -> int:
@@ -126,6 +134,8 @@ class DrafterSpec:
             if values.get(low) is not None and values.get(high) is not None and values[low] > values[high]:
                 raise InvalidParameterError(f"drafter spec {self.text!r}: {low} must not exceed {high}, "
                                             f"got {low}={values[low]} and {high}={values[high]}")
+        if (nodes := (values.get("nodes") or 0) + (values.get("table_nodes") or 0)) > MAX_TREE_NODES:  # a merged tree
+            raise InvalidParameterError(f"drafter spec {self.text!r}: its trees hold {nodes} nodes, more than {MAX_TREE_NODES}")
         if {"k", "depth", "wide"} <= set(values) and not values.get("nodes"):
             k, depth, wide = values["k"], values["depth"], values["wide"]
             if (nodes := tree_nodes(k, depth, wide)) > MAX_TREE_NODES:

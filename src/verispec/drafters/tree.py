@@ -7,9 +7,11 @@ mask; the draft cache is cut back to the committed sequence afterwards, so it on
 committed tokens (the runner's forward sees its whole cache, which is why the partial tree is fed
 again each depth rather than kept). Shape: k children at each of the first `wide` depths, one below.
 
-Merge: the draft model's chain and the n-gram continuation in one tree. Deterministic chains share
-prefixes; a sampled chain never merges into a deterministic node (that would change the distribution
-the node was drawn from), so in sampling mode the two chains are separate branches.
+Merge: several drafters' proposals in one tree — the draft model's chain and the n-gram continuation
+(`merge`), or, with no draft model, prompt lookup's tree of the text's continuations and STAND's tree of
+the target's own n-gram table (`lookup`: where verifying many positions costs little, a GPU, the two find
+different tokens). Deterministic nodes share prefixes; a sampled node never merges into a deterministic
+one (that would change the distribution it was drawn from), so in sampling mode they are separate branches.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from verispec.drafters.base import ComposedSession, Drafter, DraftSession, Model
 from verispec.drafters.branching import TreeBuilder, choose_children, node_distributions, static_shape
 from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.drafters.ngram import NgramDrafter
+from verispec.drafters.stand import StandDrafter
 from verispec.errors import InvalidParameterError
 from verispec.models.runner import LoadedModel
 from verispec.sampling.processors import penalties
@@ -91,7 +94,7 @@ class _ExpansionSession(ModelSession):
 
 
 class MergeDrafter(Drafter):
-    """Several drafters' chains merged into one token tree (by default: draft model + n-gram)."""
+    """Several drafters' chains and trees merged into one token tree (`model_and_ngram`, `lookup`)."""
 
     drafts_trees = True
 
@@ -104,6 +107,13 @@ class MergeDrafter(Drafter):
     @classmethod
     def model_and_ngram(cls, model: LoadedModel, target_vocab_size: int, max_n: int = 3) -> MergeDrafter:
         return cls([DraftModelDrafter(model, target_vocab_size), NgramDrafter(max_n=max_n)], target_vocab_size)
+
+    @classmethod
+    def lookup(cls, target_vocab_size: int, nodes: int = 16, table_nodes: int = 16, max_n: int = 3) -> MergeDrafter:
+        """Prompt lookup's tree of up to `nodes` nodes beside STAND's tree of `table_nodes` (its searched shape): two
+        model-free drafters in one step, no draft forward."""
+        return cls([NgramDrafter(max_n=max_n, nodes=nodes), StandDrafter(target_vocab_size, nodes=table_nodes)],
+                   target_vocab_size)
 
     @property
     def model(self) -> LoadedModel | None:
@@ -122,8 +132,5 @@ class _MergeSession(ComposedSession):
     def propose(self, ids, gamma, params, generator):
         builder = TreeBuilder()
         for session in self.sessions:
-            draft = session.propose(ids, gamma, params, generator)
-            if draft.is_tree:
-                raise InvalidParameterError("a merge drafter merges chains: give it chain drafters, not tree drafters")
-            builder.add_chain(draft.tokens[:gamma].tolist(), None if draft.probs is None else draft.probs[:gamma])
+            builder.add_draft(session.propose(ids, gamma, params, generator), gamma)
         return builder.build(self.vocab_size)

@@ -156,6 +156,7 @@ def format_loop_curve(rows: list[MethodProfile], curve: list[float], least_steps
 def run_profile(args: argparse.Namespace) -> int:
     """`analyze --profile`: load the target once, profile each method in `--methods`, print the table."""
     from verispec.control.costs import CostModel, measure_verify_curve
+    from verispec.drafters.specs import split_specs
     from verispec.engine.build import EngineBuilder, auto_precision
     from verispec.engine.spec import AUTO
     from verispec.errors import InvalidParameterError
@@ -163,7 +164,7 @@ def run_profile(args: argparse.Namespace) -> int:
     from verispec.paths import cpu_summary
     from verispec.tools.bench.questions import encoded_prompts
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = split_specs(args.methods)
     if not methods or methods[0] != "none":
         methods = ["none", *[m for m in methods if m != "none"]]  # plain decoding: the row the others compare with
     if args.max_new_tokens < 1:
