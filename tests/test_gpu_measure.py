@@ -87,13 +87,14 @@ def test_measure_takes_gamma_and_policy_per_method(tmp_path):
     questions.write_text(json.dumps({"question_id": 0, "category": "rag", "turns": ["t19 t28 t7 t99 t18 t27 t9 t44 t51"]}))
     out = tmp_path / "out.jsonl"
     assert _script(SCRIPT).main(["--device", "cpu", "--real", str(target), "--questions", str(questions), "--max-n", "2",
-                                 "--new-tokens", "40", "--methods", "none,ngram@2,ngram@heuristic,ngram@sometimes,stand@3,stand@3",
+                                 "--new-tokens", "40", "--methods", "none,ngram@2,ngram@heuristic,ngram@sometimes,stand@3,stand@3,lookup:nodes=4,table_nodes=2@3",
                                  "--hf-methods", "none", "--no-launched", "--profile", "ngram@2", "--out", str(out)]) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     runs = [(r["method"], r["gamma"], r["policy"], r.get("again", False)) for r in records
             if r["kind"] == "speed" and r["system"] == "verispec"]
     assert runs == [("none", 0, "constant", False), ("ngram", 2, "constant", False), ("ngram", 4, "heuristic", False),
                     ("stand", 3, "constant", False), ("stand", 3, "constant", False),
+                    ("lookup:nodes=4,table_nodes=2", 3, "constant", False),  # a spec's options stay together
                     ("none", 0, "constant", True)]  # plain measured again after the methods
     stands = [(r["tau"], r["alpha"]) for r in records if r.get("method") == "stand"]
     # each pass drafts from an empty STAND table: a table kept from an earlier pass over the same prompt drafts
