@@ -125,11 +125,15 @@ def test_linear_widths_runs_on_cpu_with_tiny_shapes(tmp_path):
 def test_step_kernels_runs_on_cpu_with_tiny_shapes(tmp_path):
     out = tmp_path / "steps.jsonl"
     assert _script(GPU / "step_kernels.py").main(["--device", "cpu", "--tiny", "--widths", "1,3", "--steps", "2",
-                                                  "--workdir", str(tmp_path), "--out", str(out)]) == 0
+                                                  "--sdpa", "default,math", "--workdir", str(tmp_path), "--out", str(out)]) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert records[0]["kind"] == "env" and records[0]["device"] == "cpu"
     steps = [r for r in records if r["kind"] == "step_kernels"]
-    assert [(r["mode"], r["n"]) for r in steps] == [("graph", 1), ("graph", 3), ("eager", 1), ("eager", 3)]
+    assert [(r["sdpa"], r["mode"], r["n"]) for r in steps] == [
+        (sdpa, mode, n) for sdpa in ("default", "math") for mode in ("graph", "eager") for n in (1, 3)]
+    math = [r for r in steps if r["sdpa"] == "math"]  # held to the math backend: no fused attention kernel ran
+    assert not any("flash" in k["name"] for r in math for k in r["kernels"])
+    assert any("flash" in k["name"] for r in steps if r["sdpa"] == "default" for k in r["kernels"])  # torch's CPU choice
     for record in steps:
         assert record["wall_us"] > 0 and record["busy_us"] > 0
         assert sum(record["families_us"].values()) == pytest.approx(record["busy_us"])  # on a CPU: the operators' own times

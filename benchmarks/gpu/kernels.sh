@@ -5,7 +5,7 @@
 # shipped shapes with each kernel choice (SmolLM2-135M, whose real τ BENCHMARKS has, then the 1.5B target with the
 # 0.5B draft: `model` verifies 5 positions every step, so its agreement with plain is the batch-invariance check),
 # then `linear_widths.py` (each layer at 1 … 16 rows, both shapes) and `step_kernels.py` (SmolLM2's step at 1 … 16
-# positions, kernel by kernel, with each kernel choice). At most 590 s: each step has its own limit, and
+# positions, kernel by kernel, with each kernel choice and attention backend). At most 590 s: each step has its own limit, and
 # one that runs over loses only its own records (the first call of 2026-11-27 lost the 1.5B's: see BENCHMARKS "GPU").
 # On the GPU machine, from the repository root: benchmarks/gpu/kernels.sh "$OUT"
 set -u
@@ -25,8 +25,9 @@ for model in qwen2.5-coder-1.5b-instruct smollm2-135m-instruct; do
     timeout 30 python3 benchmarks/gpu/linear_widths.py --model $model --calls 20 --repeats 10 \
         --out "$out/widths-$model.jsonl" 2>&1 | quiet
 done
-for kernels in torch rows; do
-    VERISPEC_CUDA_KERNELS=$kernels timeout 60 python3 benchmarks/gpu/step_kernels.py --model smollm2-135m-instruct \
-        --workdir /tmp --out "$out/steps-$kernels.jsonl" 2>&1 | grep -v USDT | quiet
+for kernels in torch rows; do  # torch's attention held to each backend in turn; rows has its own
+    sdpa=$([ $kernels = torch ] && echo default,efficient,cudnn,math || echo default)
+    VERISPEC_CUDA_KERNELS=$kernels timeout 90 python3 benchmarks/gpu/step_kernels.py --model smollm2-135m-instruct \
+        --sdpa $sdpa --workdir /tmp --out "$out/steps-$kernels.jsonl" 2>&1 | grep -v USDT | quiet
 done
 python3 benchmarks/gpu/summary.py "$out"/small-*.jsonl "$out"/big-*.jsonl "$out"/widths-*.jsonl "$out"/steps-*.jsonl

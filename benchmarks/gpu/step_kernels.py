@@ -6,7 +6,9 @@ neither says which part of T(2) − T(1) comes from which kernels of the real st
 replayed as CUDA graphs, then launched eagerly) under `torch.profiler`, and sums every kernel the GPU ran by name and
 by family (linear, attention, norm, elementwise, copy, sample, other). Wall time is timed apart, without the
 profiler; what the kernels leave of it is `idle`: launches, host work and waits. Then the change of each family from
-n = 1: which kernels make the step wider than one position.
+n = 1: which kernels make the step wider than one position. --sdpa repeats it with `scaled_dot_product_attention`
+held to each named backend (math, efficient, cudnn, flash: one that cannot take the step's masked, grouped-query
+call is recorded as an error), to see whether another attention kernel keeps T(2) near T(1).
 
 Random weights of a shipped shape (`configs.json`, as `measure.py` draws them on the device) or a real folder
 (--real, e.g. `ship_weights.py`'s). On a CPU the profiler sees operators, not kernels (each one's own time): the
@@ -80,9 +82,27 @@ def kernel_times(events, device: torch.device) -> tuple[dict[str, float], dict[s
     return totals, calls, busy
 
 
-def step_profile(runner, device: torch.device, n: int, context: int, steps: int, graphs: bool) -> dict:
+def step_profile(runner, device: torch.device, n: int, context: int, steps: int, graphs: bool, sdpa: str = "default") -> dict:
     """One width's record: wall µs a step (median of `steps`, no profiler), then the kernels of `steps` more
-    under the profiler (µs a step, by family and by name) and the device's idle µs a step."""
+    under the profiler (µs a step, by family and by name) and the device's idle µs a step. `sdpa`: the attention
+    backend the step is held to ("default": torch's choice), captured with it."""
+    with sdpa_backend(sdpa):
+        return _profile(runner, device, n, context, steps, graphs) | {"sdpa": sdpa}
+
+
+def sdpa_backend(name: str):
+    """A context holding `scaled_dot_product_attention` to backend `name` (math, efficient, cudnn, flash), or
+    nothing for "default"."""
+    from contextlib import nullcontext
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                "flash": SDPBackend.FLASH_ATTENTION}
+    return nullcontext() if name == "default" else sdpa_kernel([backends[name]])
+
+
+def _profile(runner, device: torch.device, n: int, context: int, steps: int, graphs: bool) -> dict:
     runner.use_graphs(graphs)
     cache = runner.new_cache(context + n + 1)
     runner.forward(cache, torch.zeros(context, dtype=torch.long, device=device), logits="none")  # prefill, eager
@@ -123,11 +143,11 @@ def table(records: list[dict]) -> str:
     """Each width's wall, busy and idle µs and each family's µs, with its change from the mode's first width; then
     the kernels that grew most from the first width to the last."""
     lines = []
-    for mode in dict.fromkeys(r["mode"] for r in records):
-        rows = [r for r in records if r["mode"] == mode]
+    for mode, sdpa in dict.fromkeys((r["mode"], r.get("sdpa", "default")) for r in records):
+        rows = [r for r in records if (r["mode"], r.get("sdpa", "default")) == (mode, sdpa)]
         base, widest = rows[0], rows[-1]
         names = list(dict.fromkeys(name for r in rows for name in r["families_us"]))
-        lines.append(f"{mode}: µs a step (change from n = {base['n']})")
+        lines.append(f"{mode}, attention {sdpa}: µs a step (change from n = {base['n']})")
         lines.append("  n    wall    busy    idle  " + "  ".join(f"{name:>16}" for name in names))
         for r in rows:
             cells = []
@@ -154,13 +174,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=256, help="cached positions before each forward")
     parser.add_argument("--steps", type=int, default=20, help="forwards timed and profiled per width")
     parser.add_argument("--modes", default="graph,eager", help="replayed graphs and/or eager launches")
+    parser.add_argument("--sdpa", default="default",
+                        help="attention backends to hold the step to, each a pass: default, math, efficient, cudnn, flash")
     parser.add_argument("--out", type=Path, default=Path("step_kernels.jsonl"))
     parser.add_argument("--workdir", type=Path, default=None, help="where a random model is written (default: a temp dir)")
     args = parser.parse_args(argv)
     widths = [int(n) for n in args.widths.split(",")]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    backends = [b.strip() for b in args.sdpa.split(",") if b.strip()]
     if not widths or min(widths) < 1 or max(widths) > 32 or set(modes) - {"graph", "eager"} or not modes:
         parser.error("--widths: 1 … 32 positions (a step; longer chains are prompts); --modes: graph and/or eager")
+    if not backends or set(backends) - {"default", "math", "efficient", "cudnn", "flash"}:
+        parser.error("--sdpa: default, math, efficient, cudnn and/or flash")
 
     device = resolve_device(args.device)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
@@ -169,17 +194,19 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(dir=args.workdir) as work:
         folder = args.real or build_random_model(args.model, Path(work) / "model", args.tiny, 1, 20.0, device)
         runner = EngineBuilder(str(folder), dtype, device=str(device)).target().runner
-        for mode in modes:
-            for n in widths:
-                try:
-                    records.append(step_profile(runner, device, n, min(args.context, 32) if args.tiny else args.context,
-                                                args.steps, mode == "graph"))
-                except Exception as error:  # noqa: BLE001 (one failing width never loses the others)
-                    records.append({"kind": "error", "mode": mode, "n": n, "error": f"{type(error).__name__}: {error}"})
-                args.out.write_text("".join(json.dumps(r) + "\n" for r in records))  # kept whatever fails later
+        context = min(args.context, 32) if args.tiny else args.context
+        for sdpa in backends:
+            for mode in modes:
+                for n in widths:
+                    try:
+                        records.append(step_profile(runner, device, n, context, args.steps, mode == "graph", sdpa))
+                    except Exception as error:  # noqa: BLE001 (one failing width or backend never loses the others)
+                        records.append({"kind": "error", "mode": mode, "sdpa": sdpa, "n": n,
+                                        "error": f"{type(error).__name__}: {str(error)[:300]}"})
+                    args.out.write_text("".join(json.dumps(r) + "\n" for r in records))  # kept whatever fails later
     print(json.dumps(records[0]))
     for error in (r for r in records if r["kind"] == "error"):
-        print(f"error {error['mode']} n={error['n']}: {error['error']}")
+        print(f"error {error['mode']} attention {error['sdpa']} n={error['n']}: {error['error']}")
     print(table([r for r in records if r["kind"] == "step_kernels"]))
     return 0
 
