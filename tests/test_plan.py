@@ -124,6 +124,25 @@ def test_the_policy_sizes_and_pauses_each_hinted_class_of_steps_apart():
     assert shared.next_gamma() >= 1 and shared.alpha == pytest.approx(hinted.alpha)  # one γ: drafts after weak matches too
 
 
+def test_token_trees_are_priced_by_the_positions_they_verify():
+    """A tree drafter's step of depth γ verifies its nodes: on a curve that rises with width the analytic policy
+    drafts shallower trees when they hold three nodes a depth than when each depth is one node (a chain, the
+    control: the same steps, the same α), and on a flat curve it drafts as deep either way."""
+    rising = [1.0 + 0.12 * n for n in range(40)]  # T(1 … 40)
+    flat = [1.0 + 0.001 * n for n in range(40)]
+    gammas, alphas = {}, set()
+    for name, curve in (("rising", rising), ("flat", flat)):
+        for nodes_per_depth in (1, 3):
+            policy = make_gamma_policy("analytic", 4, CostModel(curve, draft_token_seconds=0.0))
+            for _ in range(20):
+                policy.update(4, 3, nodes=nodes_per_depth * 4)  # depth 4, three accepted
+            gammas[name, nodes_per_depth], alphas = policy.next_gamma(), alphas | {policy.alpha}
+            assert policy.positions(5) == nodes_per_depth * 5
+    assert len(alphas) == 1
+    assert gammas["rising", 3] < gammas["rising", 1]
+    assert gammas["flat", 3] == gammas["flat", 1] == 12  # the policy's deepest
+
+
 def test_verification_costs_follow_the_context_a_step_attends():
     """T(n)/T(1) is measured after SHORT_CONTEXT and LONG_CONTEXT tokens and interpolated linearly in
     between (extrapolated past the long one); the auto policy that speculates after a short context

@@ -5,7 +5,9 @@
   token was accepted, −1 otherwise, never below 1.
 - analytic: the γ that maximises E[tokens] / (γ·c + T(γ+1)/T(1)) for the α and costs measured in
   this run (α: the geometric estimate from accepted counts; c and T(n) from timings, T(n)/T(1) at the
-  context the sequence has reached: `CostModel.verify_cost`).
+  context the sequence has reached: `CostModel.verify_cost`). A drafter of token trees verifies more
+  positions than its depth: its steps are priced at T(w·γ+1)/T(1), w the nodes its trees have held per
+  depth so far in this request.
 - auto: analytic, and γ = 0 (plain steps) while even the best γ is predicted slower than plain
   decoding; every `PROBE_EVERY` plain steps it drafts one token to measure α again, and resumes
   when speculation would pay (the policy `--draft auto` plans with).
@@ -34,9 +36,11 @@ class GammaPolicy(ABC):
     def next_gamma(self, hint: Hint | None = None) -> int:
         """The next step's γ; `hint`: the draft session's class for that step (`DraftSession.hint`), if any."""
 
-    def update(self, proposed: int, accepted: int, context: int | None = None, hint: Hint | None = None) -> None:
-        """Told after each step how many of `proposed` draft tokens were accepted, how many tokens the
-        sequence holds now (the context the next step attends; None: unknown) and the step's hint."""
+    def update(self, proposed: int, accepted: int, context: int | None = None, hint: Hint | None = None,
+               nodes: int | None = None) -> None:
+        """Told after each step how many of `proposed` draft tokens were accepted (a tree's: along its deepest
+        path), how many tokens the sequence holds now (the context the next step attends; None: unknown), the
+        step's hint and, for a token tree, how many nodes it held."""
 
 
 class ConstantGamma(GammaPolicy):
@@ -54,7 +58,8 @@ class HeuristicGamma(GammaPolicy):
     def next_gamma(self, hint: Hint | None = None) -> int:
         return self.gamma
 
-    def update(self, proposed: int, accepted: int, context: int | None = None, hint: Hint | None = None) -> None:
+    def update(self, proposed: int, accepted: int, context: int | None = None, hint: Hint | None = None,
+               nodes: int | None = None) -> None:
         if proposed == 0:
             return
         self.gamma = min(self.gamma + 2, self.max_gamma) if accepted == proposed else max(self.gamma - 1, 1)
@@ -82,6 +87,7 @@ class AnalyticGamma(GammaPolicy):
         self.prior_weight = prior_weight
         self.overall = _Steps(prior_alpha, gamma)  # every step (α for reports); sizes the steps without a hint
         self.classes: dict[int, _Steps] = {}  # hint key -> its steps
+        self.tree_nodes = self.tree_depth = 0  # over this request's token trees: nodes drafted, their depths summed
 
     @property
     def alpha(self) -> float:
@@ -107,14 +113,24 @@ class AnalyticGamma(GammaPolicy):
             return 1 if steps.paused_steps % PROBE_EVERY == 0 else 0
         return steps.gamma
 
-    def update(self, proposed: int, accepted: int, context: int | None = None, hint: Hint | None = None) -> None:
+    def update(self, proposed: int, accepted: int, context: int | None = None, hint: Hint | None = None,
+               nodes: int | None = None) -> None:
         if proposed == 0:
             return
+        if nodes is not None:
+            self.tree_nodes, self.tree_depth = self.tree_nodes + nodes, self.tree_depth + proposed
         self.overall.seen.add(proposed, accepted)
         steps = self._steps(hint)
         if steps is not self.overall:
             steps.seen.add(proposed, accepted)
         self._retune(steps, context)
+
+    def positions(self, gamma: int) -> int:
+        """The draft positions a step of depth γ verifies: γ for a chain, γ times the nodes per depth of the
+        token trees drafted so far (at least γ)."""
+        if not self.tree_depth:
+            return gamma
+        return max(gamma, round(gamma * self.tree_nodes / self.tree_depth))
 
     def _retune(self, steps: _Steps, context: int | None) -> None:
         """The γ with the highest expected speedup at the class's α (0 while even that loses, if pausing)."""
@@ -122,7 +138,7 @@ class AnalyticGamma(GammaPolicy):
         if c is None:
             return
         alpha, catch_up = self._alpha(steps), self.costs.draft_catch_up
-        verify_cost = lambda gamma: self.costs.verify_cost(gamma, context)  # noqa: E731  (after this many tokens)
+        verify_cost = lambda gamma: self.costs.verify_cost(self.positions(gamma), context)  # noqa: E731  (after this many tokens)
         gamma = optimal_gamma(alpha, c, self.max_gamma, verify_cost, catch_up)
         loses = expected_speedup(alpha, gamma, c, verify_cost, catch_up) < 1.0
         steps.gamma = 0 if self.may_pause and loses else gamma

@@ -553,7 +553,7 @@ class Generation:
         laps.mark("commit")
         self.stats.record(StepRecord(shape.depth, verdict.accepted, plan.draft_seconds, target_seconds + laps.since_target,
                                      len(draft)))
-        self.policy.update(shape.depth, verdict.accepted, len(self.ids), plan.hint)
+        self.policy.update(shape.depth, verdict.accepted, len(self.ids), plan.hint, len(draft) if draft.is_tree else None)
         laps.mark("policy")
         origins = [Origin.ACCEPTED] * verdict.accepted + [Origin.TARGET if len(draft) == 0 else verdict.next_origin]
         logprobs = None if self.config.logprobs is None else token_logprobs(logits[rows], new_tokens, self.config.logprobs)
