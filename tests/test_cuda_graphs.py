@@ -126,7 +126,8 @@ def test_a_layer_truncated_copy_gets_graphs_of_its_own(tiny_target):
     assert torch.allclose(shallow.forward(cache, torch.tensor([3, 4, 5])), expected, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("draft", ["ngram", "model", "tree:k=2,depth=3", "merge", "triforce:budget=16,chunk=4,window=8", "online"])
+@pytest.mark.parametrize("draft", ["ngram", "model", "tree:k=2,depth=3", "merge", "lookup:nodes=8,table_nodes=8",
+                                   "triforce:budget=16,chunk=4,window=8", "online"])
 def test_generations_with_graphs_equal_plain_decoding(tiny_target, tiny_draft, draft, graphs_everywhere):
     from verispec.engine.build import EngineBuilder
 
@@ -251,7 +252,8 @@ def test_cuda_graphs_replay_what_eager_launches_compute(tiny_target, dtype):
 
 
 @needs_cuda
-@pytest.mark.parametrize("draft", ["ngram", "model", "tree:k=2,depth=3", "merge", "triforce:budget=16,chunk=4,window=8", "online"])
+@pytest.mark.parametrize("draft", ["ngram", "model", "tree:k=2,depth=3", "merge", "lookup:nodes=8,table_nodes=8",
+                                   "triforce:budget=16,chunk=4,window=8", "online"])
 def test_cuda_generations_with_graphs_equal_plain_decoding(tiny_target, tiny_draft, draft):
     from verispec.engine.build import EngineBuilder
 
