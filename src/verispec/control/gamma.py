@@ -138,7 +138,8 @@ class AnalyticGamma(GammaPolicy):
         if c is None:
             return
         alpha, catch_up = self._alpha(steps), self.costs.draft_catch_up
-        verify_cost = lambda gamma: self.costs.verify_cost(self.positions(gamma), context)  # noqa: E731  (after this many tokens)
+        # a step of depth γ verifies positions(γ) draft tokens, after `context` tokens
+        verify_cost = lambda gamma: self.costs.verify_cost(self.positions(gamma), context)  # noqa: E731
         gamma = optimal_gamma(alpha, c, self.max_gamma, verify_cost, catch_up)
         loses = expected_speedup(alpha, gamma, c, verify_cost, catch_up) < 1.0
         steps.gamma = 0 if self.may_pause and loses else gamma

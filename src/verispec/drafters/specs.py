@@ -53,8 +53,7 @@ ORDERED = (("min_n", "max_n"), ("wide", "depth"), ("chunk", "budget"))  # the fi
 # the kinds whose options are their factory's keyword arguments; these arguments are not options
 FACTORIES: dict[str, Callable] = {
     "ngram": NgramDrafter, "tree": ExpansionDrafter, "merge": MergeDrafter.model_and_ngram, "lookup": MergeDrafter.lookup,
-    "stand": StandDrafter,
-    "hybrid": HybridDrafter, "online": OnlineDrafter, "triforce": TriForceDrafter,
+    "stand": StandDrafter, "hybrid": HybridDrafter, "online": OnlineDrafter, "triforce": TriForceDrafter,
 }
 NOT_OPTIONS = frozenset({"self", "model", "model_drafter", "target", "draft", "target_vocab_size", "vocab_size", "table",
                          "paths", "lr", "tolerance", "store"})
