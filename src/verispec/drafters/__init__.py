@@ -32,7 +32,8 @@ for the API, the CLI and a server's requests; `specs.OPTION_RANGES`), so that on
 drafter's memory stay bounded (`check_drafter_spec` runs every check that needs no model, as a server
 does before it queues a request):
   max_n, min_n, min_match 1…16 · oldest, int8 0…1 · min_rate 0…100 (percent)
-  k 1…8 · depth 1…12 · wide 0…12 · a tree (tree, stand) holds at most 256 nodes · stand nodes 0…256
+  k 1…8 · depth 1…12 · wide 0…12 · a tree (tree, stand) holds at most 256 nodes · stand, ngram nodes 0…256
+  lookup: nodes 0…256 · table_nodes 1…256 · both together at most 256
   gamma1, strong, inner_gamma 1…32 · gamma2 0…32 (γ itself: at most 32, `specs.MAX_GAMMA`)
   online: rank 1…64 · buffer_size, support 1…1024 · steps 1…500 · eval_requests 1…64 · replay 1…16 ·
           holdout 0…90 · self_layers 1…256
