@@ -61,6 +61,20 @@ def test_completion_logprobs_streamed_and_not(client, engine):
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).choices[0].logprobs is None
 
 
+def test_an_answer_that_ends_at_once_has_empty_logprobs_not_null(client, engine):
+    """A bias that makes the end of text the first token: no answer token, yet the log-probabilities asked for
+    come as an empty list (chat) or empty lists (completions), as OpenAI's clients expect; not asked for: null."""
+    end = {str(min(engine.target.eos_ids)): 100}
+    messages = [{"role": "user", "content": PROMPT}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, logprobs=True, logit_bias=end)
+    assert chat.choices[0].message.content == "" and chat.choices[0].finish_reason == "stop"
+    assert chat.choices[0].logprobs.content == []
+    text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, logprobs=2, logit_bias=end)
+    assert text.choices[0].text == "" and text.choices[0].logprobs.tokens == [] and text.choices[0].logprobs.top_logprobs == []
+    unasked = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, logit_bias=end)
+    assert unasked.choices[0].message.content == "" and unasked.choices[0].logprobs is None
+
+
 def test_chat_logprobs_streamed_and_not(client, engine):
     from verispec.serving.request import chat_prompt_ids
     from verispec.serving.http.schemas import ChatMessage

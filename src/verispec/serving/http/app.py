@@ -250,6 +250,7 @@ def create_app(
             try:
                 check_request_drafter(body.drafter, scheduler.engine.drafter_spec)
                 config = request_config(body, default_max_tokens, limits.max_tokens_limit)
+                fmt.with_logprobs = config.logprobs is not None
                 # a drafter of the request's own is built (and its costs measured) here, not on the scheduler's thread
                 await asyncio.to_thread(scheduler.engine.prepare, config.drafter, config.gamma_policy)
                 prompts = await asyncio.get_running_loop().run_in_executor(tokenizer_thread, encode, scheduler.engine)

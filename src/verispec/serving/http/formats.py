@@ -77,6 +77,9 @@ class CompletionFormat:
 
     def __init__(self, model: str, tokenizer=None):
         self.model, self.tokenizer = model, tokenizer
+        # the request asked for log-probabilities (set once it is checked): a whole answer then carries its
+        # `logprobs` object even when it holds no token (an answer that ended at once), not null
+        self.with_logprobs = False
         self.index = 0  # the choice this format writes
         self._start()
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex[:24]}"
@@ -130,7 +133,8 @@ class CompletionFormat:
             if echo.logprobs is not None:
                 scored = list(zip(echo.token_ids, echo.logprobs)) + scored
         return {"index": self.index, **self._final_content(text), "finish_reason": finish_reason,
-                "logprobs": self.logprobs(scored) if scored else None, "origins": [event.origin.value for event in events]}
+                "logprobs": self.logprobs(scored) if scored or self.with_logprobs else None,
+                "origins": [event.origin.value for event in events]}
 
     def response(self, choices: list[dict], stats: GenerationStats) -> dict:
         """The whole response: its `choices` (each from `choice`) and the request's statistics."""
