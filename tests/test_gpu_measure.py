@@ -88,7 +88,8 @@ def test_measure_takes_gamma_and_policy_per_method(tmp_path):
     out = tmp_path / "out.jsonl"
     assert _script(SCRIPT).main(["--device", "cpu", "--real", str(target), "--questions", str(questions), "--max-n", "2",
                                  "--new-tokens", "40", "--methods", "none,ngram@2,ngram@heuristic,ngram@sometimes,stand@3,stand@3,lookup:nodes=4,table_nodes=2@3",
-                                 "--hf-methods", "none", "--no-launched", "--profile", "ngram@2", "--out", str(out)]) == 0
+                                 "--hf-methods", "none", "--no-launched", "--profile", "ngram@2,lookup:nodes=4,table_nodes=2@3", "--out",
+                                 str(out)]) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     runs = [(r["method"], r["gamma"], r["policy"], r.get("again", False)) for r in records
             if r["kind"] == "speed" and r["system"] == "verispec"]
@@ -103,8 +104,10 @@ def test_measure_takes_gamma_and_policy_per_method(tmp_path):
     assert not [r for r in records if r["kind"] == "speed" and r["system"] == "hf"]
     assert all(r["same_as_cold"] == 1 and r["cold_common_prefix"] == [r["tokens"]] and r["cold_tok_s"] > 0
                for r in records if r["kind"] == "speed")
-    profile = next(r for r in records if r["kind"] == "profile")
-    assert profile["gamma"] == 2 and profile["steps"] > 0 and len(profile["top"]) == 30
+    profiles = [r for r in records if r["kind"] == "profile"]
+    assert [(p["method"], p["gamma"]) for p in profiles] == [("ngram", 2), ("lookup:nodes=4,table_nodes=2", 3)]
+    profile = profiles[0]
+    assert profile["steps"] > 0 and len(profile["top"]) == 30
     assert any("loop.py" in row[0] for row in profile["top"])
     errors = [r for r in records if r["kind"] == "error"]
     assert len(errors) == 1 and "ngram@sometimes" in errors[0]["what"] and "unknown gamma policy" in errors[0]["error"]

@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
                 record, outputs = verispec_speed(builder, method, prompts, new_tokens, gamma, device, stop, policy)
                 emit({**record, "gamma": gamma, **agreement(outputs, reference)})
             attempt(f"verispec {entry}", measure_method)
-        for entry in [m.strip() for m in args.profile.split(",") if m.strip()]:
+        for entry in split_specs(args.profile):
             attempt(f"profile {entry}", lambda entry=entry: emit(host_profile(builder, entry, prompts, new_tokens, args.gamma,
                                                                               device, stop, top=30)))
         if reference is not None:  # plain again after the methods: how far the machine drifted meanwhile
