@@ -131,11 +131,11 @@ def test_duplicate_siblings_take_the_longer_accepted_path():
 
 def test_ancestor_mask_matches_a_brute_force_walk():
     g = torch.Generator().manual_seed(5)
-    for n in (1, 5, 17):
-        parents = torch.tensor([int(torch.randint(-1, i, (1,), generator=g)) if i else -1 for i in range(n)])
-        brute = torch.tensor([[j in path_to(parents, i) for j in range(n)] for i in range(n)])
+    for n in (0, 1, 5, 17, 48):
+        parents = torch.tensor([int(torch.randint(-1, i, (1,), generator=g)) if i else -1 for i in range(n)], dtype=torch.long)
+        brute = torch.tensor([[j in path_to(parents, i) for j in range(n)] for i in range(n)], dtype=torch.bool).reshape(n, n)
         assert torch.equal(ancestor_mask(parents), brute)
-        assert depths(parents).tolist() == [len(path_to(parents, i)) for i in range(n)]
+        assert torch.equal(depths(parents), torch.tensor([len(path_to(parents, i)) for i in range(n)], dtype=torch.long))
 
 
 def test_keep_nodes_renumbers_parents():

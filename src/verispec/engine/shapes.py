@@ -9,6 +9,8 @@ recompute). A tree whose parents form a chain is a chain.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from verispec.models.runner import Cache
@@ -63,10 +65,15 @@ class Tree(Chain):
     def __init__(self, draft: Draft):
         self.draft = draft
 
+    @functools.cached_property
+    def node_depths(self) -> torch.Tensor:
+        """[n] each node's depth (1: a child of the last committed token), worked out once a step."""
+        return depths(self.draft.parents)
+
     def cut(self, gamma: int, most: int | None) -> Tree:
         """The nodes at depth ≤ γ, and of those the first `most` (parents come first: a subtree)."""
         check_parents(self.draft.parents)
-        keep = depths(self.draft.parents) <= gamma  # [n]
+        keep = self.node_depths <= gamma  # [n]
         if most is not None:
             keep &= keep.cumsum(0) <= most
         index, parents = keep_nodes(self.draft.parents, keep)
@@ -75,10 +82,10 @@ class Tree(Chain):
 
     @property
     def depth(self) -> int:
-        return int(depths(self.draft.parents).max()) if len(self.draft) else 0
+        return int(self.node_depths.max()) if len(self.draft) else 0
 
     def layout(self, last: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        positions = last + torch.cat([torch.zeros(1, dtype=torch.long), depths(self.draft.parents)])  # [n+1]
+        positions = last + torch.cat([torch.zeros(1, dtype=torch.long), self.node_depths])  # [n+1]
         return positions, tree_attention_mask(self.draft.parents)  # [n+1], [n+1, n+1]
 
     @property

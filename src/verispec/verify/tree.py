@@ -44,11 +44,11 @@ def verify_tree_greedy(draft_tokens: torch.Tensor, parents: torch.Tensor, target
     accepted = [False] * len(matches)
     for node, parent in enumerate(parents.tolist()):
         accepted[node] = matches[node] and (parent < 0 or accepted[parent])
-    node_depths = depths(parents)
+    node_depths = depths(parents).tolist()
     best, best_depth = -1, 0
     for node, ok in enumerate(accepted):
-        if ok and int(node_depths[node]) > best_depth:
-            best, best_depth = node, int(node_depths[node])
+        if ok and node_depths[node] > best_depth:
+            best, best_depth = node, node_depths[node]
     children = children_of(parents)
     return _verdict(parents, best, int(target_tokens[best + 1]), best in children)
 
