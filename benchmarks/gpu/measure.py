@@ -106,7 +106,7 @@ def build_random_model(name: str, folder: Path, tiny: bool, seed: int, sharpen: 
     return folder
 
 
-def _elapsed(run, device: torch.device, repeats: int) -> float:
+def elapsed(run, device: torch.device, repeats: int) -> float:
     """The median seconds of `run()` over `repeats` calls (after one warm-up, which may capture a graph), the device waited for."""
     run()
     synchronize(device)
@@ -137,7 +137,7 @@ def cost_curve(runner, device: torch.device, widths: list[int], context: int, re
             runner.forward(cache, tokens, positions, causal, logits="all")
             cache.truncate(context)
 
-        seconds.append(_elapsed(step, device, repeats))
+        seconds.append(elapsed(step, device, repeats))
     cache.release()
     return seconds
 

@@ -22,10 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import statistics
 import sys
 import tempfile
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -34,7 +32,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))  # measure.py beside this file, however this one was loaded
-from measure import build_random_model  # noqa: E402
+from measure import build_random_model, elapsed  # noqa: E402
 
 from verispec.engine.build import EngineBuilder  # noqa: E402
 from verispec.models.device import resolve_device, synchronize  # noqa: E402
@@ -112,14 +110,7 @@ def _profile(runner, device: torch.device, n: int, context: int, steps: int, gra
         runner.forward(cache, tokens, logits="all")  # [n, vocab], as a decode step or a verification asks
         cache.truncate(context)
 
-    step()  # captures the graph (replayed) or warms the kernels (launched)
-    synchronize(device)
-    walls = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        synchronize(device)
-        walls.append((time.perf_counter() - start) * 1e6)
+    wall = elapsed(step, device, steps) * 1e6  # after a first step, which captures the graph or warms the kernels
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as profiler:
         for _ in range(steps):
@@ -131,7 +122,6 @@ def _profile(runner, device: torch.device, n: int, context: int, steps: int, gra
     families: dict[str, float] = defaultdict(float)
     for name, microseconds in per_step.items():
         families[family(name)] += microseconds
-    wall = statistics.median(walls)
     return {"kind": "step_kernels", "mode": "graph" if graphs else "eager", "n": n, "context": context, "steps": steps,
             "wall_us": wall, "busy_us": busy / steps, "idle_us": max(0.0, wall - busy / steps),
             "families_us": dict(sorted(families.items(), key=lambda kv: -kv[1])),
