@@ -112,8 +112,10 @@ class MergeDrafter(Drafter):
     def lookup(cls, target_vocab_size: int, nodes: int = 16, table_nodes: int = 16, max_n: int = 3) -> MergeDrafter:
         """Prompt lookup's tree of up to `nodes` nodes beside STAND's tree of `table_nodes` (its searched shape): two
         model-free drafters in one step, no draft forward."""
-        return cls([NgramDrafter(max_n=max_n, nodes=nodes), StandDrafter(target_vocab_size, nodes=table_nodes)],
-                   target_vocab_size)
+        drafter = cls([NgramDrafter(max_n=max_n, nodes=nodes), StandDrafter(target_vocab_size, nodes=table_nodes)],
+                      target_vocab_size)
+        drafter.name = f"lookup:nodes={nodes},table_nodes={table_nodes},max_n={max_n}"
+        return drafter
 
     @property
     def model(self) -> LoadedModel | None:
