@@ -4,8 +4,8 @@ token, nodes in topological order: every parent comes before its children).
 Everything here is about shape only (no tokens, no probabilities): depths, the ancestor mask that
 becomes the tree attention mask, paths, chains, and pruning by depth. Loops run over nodes (tens),
 never over the vocabulary, and on Python lists or numpy rows, one tensor made at the end: a tensor
-element written or read per node costs microseconds, which every tree step paid several times over
-(on a GPU, where a step of SmolLM2 takes 2 ms, a large share of it).
+element written or read per node costs microseconds, which every tree step paid several times over (on a
+GPU a large share of a step: BENCHMARKS.md, "GPU").
 """
 
 from __future__ import annotations
