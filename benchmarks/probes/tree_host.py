@@ -1,8 +1,8 @@
 """The host's work for one token-tree step's shape, apart from any model: cut to γ, depth, layout (positions and the
 tree attention mask), greedy verification — what every tree step pays on the CPU before and after its forward.
 
-On a GPU a replayed step of SmolLM2 takes about 2 ms, so a millisecond of this is half a step again. Random trees of
---nodes nodes (each node's parent drawn among the earlier ones), µs a step (median of --rounds rounds of --steps).
+On a GPU, where a replayed step is a few milliseconds (BENCHMARKS.md, "GPU"), this is added to every tree step. Random
+trees of --nodes nodes (each node's parent drawn among the earlier ones), µs a step (median of --rounds rounds of --steps).
 Another checkout's code: PYTHONPATH=<checkout>/src.
 
     .venv/bin/python benchmarks/probes/tree_host.py --nodes 16,32,48
