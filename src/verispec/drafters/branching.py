@@ -18,8 +18,10 @@ from verispec.sampling.processors import Penalties, SamplingParams, adjusted, to
 from verispec.sampling.samplers import gumbel_topk, without_replacement_probs
 from verispec.types import Draft
 
-__all__ = ["choose_children", "node_distributions", "TreeBuilder", "static_shape", "RankPath", "level_paths",
-           "fanouts", "check_paths"]
+__all__ = ["MAX_TREE_NODES", "choose_children", "node_distributions", "TreeBuilder", "static_shape", "RankPath",
+           "level_paths", "fanouts", "check_paths"]
+
+MAX_TREE_NODES = 256  # draft tokens one token tree may hold (the target scores them all in one pass)
 
 RankPath = tuple[int, ...]  # a node by the ranks of the children taken from the root: (0, 1) = best, then second best
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from verispec.drafters.base import Drafter, DraftSession
-from verispec.drafters.branching import TreeBuilder
+from verispec.drafters.branching import MAX_TREE_NODES, TreeBuilder
 from verispec.drafters.prefix import common_prefix_length
 from verispec.errors import InvalidParameterError
 from verispec.types import Draft, Hint
@@ -36,7 +36,6 @@ __all__ = ["NgramDrafter", "MATCH_PRIORS"]
 # groups and HumanEval, the 1.5B target's greedy outputs: `benchmarks/probes/lookup_bound.py`): the classes' priors
 MATCH_PRIORS = {1: 0.25, 2: 0.45, 3: 0.8}
 HINT_CLASSES = max(MATCH_PRIORS)
-MAX_NODES = 256  # the largest tree `nodes=N` asks for (a step verifies every node in one pass)
 MATCHES_PER_NODE = 4  # a tree reads at most this many matches a node (a frequent token's matches repeat one text)
 
 
@@ -47,8 +46,8 @@ class NgramDrafter(Drafter):
         for option, value in (("oldest", oldest), ("hints", hints)):
             if value not in (0, 1):
                 raise InvalidParameterError(f"ngram option {option} must be 0 or 1, got {value}")
-        if not 0 <= nodes <= MAX_NODES:
-            raise InvalidParameterError(f"ngram option nodes must be 0 (a chain) … {MAX_NODES}, got {nodes}")
+        if not 0 <= nodes <= MAX_TREE_NODES:
+            raise InvalidParameterError(f"ngram option nodes must be 0 (a chain) … {MAX_TREE_NODES}, got {nodes}")
         self.max_n, self.min_n, self.oldest, self.hints, self.nodes = max_n, min_n, bool(oldest), bool(hints), nodes
         self.drafts_trees = nodes > 0
         self.name = (f"ngram:max_n={max_n}" + (",oldest=1" if oldest else "") + ("" if hints else ",hints=0")

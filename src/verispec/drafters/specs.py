@@ -22,6 +22,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from verispec.drafters.branching import MAX_TREE_NODES
 from verispec.drafters.hybrid import HybridDrafter
 from verispec.drafters.ngram import NgramDrafter
 from verispec.drafters.online import OnlineDrafter
@@ -36,7 +37,6 @@ __all__ = [
 ]
 
 MAX_GAMMA = 32  # the longest draft (γ) any option or request may ask for
-MAX_TREE_NODES = 256  # draft tokens one token tree may hold (the target scores them all in one pass)
 # Every integer drafter option, whatever the kind: (lowest, highest) accepted. The highs bound the work
 # of one step (tree sizes, n-gram lengths, draft lengths) and the memory of one drafter (tables, caches).
 OPTION_RANGES: dict[str, tuple[int, int]] = {
