@@ -30,16 +30,20 @@ fi
 # llama.cpp (llama-cpp-python, the gguf backend) compiles from source for this CPU (-march=native,
 # about 8 minutes on 2 cores). A native build crashes on a CPU without the same instructions, so the
 # wheel is kept under a key of this CPU's instruction-set flags: a machine of another CPU kind that
-# shares the cache builds its own, and pip's own wheel cache is bypassed.
+# shares the cache builds its own, and pip's own wheel cache is bypassed. Without AMX: ggml's AMX
+# kernels crash at the first decode on the AMX Xeons here (ggml-org/llama.cpp#20824, machine-dependent,
+# unfixed upstream); the build keeps every other instruction set of -march=native (GCC's -mno-* wins
+# whatever the order; CMake takes CFLAGS and CXXFLAGS as its initial flags).
 llama_version=0.3.36
-cpu_key=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | sha256sum | cut -c1-12)
+no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+cpu_key=$( (grep -m1 '^flags' /proc/cpuinfo 2>/dev/null; echo "$no_amx") | sha256sum | cut -c1-12)
 wheels="${VERISPEC_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/verispec}/wheels/llama-cpp-$llama_version-$cpu_key"
 marker=.venv/llama-cpp-cpu-key
 if [[ "$(cat "$marker" 2>/dev/null)" != "$cpu_key" ]] || ! $py -c "import llama_cpp" 2>/dev/null; then
     if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
         echo "building llama.cpp for this CPU (once per CPU kind; about 8 minutes on 2 cores)" >&2
         mkdir -p "$wheels"
-        CMAKE_ARGS="-DGGML_NATIVE=ON" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+        CMAKE_ARGS="-DGGML_NATIVE=ON" CFLAGS="$no_amx" CXXFLAGS="$no_amx" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
             $py -m pip wheel --no-deps --no-cache-dir --verbose -w "$wheels" "llama-cpp-python==$llama_version" 2>&1 \
             | grep --line-buffered -oE '^ *\[[0-9]+/[0-9]+\]' | while read -r step; do printf '\r  compiling %s' "$step" >&2; done || true
         echo >&2

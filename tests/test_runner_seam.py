@@ -147,3 +147,18 @@ def test_llama_cpp_measures_exact_widths_only_when_asked_and_clones_caches():
     wide = LlamaCppRunner(gguf_file("smollm2-135m-instruct"), exact=False)
     assert wide.exact_positions is None and wide.precision == "gguf-wide"
     _clone_is_independent(wide, atol=1e-3)  # one shared context (the clone a sequence copy): other cells round apart
+
+
+def test_a_llama_cpp_build_with_amx_kernels_loads_without_extra_buffers():
+    """ggml's AMX kernels crash on some AMX Xeons (llama.cpp#20824): a build that has them loads weights
+    without extra buffer types; any other build keeps llama.cpp's defaults. Fails without the check."""
+    from types import SimpleNamespace
+
+    from verispec.models.llama_cpp import model_params
+
+    def build(info: bytes):
+        return SimpleNamespace(llama_model_default_params=lambda: SimpleNamespace(use_extra_bufts=True),
+                               llama_print_system_info=lambda: info)
+
+    assert not model_params(build(b"CPU : AVX512_VNNI = 1 | AMX_INT8 = 1 | REPACK = 1 | ")).use_extra_bufts
+    assert model_params(build(b"CPU : AVX2 = 1 | AVX512_VNNI = 1 | REPACK = 1 | ")).use_extra_bufts

@@ -91,6 +91,16 @@ def _init_backend(llama_cpp) -> None:
             _backend_ready = True
 
 
+def model_params(llama_cpp):
+    """llama.cpp's default model parameters, without its extra weight buffers in a build that has ggml's AMX
+    kernels: those crash at the first decode on some AMX Xeons (ggml-org/llama.cpp#20824). scripts/setup.sh
+    builds without AMX; this keeps another build (a user's own) from crashing, at the cost of repacking."""
+    params = llama_cpp.llama_model_default_params()
+    if b"AMX_INT8 = 1" in llama_cpp.llama_print_system_info():
+        params.use_extra_bufts = False
+    return params
+
+
 IDLE_CONTEXTS = 4  # idle per-request contexts a runner keeps for the next requests (the rest are freed)
 CONTEXT_SEQUENCES = 33  # sequences of a per-request context: the request's own and its tree leaves
 
@@ -317,7 +327,7 @@ class LlamaCppRunner:
         _init_backend(llama_cpp)
         self.llama_cpp, self.path = llama_cpp, Path(gguf)
         self.threads, self.batch_size = threads or torch.get_num_threads(), batch
-        self._model = LlamaModel(path_model=str(self.path), params=llama_cpp.llama_model_default_params(), verbose=False)
+        self._model = LlamaModel(path_model=str(self.path), params=model_params(llama_cpp), verbose=False)
         self.model = self._model.model
         self.window = context_size(llama_cpp.llama_model_n_ctx_train(self.model), window)
         self.vocab = vocab = self._model.vocab
