@@ -79,7 +79,7 @@ def test_the_kernel_multiplies_the_files_weights(kind, columns):
 
 @contextmanager
 def kernels_of(name: str):
-    """Run the kquant kernels `name` ("avx512", "avx2", "portable") inside the block, the fastest after."""
+    """Run the kquant kernels `name` ("amx", "avx512", "avx2", "portable") inside the block, the fastest after."""
     kernels = kquant_kernels()
     if name not in kernels.kernels_built():
         pytest.skip(f"the {name} kernels are not built on this CPU")
@@ -115,7 +115,7 @@ def test_the_kernels_can_be_built_as_another_cpu_compiles_them():
     assert "-march=haswell" in haswell.stdout
 
 
-@pytest.mark.parametrize("name", ["avx512", "avx2"])
+@pytest.mark.parametrize("name", ["amx", "avx512", "avx2"])
 def test_the_vector_code_gives_the_portable_codes_bits_for_each_row_alone(name):
     rng = np.random.default_rng(3)
     layer = KQuantLinear([KQuantWeight(Q4_K, torch.from_numpy(random_blocks(Q4_K, 64, 768, rng)), 768),
@@ -126,7 +126,7 @@ def test_the_vector_code_gives_the_portable_codes_bits_for_each_row_alone(name):
         portable = layer(x)  # [20, 88]
     with kernels_of(name):
         fast = layer(x)
-        for rows in (1, 2, 3, 7, 8, 9, 16):  # every tile size and a second pass over the tile
+        for rows in (1, 2, 3, 7, 8, 9, 15, 16, 17):  # every tile size, a second pass over the tile (AMX: from 16 rows)
             assert torch.equal(layer(x[:rows]), fast[:rows])
         assert all(torch.equal(layer(x[i : i + 1]), fast[i : i + 1]) for i in range(20))
         threads = torch.get_num_threads()

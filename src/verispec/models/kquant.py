@@ -40,7 +40,7 @@ KQUANT_TYPES = {"Q4_K": 12, "Q6_K": 14}  # ggml type name -> type number (what t
 TILE_COLUMNS = 16  # output columns per packed tile (`kCols` in kernels/kquant.cpp)
 
 
-KERNELS_VARIABLE = "VERISPEC_KQUANT_KERNELS"  # avx512, avx2 or portable: run those (the fastest built when unset)
+KERNELS_VARIABLE = "VERISPEC_KQUANT_KERNELS"  # amx, avx512, avx2 or portable: run those (the fastest built when unset)
 
 
 def kquant_kernels():

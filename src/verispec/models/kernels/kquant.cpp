@@ -8,7 +8,9 @@
 // are the 16 columns' sums: no horizontal reduction, and the sub-block scales multiply whole lanes.
 // A tile's weights are unpacked once and reused for up to 8 activation rows, so verifying up to 8
 // positions reads the weights once (more: once per 8 rows, from cache). CPUs without AVX-512 VNNI run
-// AVX2 tile kernels (`dot_tile_avx2`: two halves of 8 columns, `vpmaddubsw` and `vpmaddwd`).
+// AVX2 tile kernels (`dot_tile_avx2`: two halves of 8 columns, `vpmaddubsw` and `vpmaddwd`). CPUs with AMX
+// take 16 rows and 64 weights in one tile instruction (`dot_tile_amx`, from 16 rows: a prefill, wide
+// verification): the same layout is its weight tile, and its integer sums are the AVX-512 code's.
 //
 // Exactness: every row is computed the same way whatever else the call holds. The products of a
 // sub-block are summed in int32 (exact in any order), and the float work per super-block is a fixed
@@ -41,15 +43,25 @@
 #else
 #define KQ_AVX2 0
 #endif
+#if KQ_AVX512 && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#define KQ_AMX 1
+#else
+#define KQ_AMX 0
+#endif
 #if KQ_AVX512 || KQ_AVX2
 #include <immintrin.h>
+#endif
+#if KQ_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
 
 constexpr int kBlock = 256;  // weights per super-block (QK_K)
 constexpr int kCols = 16;    // output columns per tile
-constexpr int kRows = 8;     // activation rows per pass over a tile
+constexpr int kRows = 8;     // activation rows per pass over a tile (the vector code)
+constexpr int kWideRows = 16;  // activation rows per AMX tile multiply
 
 enum Kind : int64_t { Q4_K = 12, Q6_K = 14 };  // ggml's type numbers
 
@@ -388,6 +400,149 @@ void dot_tile_avx512(int64_t kind, const uint8_t* tile, const Activations& a, in
 }
 #endif
 
+#if KQ_AMX
+// ---------------------------------------------------------------------------------------------------
+// The AMX kernel, for many rows at once (a prompt's prefill, wide verification). Per tile and super-block the
+// sub-block scales are folded into the weights once: w = value · scale (Q4_K: 0 … 945; Q6_K: −8,128 … 8,001) as
+// a low byte (unsigned) and a high byte (signed) in the tile multiply's layout (four consecutive weights of each
+// column in 64 bytes, as `repack` keeps them); then every 16 rows of activations take four `tdpbsud` on the low
+// bytes and four `tdpbssd` on the high bytes (64 weights each), and low + 256 · high is the super-block's sum the
+// vector code builds sub-block by sub-block: the same integer, then the same float work, so the same bits.
+constexpr int kAmxFromRows = 16;  // fewer rows: the AVX-512 code (folding the scales costs more than it saves)
+
+// Linux lends a process the AMX tile registers only when asked (once; every thread then has them)
+bool amx_permitted() {
+  constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+  static const bool permitted = syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  return permitted;
+}
+
+// Tiles 0 and 1: the sums over the low and the high bytes, [rows × 16] int32; tile 2: `rows` rows of 64
+// activations; tile 3: 64 weights of the 16 columns (16 rows of 64 bytes).
+void configure_tiles(int rows) {
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } config;
+  for (int i = 0; i < 4; ++i) config.colsb[i] = 64, config.rows[i] = uint8_t(i < 3 ? rows : kWideRows);
+  _tile_loadconfig(&config);
+}
+
+// A column's scale (int32 lanes, |s| < 2^15) in both 16-bit halves of its lane
+inline __m512i twice16_512(__m512i scale) {
+  return _mm512_or_si512(_mm512_and_si512(scale, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(scale, 16));
+}
+
+// Weight row `w` (64 unsigned values: four of each column) times its columns' scales: the int16 products' low
+// bytes to `low`, high bytes to `high`, each in w's layout.
+inline void fold_row(__m512i w, __m512i scale16, uint8_t* low, uint8_t* high) {
+  const __m512i byte = _mm512_set1_epi16(0x00ff);
+  const __m512i even = _mm512_mullo_epi16(_mm512_and_si512(w, byte), scale16);
+  const __m512i odd = _mm512_mullo_epi16(_mm512_srli_epi16(w, 8), scale16);
+  _mm512_store_si512(low, _mm512_or_si512(_mm512_and_si512(even, byte), _mm512_slli_epi16(odd, 8)));
+  _mm512_store_si512(high, _mm512_or_si512(_mm512_srli_epi16(even, 8), _mm512_andnot_si512(byte, odd)));
+}
+
+// A tile-block's 256 weights of 16 columns, scales folded in: low, high [64 rows × 64 bytes] (row t: weights
+// 4t … 4t + 3 of each column)
+void fold_q4k(const uint8_t* t, uint8_t* low, uint8_t* high) {
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  const uint8_t* nibbles = t + 2 * 32 + 2 * 8 * 16;
+  for (int j = 0; j < 8; ++j) {
+    const __m512i scale = twice16_512(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 64 + 16 * j))));
+    for (int tt = 0; tt < 4; ++tt) {  // as `dot_tile_q4k` unpacks them: rows 8j + tt (low nibbles) and 8j + tt + 4
+      const __m512i packed = _mm512_loadu_si512(nibbles + 256 * j + 64 * tt);
+      const int row = 8 * j + tt;
+      fold_row(_mm512_and_si512(packed, nibble), scale, low + 64 * row, high + 64 * row);
+      fold_row(_mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble), scale, low + 64 * (row + 4), high + 64 * (row + 4));
+    }
+  }
+}
+
+void fold_q6k(const uint8_t* t, uint8_t* low, uint8_t* high) {
+  const __m512i nibble = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
+  const uint8_t* values = t + 32 + 16 * 16;
+  for (int j = 0; j < 16; ++j) {
+    const __m512i scale = twice16_512(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * j))));
+    const uint8_t* packed = values + 192 * j;  // as `dot_tile_q6k` unpacks them: rows 4j … 4j + 3
+    const __m512i low0 = _mm512_loadu_si512(packed), low1 = _mm512_loadu_si512(packed + 64), high2 = _mm512_loadu_si512(packed + 128);
+    const __m512i w[4] = {
+        _mm512_or_si512(_mm512_and_si512(low0, nibble), _mm512_and_si512(_mm512_slli_epi16(high2, 4), top)),
+        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low0, 4), nibble), _mm512_and_si512(_mm512_slli_epi16(high2, 2), top)),
+        _mm512_or_si512(_mm512_and_si512(low1, nibble), _mm512_and_si512(high2, top)),
+        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low1, 4), nibble), _mm512_and_si512(_mm512_srli_epi16(high2, 2), top))};
+    for (int tt = 0; tt < 4; ++tt) fold_row(w[tt], scale, low + 64 * (4 * j + tt), high + 64 * (4 * j + tt));
+  }
+}
+
+// y [rows × 16] = every row of `a` through one tile of 16 columns (rows ≥ kAmxFromRows)
+void dot_tile_amx(int64_t kind, const uint8_t* tile, const Activations& a, int64_t rows, float* y) {
+  alignas(64) uint8_t low[64 * 64], high[64 * 64];
+  alignas(64) int32_t sums_low[kWideRows * kCols], sums_high[kWideRows * kCols];
+  for (int64_t i = 0; i < rows * kCols; ++i) y[i] = 0.0f;
+  int configured = 0;
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const uint8_t* t = tile + b * tile_bytes(kind);
+    if (kind == Q4_K) fold_q4k(t, low, high);
+    else fold_q6k(t, low, high);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32)));  // Q4_K
+    __m512i pairs[8];  // Q4_K: the mins of sub-blocks (2i, 2i + 1) [4]; Q6_K: the scales of sub-blocks (2i, 2i + 1) [8]
+    if (kind == Q4_K) {
+      for (int i = 0; i < 4; ++i) pairs[i] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 192 + 32 * i)));
+    } else {
+      for (int i = 0; i < 8; ++i) {
+        const __m512i even = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * (2 * i))));
+        const __m512i odd = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * (2 * i + 1))));
+        pairs[i] = _mm512_or_si512(_mm512_and_si512(even, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(odd, 16));
+      }
+    }
+    for (int64_t row0 = 0; row0 < rows; row0 += kWideRows) {
+      const int n = int(std::min<int64_t>(kWideRows, rows - row0));
+      if (n != configured) configure_tiles(configured = n);
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int quarter = 0; quarter < 4; ++quarter) {
+        _tile_loadd(2, a.q + row0 * a.k + b * kBlock + 64 * quarter, a.k);
+        _tile_loadd(3, low + 1024 * quarter, 64);
+        _tile_dpbsud(0, 2, 3);
+        _tile_loadd(3, high + 1024 * quarter, 64);
+        _tile_dpbssd(1, 2, 3);
+      }
+      _tile_stored(0, sums_low, 64);
+      _tile_stored(1, sums_high, 64);
+      for (int r = 0; r < n; ++r) {
+        const int64_t row = row0 + r;
+        __m512i dot = _mm512_add_epi32(_mm512_load_si512(sums_low + kCols * r), _mm512_slli_epi32(_mm512_load_si512(sums_high + kCols * r), 8));
+        const __m512 xd = _mm512_set1_ps(a.d[row * a.blocks + b]);
+        __m512 acc = _mm512_loadu_ps(y + kCols * row);
+        if (kind == Q4_K) {  // the mins as in `dot_tile_q4k`
+          const int16_t* sub_sums = a.pair_sums + row * (a.k / 32) + b * 8;  // the row's sums over each 32 values
+          __m512i mins = _mm512_setzero_si512();
+          for (int i = 0; i < 4; ++i) {
+            int32_t pair;
+            std::memcpy(&pair, sub_sums + 2 * i, 4);
+            mins = _mm512_dpwssd_epi32(mins, pairs[i], _mm512_set1_epi32(pair));
+          }
+          acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, xd), acc);
+          acc = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(dmin, xd), acc);
+        } else {  // minus 32 · Σ scale_j · (the activations' sum over sub-block j): the weights are stored as value + 32
+          const int32_t* s = a.sums + row * (a.k / 16) + b * 16;
+          __m512i offset = _mm512_setzero_si512();
+          for (int i = 0; i < 8; ++i)
+            offset = _mm512_dpwssd_epi32(offset, pairs[i], _mm512_set1_epi32(int32_t((uint32_t(s[2 * i]) & 0xffffu) | (uint32_t(s[2 * i + 1]) << 16))));
+          dot = _mm512_sub_epi32(dot, _mm512_slli_epi32(offset, 5));
+          acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, xd), acc);
+        }
+        _mm512_storeu_ps(y + kCols * row, acc);
+      }
+    }
+  }
+  _tile_release();
+}
+#endif
+
 #if KQ_AVX2
 // ---------------------------------------------------------------------------------------------------
 // The AVX2 tile kernels (CPUs without AVX-512 VNNI): a tile's 16 columns as two halves of 8 (a 256-bit
@@ -516,12 +671,22 @@ void dot_tile_avx2(int64_t kind, const uint8_t* tile, const Activations& a, int6
 #endif
 
 // Which tile code runs: the fastest built, unless `use_kernels` says otherwise (the tests compare them).
-enum class Kernels { portable, avx2, avx512 };
-Kernels kernels = KQ_AVX512 ? Kernels::avx512 : KQ_AVX2 ? Kernels::avx2 : Kernels::portable;
+enum class Kernels { portable, avx2, avx512, amx };
+
+bool amx_usable() {
+#if KQ_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+Kernels kernels = amx_usable() ? Kernels::amx : KQ_AVX512 ? Kernels::avx512 : KQ_AVX2 ? Kernels::avx2 : Kernels::portable;
 
 void dot_tile(int64_t kind, const uint8_t* tile, const Activations& a, int64_t row0, int rows, float* acc) {
   switch (kernels) {
 #if KQ_AVX512
+    case Kernels::amx:  // a pass of few rows: the AVX-512 code
     case Kernels::avx512: return dot_tile_avx512(kind, tile, a, row0, rows, acc);
 #endif
 #if KQ_AVX2
@@ -546,8 +711,12 @@ void gemm(const std::vector<Part>& parts, const Activations& a, int64_t rows, fl
   const int64_t per_tile = a.blocks * tile_bytes(parts[0].kind);
   // about 64 KB of weights per task: enough to amortize the scheduling, small enough to share out
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / per_tile);
+#if KQ_AMX
+  const bool amx = kernels == Kernels::amx && rows >= kAmxFromRows;
+#endif
   at::parallel_for(0, first_tile.back(), grain, [&](int64_t begin, int64_t end) {
     float acc[kRows * kCols];
+    std::vector<float> every_row;  // AMX: the tile's outputs for every row [rows × 16]
     size_t p = 0;
     for (int64_t global = begin; global < end; ++global) {
       while (global >= first_tile[p + 1]) ++p;
@@ -555,13 +724,24 @@ void gemm(const std::vector<Part>& parts, const Activations& a, int64_t rows, fl
       const int64_t tile = global - first_tile[p];
       const uint8_t* weights = part.packed + tile * a.blocks * tile_bytes(part.kind);
       const int64_t width = std::min<int64_t>(kCols, part.columns - tile * kCols), column = part.offset + tile * kCols;
+      auto store = [&](const float* from, int64_t row0, int64_t n) {  // rows row0 … row0 + n − 1 of the tile's outputs
+        for (int64_t r = 0; r < n; ++r) {
+          float* out = y + (row0 + r) * y_stride + column;
+          for (int64_t c = 0; c < width; ++c) out[c] = bias ? from[r * kCols + c] + bias[column + c] : from[r * kCols + c];
+        }
+      };
+#if KQ_AMX
+      if (amx) {
+        every_row.resize(rows * kCols);
+        dot_tile_amx(part.kind, weights, a, rows, every_row.data());
+        store(every_row.data(), 0, rows);
+        continue;
+      }
+#endif
       for (int64_t row0 = 0; row0 < rows; row0 += kRows) {
         const int n = int(std::min<int64_t>(kRows, rows - row0));
         dot_tile(part.kind, weights, a, row0, n, acc);
-        for (int r = 0; r < n; ++r) {
-          float* out = y + (row0 + r) * y_stride + column;
-          for (int64_t c = 0; c < width; ++c) out[c] = bias ? acc[r * kCols + c] + bias[column + c] : acc[r * kCols + c];
-        }
+        store(acc, row0, n);
       }
     }
   });
@@ -744,10 +924,11 @@ DecoderLayer<Linear> kquant_layer(const py::tuple& t) {
   return {t[0].cast<at::Tensor>(), t[1].cast<at::Tensor>(), to_linear(t[2]), to_linear(t[3]), to_linear(t[4]), to_linear(t[5])};
 }
 
-// The kernels built here, fastest first ("avx512": AVX-512 VNNI, "avx2": AVX2 with FMA and F16C,
-// "portable": plain C++); they give the same bits.
+// The kernels built here, fastest first ("amx": AMX tiles from 16 rows, else AVX-512 VNNI; "avx512": AVX-512
+// VNNI, "avx2": AVX2 with FMA and F16C, "portable": plain C++); they give the same bits.
 std::vector<std::string> kernels_built() {
   std::vector<std::string> names;
+  if (amx_usable()) names.push_back("amx");
   if (KQ_AVX512) names.push_back("avx512");
   if (KQ_AVX2) names.push_back("avx2");
   names.push_back("portable");
@@ -758,20 +939,22 @@ std::vector<std::string> kernels_built() {
 std::string use_kernels(const std::string& name) {
   const auto built = kernels_built();
   TORCH_CHECK(std::find(built.begin(), built.end(), name) != built.end(), "kquant kernels '", name, "' are not built here");
-  kernels = name == "avx512" ? Kernels::avx512 : name == "avx2" ? Kernels::avx2 : Kernels::portable;
-  exact_attention::vectors = name == "avx512" ? exact_attention::Vectors::avx512
+  kernels = name == "amx" ? Kernels::amx : name == "avx512" ? Kernels::avx512 : name == "avx2" ? Kernels::avx2 : Kernels::portable;
+  exact_attention::vectors = name == "amx" || name == "avx512" ? exact_attention::Vectors::avx512
                              : name == "avx2" ? exact_attention::Vectors::avx2 : exact_attention::Vectors::none;
   return name;
 }
 
-std::string kernels_in_use() { return kernels == Kernels::avx512 ? "avx512" : kernels == Kernels::avx2 ? "avx2" : "portable"; }
+std::string kernels_in_use() {
+  return kernels == Kernels::amx ? "amx" : kernels == Kernels::avx512 ? "avx512" : kernels == Kernels::avx2 ? "avx2" : "portable";
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("repack", &repack, "raw GGUF blocks [columns, bytes] -> tiles of 16 columns");
   m.def("dequantize", &dequantize, "raw GGUF blocks [rows, bytes] -> float32 weights");
   m.def("quantize_rows", &quantize_rows, "float32 [rows, K] -> (int8 values, scales per 256, sums per 16 and per 32)");
   m.def("linear", &linear, "x [rows, K] -> [rows, Σ columns] through k-quant weights");
-  m.def("kernels_built", &kernels_built, "the kernels built here, fastest first (avx512, avx2, portable)");
+  m.def("kernels_built", &kernels_built, "the kernels built here, fastest first (amx, avx512, avx2, portable)");
   m.def("use_kernels", &use_kernels, "run these kernels from now on (one of kernels_built())");
   m.def("kernels_in_use", &kernels_in_use, "the kernels that run");
   m.def("attend", &exact_attention::attend, "q [heads, n, d] over one layer's cache [kv_heads, capacity, d] from slot `start` "
