@@ -1,6 +1,6 @@
 """A prompt's prefill on kquant with each tile kernel built here: seconds, and whether they agree to the bit.
 
-On an AMX CPU the `amx` kernels take 16 rows and 64 weights per tile instruction from 16 rows on (a prefill,
+On an AMX CPU the `amx` kernels take 16 rows and 64 weights per tile instruction from 9 rows on (a prefill,
 wide verification); below that they run the AVX-512 code. The probe loads the shipped target as kquant, then
 prefills random prompts of each --lengths size with every kernel in turns (`--rounds` rounds, best of each),
 and checks that the next token's logits after each prefill are the same bits whichever kernel prefilled.

@@ -9,7 +9,7 @@
 // A tile's weights are unpacked once and reused for up to 8 activation rows, so verifying up to 8
 // positions reads the weights once (more: once per 8 rows, from cache). CPUs without AVX-512 VNNI run
 // AVX2 tile kernels (`dot_tile_avx2`: two halves of 8 columns, `vpmaddubsw` and `vpmaddwd`). CPUs with AMX
-// take 16 rows and 64 weights in one tile instruction (`dot_tile_amx`, from 16 rows: a prefill, wide
+// take 16 rows and 64 weights in one tile instruction (`dot_tile_amx`, from 9 rows: a prefill, wide
 // verification): the same layout is its weight tile, and its integer sums are the AVX-512 code's.
 //
 // Exactness: every row is computed the same way whatever else the call holds. The products of a
@@ -408,7 +408,7 @@ void dot_tile_avx512(int64_t kind, const uint8_t* tile, const Activations& a, in
 // column in 64 bytes, as `repack` keeps them); then every 16 rows of activations take four `tdpbsud` on the low
 // bytes and four `tdpbssd` on the high bytes (64 weights each), and low + 256 · high is the super-block's sum the
 // vector code builds sub-block by sub-block: the same integer, then the same float work, so the same bits.
-constexpr int kAmxFromRows = 16;  // fewer rows: the AVX-512 code (folding the scales costs more than it saves)
+constexpr int kAmxFromRows = 9;  // fewer: the AVX-512 code, one pass of 8 rows (folding the scales costs more than it saves)
 
 // Linux lends a process the AMX tile registers only when asked (once; every thread then has them)
 bool amx_permitted() {
@@ -450,6 +450,7 @@ void fold_q4k(const uint8_t* t, uint8_t* low, uint8_t* high) {
   const __m512i nibble = _mm512_set1_epi8(0x0f);
   const uint8_t* nibbles = t + 2 * 32 + 2 * 8 * 16;
   for (int j = 0; j < 8; ++j) {
+    prefetch_ahead(t, kQ4KTile, j, 8);  // the weight stream keeps reads in flight while the tile multiplies run
     const __m512i scale = twice16_512(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 64 + 16 * j))));
     for (int tt = 0; tt < 4; ++tt) {  // as `dot_tile_q4k` unpacks them: rows 8j + tt (low nibbles) and 8j + tt + 4
       const __m512i packed = _mm512_loadu_si512(nibbles + 256 * j + 64 * tt);
@@ -464,6 +465,7 @@ void fold_q6k(const uint8_t* t, uint8_t* low, uint8_t* high) {
   const __m512i nibble = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
   const uint8_t* values = t + 32 + 16 * 16;
   for (int j = 0; j < 16; ++j) {
+    prefetch_ahead(t, kQ6KTile, j, 16);
     const __m512i scale = twice16_512(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * j))));
     const uint8_t* packed = values + 192 * j;  // as `dot_tile_q6k` unpacks them: rows 4j … 4j + 3
     const __m512i low0 = _mm512_loadu_si512(packed), low1 = _mm512_loadu_si512(packed + 64), high2 = _mm512_loadu_si512(packed + 128);
@@ -924,7 +926,7 @@ DecoderLayer<Linear> kquant_layer(const py::tuple& t) {
   return {t[0].cast<at::Tensor>(), t[1].cast<at::Tensor>(), to_linear(t[2]), to_linear(t[3]), to_linear(t[4]), to_linear(t[5])};
 }
 
-// The kernels built here, fastest first ("amx": AMX tiles from 16 rows, else AVX-512 VNNI; "avx512": AVX-512
+// The kernels built here, fastest first ("amx": AMX tiles from 9 rows, else AVX-512 VNNI; "avx512": AVX-512
 // VNNI, "avx2": AVX2 with FMA and F16C, "portable": plain C++); they give the same bits.
 std::vector<std::string> kernels_built() {
   std::vector<std::string> names;
