@@ -21,7 +21,8 @@ MatMulNBits, OpenVINO, torchao) is both as fast as llama.cpp for one row and fla
 (BENCHMARKS.md, "4-bit kernels that could verify flat"). `kernels/kquant.cpp` repacks the blocks once
 into tiles of 16 output columns and multiplies a tile with up to 8 rows per pass through AVX-512 VNNI dot
 products, or AVX2 multiply-adds (`vpmaddubsw`, `vpmaddwd`) on CPUs without them; elsewhere it runs
-portable C++. All three give the same bits.
+portable C++. On AMX CPUs 9 rows and more (a prefill, wide verification) take tile multiplies with the
+sub-block scales folded into the weights, the same integer sums. All of them give the same bits.
 """
 
 from __future__ import annotations
