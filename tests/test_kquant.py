@@ -122,9 +122,11 @@ def test_the_vector_code_gives_the_portable_codes_bits_for_each_row_alone(name):
                           KQuantWeight(Q6_K, torch.from_numpy(random_blocks(Q6_K, 24, 768, rng)), 768)])
     x = torch.randn(20, 768) * torch.logspace(-3, 3, 20)[:, None]  # rows of very different sizes
     x[3] = torch.where(torch.arange(768) % 2 == 0, 1.0, -1.0) * 50  # activations at ±127 (the int16 sums' worst case)
+    prompt = torch.randn(137, 768)  # a prefill's rows: AMX takes them in blocks of 128
     with kernels_of("portable"):
-        portable = layer(x)  # [20, 88]
+        portable, portable_prompt = layer(x), layer(prompt)  # [20, 88], [137, 88]
     with kernels_of(name):
+        assert torch.equal(layer(prompt), portable_prompt)
         fast = layer(x)
         for rows in (1, 2, 3, 7, 8, 9, 15, 16, 17):  # every tile size, a second pass over the tile (AMX: from 9 rows)
             assert torch.equal(layer(x[:rows]), fast[:rows])
