@@ -35,7 +35,8 @@ fi
 # unfixed upstream); the build keeps every other instruction set of -march=native (GCC's -mno-* wins
 # whatever the order; CMake takes CFLAGS and CXXFLAGS as its initial flags).
 llama_version=0.3.36
-no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+no_amx=""
+if [[ "$(uname -m)" == x86_64 ]]; then no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"; fi
 cpu_key=$( (grep -m1 '^flags' /proc/cpuinfo 2>/dev/null; echo "$no_amx") | sha256sum | cut -c1-12)
 wheels="${VERISPEC_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/verispec}/wheels/llama-cpp-$llama_version-$cpu_key"
 marker=.venv/llama-cpp-cpu-key
