@@ -403,7 +403,8 @@ void dot_tile_avx512(int64_t kind, const uint8_t* tile, const Activations& a, in
 #if KQ_AMX
 // ---------------------------------------------------------------------------------------------------
 // The AMX kernel, for many rows at once (a prompt's prefill, wide verification). Per tile and super-block the
-// sub-block scales are folded into the weights once: w = value · scale (Q4_K: 0 … 945; Q6_K: −8,128 … 8,001) as
+// sub-block scales are folded into the weights once: w = value · scale (Q4_K: 0 … 945; Q6_K, its offset of 32 too:
+// (value − 32) · scale, −4,064 … 4,096) as
 // a low byte (unsigned) and a high byte (signed) in the tile multiply's layout (four consecutive weights of each
 // column in 64 bytes, as `repack` keeps them); then every 16 rows of activations take four `tdpbsud` on the low
 // bytes and four `tdpbssd` on the high bytes (64 weights each), and low + 256 · high is the super-block's sum the
@@ -434,12 +435,12 @@ inline __m512i twice16_512(__m512i scale) {
   return _mm512_or_si512(_mm512_and_si512(scale, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(scale, 16));
 }
 
-// Weight row `w` (64 unsigned values: four of each column) times its columns' scales: the int16 products' low
-// bytes to `low`, high bytes to `high`, each in w's layout.
-inline void fold_row(__m512i w, __m512i scale16, uint8_t* low, uint8_t* high) {
+// Weight row `w` (64 unsigned values: four of each column) minus `offset`, times its columns' scales: the int16
+// products' low bytes to `low`, high bytes to `high`, each in w's layout.
+inline void fold_row(__m512i w, __m512i scale16, __m512i offset16, uint8_t* low, uint8_t* high) {
   const __m512i byte = _mm512_set1_epi16(0x00ff);
-  const __m512i even = _mm512_mullo_epi16(_mm512_and_si512(w, byte), scale16);
-  const __m512i odd = _mm512_mullo_epi16(_mm512_srli_epi16(w, 8), scale16);
+  const __m512i even = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_and_si512(w, byte), offset16), scale16);
+  const __m512i odd = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_srli_epi16(w, 8), offset16), scale16);
   _mm512_store_si512(low, _mm512_or_si512(_mm512_and_si512(even, byte), _mm512_slli_epi16(odd, 8)));
   _mm512_store_si512(high, _mm512_or_si512(_mm512_srli_epi16(even, 8), _mm512_andnot_si512(byte, odd)));
 }
@@ -447,7 +448,7 @@ inline void fold_row(__m512i w, __m512i scale16, uint8_t* low, uint8_t* high) {
 // A tile-block's 256 weights of 16 columns, scales folded in: low, high [64 rows × 64 bytes] (row t: weights
 // 4t … 4t + 3 of each column)
 void fold_q4k(const uint8_t* t, uint8_t* low, uint8_t* high) {
-  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  const __m512i nibble = _mm512_set1_epi8(0x0f), zero = _mm512_setzero_si512();
   const uint8_t* nibbles = t + 2 * 32 + 2 * 8 * 16;
   for (int j = 0; j < 8; ++j) {
     prefetch_ahead(t, kQ4KTile, j, 8);  // the weight stream keeps reads in flight while the tile multiplies run
@@ -455,14 +456,14 @@ void fold_q4k(const uint8_t* t, uint8_t* low, uint8_t* high) {
     for (int tt = 0; tt < 4; ++tt) {  // as `dot_tile_q4k` unpacks them: rows 8j + tt (low nibbles) and 8j + tt + 4
       const __m512i packed = _mm512_loadu_si512(nibbles + 256 * j + 64 * tt);
       const int row = 8 * j + tt;
-      fold_row(_mm512_and_si512(packed, nibble), scale, low + 64 * row, high + 64 * row);
-      fold_row(_mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble), scale, low + 64 * (row + 4), high + 64 * (row + 4));
+      fold_row(_mm512_and_si512(packed, nibble), scale, zero, low + 64 * row, high + 64 * row);
+      fold_row(_mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble), scale, zero, low + 64 * (row + 4), high + 64 * (row + 4));
     }
   }
 }
 
-void fold_q6k(const uint8_t* t, uint8_t* low, uint8_t* high) {
-  const __m512i nibble = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
+void fold_q6k(const uint8_t* t, uint8_t* low, uint8_t* high) {  // the values are stored as value + 32
+  const __m512i nibble = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30), offset = _mm512_set1_epi16(32);
   const uint8_t* values = t + 32 + 16 * 16;
   for (int j = 0; j < 16; ++j) {
     prefetch_ahead(t, kQ6KTile, j, 16);
@@ -474,7 +475,7 @@ void fold_q6k(const uint8_t* t, uint8_t* low, uint8_t* high) {
         _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low0, 4), nibble), _mm512_and_si512(_mm512_slli_epi16(high2, 2), top)),
         _mm512_or_si512(_mm512_and_si512(low1, nibble), _mm512_and_si512(high2, top)),
         _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low1, 4), nibble), _mm512_and_si512(_mm512_srli_epi16(high2, 2), top))};
-    for (int tt = 0; tt < 4; ++tt) fold_row(w[tt], scale, low + 64 * (4 * j + tt), high + 64 * (4 * j + tt));
+    for (int tt = 0; tt < 4; ++tt) fold_row(w[tt], scale, offset, low + 64 * (4 * j + tt), high + 64 * (4 * j + tt));
   }
 }
 
@@ -490,16 +491,9 @@ void dot_tile_amx(int64_t kind, const uint8_t* tile, const Activations& a, int64
     else fold_q6k(t, low, high);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));
     const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32)));  // Q4_K
-    __m512i pairs[8];  // Q4_K: the mins of sub-blocks (2i, 2i + 1) [4]; Q6_K: the scales of sub-blocks (2i, 2i + 1) [8]
-    if (kind == Q4_K) {
-      for (int i = 0; i < 4; ++i) pairs[i] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 192 + 32 * i)));
-    } else {
-      for (int i = 0; i < 8; ++i) {
-        const __m512i even = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * (2 * i))));
-        const __m512i odd = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * (2 * i + 1))));
-        pairs[i] = _mm512_or_si512(_mm512_and_si512(even, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(odd, 16));
-      }
-    }
+    __m512i min_pairs[4];  // Q4_K: the mins of sub-blocks (2i, 2i + 1), int16
+    if (kind == Q4_K)
+      for (int i = 0; i < 4; ++i) min_pairs[i] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 192 + 32 * i)));
     for (int64_t row0 = 0; row0 < rows; row0 += kWideRows) {
       const int n = int(std::min<int64_t>(kWideRows, rows - row0));
       if (n != configured) configure_tiles(configured = n);
@@ -525,16 +519,11 @@ void dot_tile_amx(int64_t kind, const uint8_t* tile, const Activations& a, int64
           for (int i = 0; i < 4; ++i) {
             int32_t pair;
             std::memcpy(&pair, sub_sums + 2 * i, 4);
-            mins = _mm512_dpwssd_epi32(mins, pairs[i], _mm512_set1_epi32(pair));
+            mins = _mm512_dpwssd_epi32(mins, min_pairs[i], _mm512_set1_epi32(pair));
           }
           acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, xd), acc);
           acc = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(dmin, xd), acc);
-        } else {  // minus 32 · Σ scale_j · (the activations' sum over sub-block j): the weights are stored as value + 32
-          const int32_t* s = a.sums + row * (a.k / 16) + b * 16;
-          __m512i offset = _mm512_setzero_si512();
-          for (int i = 0; i < 8; ++i)
-            offset = _mm512_dpwssd_epi32(offset, pairs[i], _mm512_set1_epi32(int32_t((uint32_t(s[2 * i]) & 0xffffu) | (uint32_t(s[2 * i + 1]) << 16))));
-          dot = _mm512_sub_epi32(dot, _mm512_slli_epi32(offset, 5));
+        } else {  // the offset of 32 is in the folded weights
           acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, xd), acc);
         }
         _mm512_storeu_ps(y + kCols * row, acc);
