@@ -1,7 +1,7 @@
 """The kquant verification curve with each tile kernel built here, against llama.cpp on the same file.
 
-`kernels/kquant.cpp` has AVX-512 VNNI, AVX2 and portable tile code giving the same bits; on an AVX-512
-CPU all of them are built, so the AVX2 code (what an AVX2-only CPU runs) can be timed here too. That is
+`kernels/kquant.cpp` has AMX (from 9 rows), AVX-512 VNNI, AVX2 and portable tile code giving the same bits; on
+an AVX-512 CPU all but AMX are built, so the AVX2 code (what an AVX2-only CPU runs) can be timed here too. That is
 an indication, not a measurement of an AVX2-only CPU: memory, caches and clocks differ. The probe loads
 the shipped target as kquant and as llama.cpp's gguf, then times one forward over n = 1 … --widths new
 positions after --context cached tokens, in rounds over every (backend, n) so a drift of the machine's
