@@ -159,6 +159,7 @@ def test_the_llama_cpp_baseline_gets_the_context_of_verispec_s_gguf_runner(tmp_p
     fake = types.ModuleType("llama_cpp")
     fake.Llama = FakeLlama
     fake.llama_model_n_ctx_train = lambda model: train_context
+    fake.llama_print_system_info = lambda: b"CPU : AVX2 = 1 | "
     speculative = types.ModuleType("llama_cpp.llama_speculative")
     speculative.LlamaPromptLookupDecoding = object
     monkeypatch.setitem(sys.modules, "llama_cpp", fake)

@@ -162,3 +162,19 @@ def test_a_llama_cpp_build_with_amx_kernels_loads_without_extra_buffers():
 
     assert not model_params(build(b"CPU : AVX512_VNNI = 1 | AMX_INT8 = 1 | REPACK = 1 | ")).use_extra_bufts
     assert model_params(build(b"CPU : AVX2 = 1 | AVX512_VNNI = 1 | REPACK = 1 | ")).use_extra_bufts
+
+
+def test_the_bench_warns_before_loading_a_llama_cpp_build_with_amx_kernels(monkeypatch, tmp_path):
+    """llama-cpp-python's `Llama` (the bench's llama.cpp baseline) takes no parameter that avoids the AMX kernels:
+    the bench says so before it loads, so a crash that follows is explained. Fails without the warning."""
+    from types import SimpleNamespace
+
+    from verispec.tools.bench import compare
+
+    def refuse(**_):
+        raise RuntimeError("not loaded in this test")
+
+    amx = SimpleNamespace(llama_print_system_info=lambda: b"CPU : AMX_INT8 = 1 | ", Llama=refuse)
+    monkeypatch.setattr(compare, "require_llama_cpp", lambda: amx)
+    with pytest.warns(UserWarning, match="llama-cpp: ggml's AMX kernels crash"), pytest.raises(RuntimeError, match="not loaded"):
+        compare.LlamaCppMethod.load("llama-cpp", tmp_path / "model.gguf", frozenset(), 0.0)

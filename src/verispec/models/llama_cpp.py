@@ -50,7 +50,8 @@ from verispec.models.runner import RunnerConfig
 from verispec.paths import cpu_key, read_table, store_in_table
 from verispec.progress import status
 
-__all__ = ["WINDOW", "LlamaCppCache", "LlamaCppRunner", "context_size", "exact_width", "require_llama_cpp"]
+__all__ = ["AMX_CRASH", "WINDOW", "LlamaCppCache", "LlamaCppRunner", "context_size", "exact_width", "has_amx_kernels",
+           "model_params", "require_llama_cpp"]
 
 CELL_GRANULE = 256  # llama.cpp pads the attended cells to a multiple of this (llama_kv_cache::get_n_kv)
 # from this many attended cells ggml's flash attention splits a one-row decode over its threads
@@ -91,12 +92,20 @@ def _init_backend(llama_cpp) -> None:
             _backend_ready = True
 
 
+AMX_CRASH = ("ggml's AMX kernels crash at the first decode on some AMX Xeons (ggml-org/llama.cpp#20824); "
+             "scripts/setup.sh builds llama-cpp-python without them")
+
+
+def has_amx_kernels(llama_cpp) -> bool:
+    """Whether this llama-cpp-python build runs ggml's AMX kernels (see AMX_CRASH)."""
+    return b"AMX_INT8 = 1" in llama_cpp.llama_print_system_info()
+
+
 def model_params(llama_cpp):
     """llama.cpp's default model parameters, without its extra weight buffers in a build that has ggml's AMX
-    kernels: those crash at the first decode on some AMX Xeons (ggml-org/llama.cpp#20824). scripts/setup.sh
-    builds without AMX; this keeps another build (a user's own) from crashing, at the cost of repacking."""
+    kernels (AMX_CRASH): this keeps another build (a user's own) from crashing, at the cost of repacking."""
     params = llama_cpp.llama_model_default_params()
-    if b"AMX_INT8 = 1" in llama_cpp.llama_print_system_info():
+    if has_amx_kernels(llama_cpp):
         params.use_extra_bufts = False
     return params
 

@@ -65,6 +65,7 @@ import argparse
 import platform
 import re
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -84,7 +85,7 @@ from verispec.engine.build import auto_backends, auto_precision
 from verispec.engine.spec import AUTO
 from verispec.errors import InvalidParameterError, VerispecError
 from verispec.models.device import DEVICES, resolve_device, synchronize
-from verispec.models.llama_cpp import WINDOW, context_size, require_llama_cpp
+from verispec.models.llama_cpp import AMX_CRASH, WINDOW, context_size, has_amx_kernels, require_llama_cpp
 from verispec.models.loading import PRECISIONS, parse_dtype, parse_precision, resolve_folder
 from verispec.models.tokenizer import hf_tokenizer
 from verispec.models.runner import LoadedModel
@@ -224,6 +225,8 @@ class LlamaCppMethod:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         draft = LlamaPromptLookupDecoding() if name == LLAMA_CPP_PLD else None
+        if has_amx_kernels(llama_cpp):  # llama-cpp-python's `Llama` takes no parameter that would avoid them
+            warnings.warn(f"{name}: {AMX_CRASH}; if this process ends in a segmentation fault, that is why", stacklevel=2)
         with status(f"loading {gguf.name} into llama.cpp"):
             llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=WINDOW, n_threads=torch.get_num_threads(),
                                   n_threads_batch=torch.get_num_threads(), draft_model=draft,
