@@ -359,9 +359,18 @@ void dot_tile_q4k(const uint8_t* tile, const Activations& a, int64_t row0, float
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * kCols, y[r]);
 }
 
+// A repacked Q6_K sub-block (`q6k_store`) unpacked: w[t] holds values 4t … 4t + 3 of each of the 16 columns
+inline void unpack_q6k(const uint8_t* packed, __m512i* w) {
+  const __m512i nibble = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
+  const __m512i low0 = _mm512_loadu_si512(packed), low1 = _mm512_loadu_si512(packed + 64), high = _mm512_loadu_si512(packed + 128);
+  w[0] = _mm512_or_si512(_mm512_and_si512(low0, nibble), _mm512_and_si512(_mm512_slli_epi16(high, 4), top));
+  w[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low0, 4), nibble), _mm512_and_si512(_mm512_slli_epi16(high, 2), top));
+  w[2] = _mm512_or_si512(_mm512_and_si512(low1, nibble), _mm512_and_si512(high, top));
+  w[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low1, 4), nibble), _mm512_and_si512(_mm512_srli_epi16(high, 2), top));
+}
+
 template <int R>
 void dot_tile_q6k(const uint8_t* tile, const Activations& a, int64_t row0, float* acc) {
-  const __m512i nibble = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
   __m512 y[R];
   for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.blocks; ++b) {
@@ -371,13 +380,8 @@ void dot_tile_q6k(const uint8_t* tile, const Activations& a, int64_t row0, float
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
     for (int j = 0; j < 16; ++j) {
       if constexpr (kPrefetchQ6K<R>) prefetch_ahead(t, kQ6KTile, j, 16);
-      __m512i w[4];  // the 6-bit values of the sub-block (`q6k_store`), unpacked
-      const uint8_t* packed = values + 192 * j;
-      const __m512i low0 = _mm512_loadu_si512(packed), low1 = _mm512_loadu_si512(packed + 64), high = _mm512_loadu_si512(packed + 128);
-      w[0] = _mm512_or_si512(_mm512_and_si512(low0, nibble), _mm512_and_si512(_mm512_slli_epi16(high, 4), top));
-      w[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low0, 4), nibble), _mm512_and_si512(_mm512_slli_epi16(high, 2), top));
-      w[2] = _mm512_or_si512(_mm512_and_si512(low1, nibble), _mm512_and_si512(high, top));
-      w[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low1, 4), nibble), _mm512_and_si512(_mm512_srli_epi16(high, 2), top));
+      __m512i w[4];  // the 6-bit values of the sub-block, unpacked
+      unpack_q6k(values + 192 * j, w);
       const __m512i scale = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * j)));
       __m512i start[R];  // minus 32 · (the activations' sum): the weights are stored as value + 32
       for (int r = 0; r < R; ++r) start[r] = _mm512_set1_epi32(-32 * a.sums[(row0 + r) * (a.k / 16) + b * 16 + j]);
@@ -463,18 +467,13 @@ void fold_q4k(const uint8_t* t, uint8_t* low, uint8_t* high) {
 }
 
 void fold_q6k(const uint8_t* t, uint8_t* low, uint8_t* high) {  // the values are stored as value + 32
-  const __m512i nibble = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30), offset = _mm512_set1_epi16(32);
+  const __m512i offset = _mm512_set1_epi16(32);
   const uint8_t* values = t + 32 + 16 * 16;
   for (int j = 0; j < 16; ++j) {
     prefetch_ahead(t, kQ6KTile, j, 16);
     const __m512i scale = twice16_512(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * j))));
-    const uint8_t* packed = values + 192 * j;  // as `dot_tile_q6k` unpacks them: rows 4j … 4j + 3
-    const __m512i low0 = _mm512_loadu_si512(packed), low1 = _mm512_loadu_si512(packed + 64), high2 = _mm512_loadu_si512(packed + 128);
-    const __m512i w[4] = {
-        _mm512_or_si512(_mm512_and_si512(low0, nibble), _mm512_and_si512(_mm512_slli_epi16(high2, 4), top)),
-        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low0, 4), nibble), _mm512_and_si512(_mm512_slli_epi16(high2, 2), top)),
-        _mm512_or_si512(_mm512_and_si512(low1, nibble), _mm512_and_si512(high2, top)),
-        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low1, 4), nibble), _mm512_and_si512(_mm512_srli_epi16(high2, 2), top))};
+    __m512i w[4];  // rows 4j … 4j + 3
+    unpack_q6k(values + 192 * j, w);
     for (int tt = 0; tt < 4; ++tt) fold_row(w[tt], scale, offset, low + 64 * (4 * j + tt), high + 64 * (4 * j + tt));
   }
 }
