@@ -34,11 +34,11 @@ def test_oldest_is_a_factory_option_and_checked(target):
 
 
 def test_a_step_is_hinted_by_the_length_of_the_suffix_it_matched(target):
-    """The γ policy's class for a step: the matched suffix's length (capped at 3) with its prior; no match, or
-    hints=0, gives no hint."""
+    """The γ policy's class for a step: the matched suffix's length (capped at 3) with its prior, free (a lookup
+    costs no forward); no match, or hints=0, gives no hint."""
     session = NgramDrafter(max_n=4).start(TEXT)
-    assert session.hint([4, 1, 2, 5, 9, 4, 1, 2]) == Hint(3, MATCH_PRIORS[3])  # [4, 1, 2] seen before
-    assert session.hint([4, 1, 2, 5, 9, 2]) == Hint(1, MATCH_PRIORS[1])  # only [2]
+    assert session.hint([4, 1, 2, 5, 9, 4, 1, 2]) == Hint(3, MATCH_PRIORS[3], free=True)  # [4, 1, 2] seen before
+    assert session.hint([4, 1, 2, 5, 9, 2]) == Hint(1, MATCH_PRIORS[1], free=True)  # only [2]
     assert session.hint([5, 6, 7]) is None and MATCH_PRIORS[1] < MATCH_PRIORS[2] < MATCH_PRIORS[3]
     assert NgramDrafter(hints=0).start(TEXT).hint(TEXT) is None
     assert make_drafter("ngram:hints=0", target).name == "ngram:max_n=3,hints=0"

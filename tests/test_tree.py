@@ -59,14 +59,25 @@ def test_greedy_tree_decoding_is_token_identical_to_the_reference(target, draft,
         assert engine.generate(prompt, GenerationConfig(max_new_tokens=20)).token_ids == expected
 
 
-def test_hybrid_drafts_prompt_lookup_chains_past_the_models_gamma(target, draft, hf_target):
-    """γ sizes the draft model's steps; an n-gram chain costs no forward and takes its own length (from 4):
-    with γ 1 a repeated prompt still gets chains of several tokens, and the output stays the target's."""
-    engine = Engine(target, tree_drafters(target, draft, "hybrid"), gamma=1, gamma_policy="constant")
-    prompt = [5, 9, 2, 7, 11, 3] * 4
-    result = engine.generate(prompt, GenerationConfig(max_new_tokens=20))
-    assert result.token_ids == reference_generate(hf_target, prompt, 20, eos_ids=target.eos_ids)
-    assert max(record.proposed for record in result.stats.records) > 1
+def test_hybrid_tells_the_policy_which_source_drafts_each_step(target, draft, hf_target):
+    """`hint` chooses the step's source: after a repeated prompt prompt lookup's class (its matched length, free:
+    no draft forward), and `propose` drafts that chain; after text never seen the draft model's class
+    (`MODEL_STEPS`), and `propose` drafts what the model alone would. Under the analytic policy the output stays
+    the target's."""
+    from verispec.drafters.hybrid import MODEL_STEPS
+
+    repeated, fresh = [5, 9, 2, 7, 11, 3] * 4, [5, 9, 2, 7]
+    session = tree_drafters(target, draft, "hybrid").start(repeated)
+    hint = session.hint(repeated)
+    assert hint.free and hint.key == 3
+    assert session.propose(repeated, 5, SamplingParams(), None).tokens.tolist() == [5, 9, 2, 7, 11]
+    session = tree_drafters(target, draft, "hybrid").start(fresh)
+    assert session.hint(fresh) == MODEL_STEPS and not MODEL_STEPS.free
+    alone = DraftModelDrafter(draft, target.vocab_size).start(fresh).propose(fresh, 3, SamplingParams(), None)
+    assert session.propose(fresh, 3, SamplingParams(), None).tokens.tolist() == alone.tokens.tolist()
+    engine = Engine(target, tree_drafters(target, draft, "hybrid"), gamma=2, gamma_policy="analytic")
+    result = engine.generate(repeated, GenerationConfig(max_new_tokens=20))
+    assert result.token_ids == reference_generate(hf_target, repeated, 20, eos_ids=target.eos_ids)
 
 
 @pytest.mark.parametrize("params", [SamplingParams(repetition_penalty=1.8),

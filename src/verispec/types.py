@@ -21,10 +21,12 @@ class Origin(str, Enum):
 class Hint(NamedTuple):
     """What a draft session knows of its next proposal before making it (`DraftSession.hint`): `key` names a
     class of steps whose acceptance the γ policy measures apart (prompt lookup: how long a suffix it matched),
-    `prior` the acceptance rate expected of that class before the request has measured any."""
+    `prior` the acceptance rate expected of that class before the request has measured any, `free` whether its
+    proposals cost no draft model's forward (prompt lookup, also inside `hybrid`: the policy prices them at c = 0)."""
 
     key: int
     prior: float
+    free: bool = False
 
 
 @dataclass

@@ -13,7 +13,9 @@
   when speculation would pay (the policy `--draft auto` plans with).
 
 The analytic policies keep the steps a draft session hints at (`DraftSession.hint`: prompt lookup's
-matched suffix length) apart: each class has its own α, from its own prior, its own γ and its own pause.
+matched suffix length) apart: each class has its own α, from its own prior, its own γ and its own pause,
+and a class whose proposals cost no draft forward (`Hint.free`: `hybrid`'s prompt-lookup steps beside its
+draft model's) is priced at c = 0.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class _Steps:
 
     prior_alpha: float
     gamma: int
+    free: bool = False  # its proposals cost no draft forward (`Hint.free`)
     seen: AcceptanceStats = field(default_factory=AcceptanceStats)
     paused_steps: int = 0  # plain steps since speculation paused
 
@@ -102,7 +105,7 @@ class AnalyticGamma(GammaPolicy):
         if hint is None:
             return self.overall
         if hint.key not in self.classes:  # a new class starts at the γ its prior calls for
-            steps = self.classes[hint.key] = _Steps(hint.prior, self.overall.gamma)
+            steps = self.classes[hint.key] = _Steps(hint.prior, self.overall.gamma, hint.free)
             self._retune(steps, None)
         return self.classes[hint.key]
 
@@ -138,6 +141,8 @@ class AnalyticGamma(GammaPolicy):
         if c is None:
             return
         alpha, catch_up = self._alpha(steps), self.costs.draft_catch_up
+        if steps.free:  # no draft forward to pay for, none to catch up
+            c, catch_up = 0.0, 1.0
         # a step of depth γ verifies positions(γ) draft tokens, after `context` tokens
         verify_cost = lambda gamma: self.costs.verify_cost(self.positions(gamma), context)  # noqa: E731
         gamma = optimal_gamma(alpha, c, self.max_gamma, verify_cost, catch_up)

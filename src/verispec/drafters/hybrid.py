@@ -8,10 +8,12 @@ accepted / judged tokens as `AcceptanceStats` counts it, with an optimistic prio
 proposal with what was committed. The draft model's cache simply lags during n-gram steps and catches
 up on its next proposal.
 
-The γ policy sizes the draft model's steps (each token a forward). An n-gram chain costs none, and a long
-match often runs on for many tokens, so its length is its own (`budget`): Hugging Face's schedule over
-the n-gram steps alone, from 4, +2 after a chain accepted whole, −1 otherwise (with the model's γ, 2–3 on
-a CPU, prompt lookup inside `hybrid` lost to prompt lookup alone on summaries and code: BENCHMARKS.md).
+The γ policy sizes the two sources' steps apart (`hint`): an n-gram step is in prompt lookup's class of its
+matched length and costs no draft forward (`Hint.free`: priced at c = 0), a draft model step is in a class of
+its own (`MODEL_STEPS`), priced at the draft's measured cost. So under the `analytic` and `auto` policies an
+n-gram chain runs as long as its class's acceptance pays for on the target's curve, and the model's steps are
+sized, or paused, by the model's own acceptance, not by the long chains' (which sized them before: on
+summaries the model then drafted past what it was accepted).
 """
 
 from __future__ import annotations
@@ -21,14 +23,16 @@ import copy
 import torch
 
 from verispec.drafters.base import ComposedSession, Drafter, DraftSession
-from verispec.drafters.ngram import NgramDrafter
+from verispec.drafters.ngram import NgramDrafter, match_hint
 from verispec.drafters.prefix import common_prefix_length
 from verispec.errors import InvalidParameterError
-from verispec.types import AcceptanceStats, Draft
+from verispec.types import AcceptanceStats, Draft, Hint
 
-__all__ = ["HybridDrafter"]
+__all__ = ["HybridDrafter", "MODEL_STEPS"]
 
-MAX_NGRAM_CHAIN = 16  # the longest n-gram chain the schedule grows to (a step drafts at most the engine's max γ)
+# the draft model's steps: a class apart from prompt lookup's (keys 1… by matched length), its prior the first-position
+# acceptance of a draft on public prompts (SmolLM2 through the text 0.59–0.61, the 0.5B 0.73–0.77: BENCHMARKS.md)
+MODEL_STEPS = Hint(0, 0.6)
 
 
 class HybridDrafter(Drafter):
@@ -62,27 +66,27 @@ class _HybridSession(ComposedSession):
         super().__init__([self.model, self.ngram])
         self.counts = {source: AcceptanceStats(proposed=2, accepted=1, judged=2) for source in ("ngram", "model")}  # prior 1/2
         self.last: tuple[str, list[int], int] | None = None  # (source, proposal, committed length then)
-        self.ngram_gamma = 4  # the n-gram chains' own length (module docstring)
-        self.found: tuple[int, list[int]] | None = None  # (len(ids), the n-gram chain `budget` found then; []: none)
+        self.choice: tuple[int, int] | None = None  # (len(ids), the matched length the n-gram step drafts after; 0: the model's step)
 
     def rate(self, source: str) -> float:
         return self.counts[source].alpha
 
-    def _ngram_chain(self, ids: list[int], gamma: int) -> list[int]:
-        """The n-gram continuation of up to `gamma` tokens if this step takes it, else []."""
-        tokens, matched = self.ngram.lookup(ids, gamma)
-        return tokens if tokens and matched >= self.drafter.min_match and self.rate("ngram") >= self.drafter.min_rate else []
+    def _matched(self, ids: list[int]) -> int:
+        """The length of the suffix whose n-gram continuation this step drafts, or 0: the draft model proposes
+        (chosen once a step, by `hint` or else `propose`)."""
+        if self.choice is None or self.choice[0] != len(ids):
+            tokens, matched = self.ngram.lookup(ids, 1)
+            takes = bool(tokens) and matched >= self.drafter.min_match and self.rate("ngram") >= self.drafter.min_rate
+            self.choice = (len(ids), matched if takes else 0)
+        return self.choice[1]
 
-    def budget(self, ids, gamma, most):
-        chain = self._ngram_chain(ids, most) if gamma > 0 else []
-        self.found = (len(ids), chain)  # this step's lookup, which `propose` takes
-        return min(self.ngram_gamma, most) if chain else gamma
+    def hint(self, ids):
+        matched = self._matched(ids)
+        return match_hint(matched) if matched else MODEL_STEPS
 
     def propose(self, ids, gamma, params, generator):
-        found, self.found = self.found, None
-        chain = found[1] if found is not None and found[0] == len(ids) else self._ngram_chain(ids, gamma)
-        if chain:
-            draft, source = Draft(torch.tensor(chain[:gamma], dtype=torch.long)), "ngram"
+        if self._matched(ids):
+            draft, source = Draft(torch.tensor(self.ngram.lookup(ids, gamma)[0], dtype=torch.long)), "ngram"
         else:
             draft, source = self.model.propose(ids, gamma, params, generator), "model"
         self.last = (source, draft.tokens.tolist(), len(ids))
@@ -93,8 +97,5 @@ class _HybridSession(ComposedSession):
             source, proposal, start = self.last
             accepted = common_prefix_length(proposal, ids[start : start + len(proposal)])
             self.counts[source].add(len(proposal), accepted)
-            if source == "ngram":
-                whole = accepted == len(proposal)
-                self.ngram_gamma = min(self.ngram_gamma + 2, MAX_NGRAM_CHAIN) if whole else max(self.ngram_gamma - 1, 1)
             self.last = None
         super().commit(ids)

@@ -30,7 +30,7 @@ from verispec.drafters.prefix import common_prefix_length
 from verispec.errors import InvalidParameterError
 from verispec.types import Draft, Hint
 
-__all__ = ["NgramDrafter", "MATCH_PRIORS"]
+__all__ = ["NgramDrafter", "MATCH_PRIORS", "match_hint"]
 
 # acceptance of the first drafted token by matched suffix length (1, 2, ≥ 3), measured on public prompts (Spec-Bench's
 # groups and HumanEval, the 1.5B target's greedy outputs: `benchmarks/probes/lookup_bound.py`): the classes' priors
@@ -55,6 +55,12 @@ class NgramDrafter(Drafter):
 
     def start(self, prompt_ids: list[int]) -> DraftSession:
         return _NgramSession(self.max_n, self.min_n, self.oldest, self.hints, self.nodes)
+
+
+def match_hint(matched: int) -> Hint:
+    """The class of a step drafted after a suffix of `matched` ≥ 1 tokens matched: its length (up to HINT_CLASSES),
+    its prior, and free (a lookup costs no forward)."""
+    return Hint(min(matched, HINT_CLASSES), MATCH_PRIORS[min(matched, HINT_CLASSES)], free=True)
 
 
 class _NgramSession(DraftSession):
@@ -125,7 +131,7 @@ class _NgramSession(DraftSession):
         """The matched suffix's length (up to HINT_CLASSES) as the step's class; None without a match (nothing
         is drafted) or with hints off."""
         matched = self.lookup(ids, 1)[1] if self.hints else 0
-        return Hint(min(matched, HINT_CLASSES), MATCH_PRIORS[min(matched, HINT_CLASSES)]) if matched else None
+        return match_hint(matched) if matched else None
 
     def propose(self, ids, gamma, params, generator):
         if not self.nodes:
