@@ -45,7 +45,7 @@ def _same_as_transformers(fast, hf) -> None:
         for prompt in (True, False):
             assert fast.apply_chat_template(chat, tokenize=False, add_generation_prompt=prompt) == \
                 hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=prompt)
-    assert (fast.eos_token_id, fast.bos_token_id, len(fast)) == (hf.eos_token_id, hf.bos_token_id, len(hf))
+    assert (fast.eos_token_id, fast.bos_token_id, fast.pad_token_id, len(fast)) == (hf.eos_token_id, hf.bos_token_id, hf.pad_token_id, len(hf))
 
 
 def test_the_second_load_needs_no_transformers_and_gives_its_results(folder):
@@ -53,8 +53,8 @@ def test_the_second_load_needs_no_transformers_and_gives_its_results(folder):
     assert not isinstance(first, FastTokenizer)  # the first goes through transformers, and keeps the checked state
     second = load_tokenizer(folder)
     assert isinstance(second, FastTokenizer) and "hf" not in second.__dict__
-    _same_as_transformers(second, first)
-    assert second.get_vocab() == first.get_vocab()  # anything else: transformers' tokenizer, loaded then
+    assert second.get_vocab() == first.get_vocab() and "hf" not in second.__dict__  # the vocabulary: no transformers either
+    _same_as_transformers(second, first)  # anything else: transformers' tokenizer, loaded then
     _same_as_transformers(pickle.loads(pickle.dumps(second)), first)  # as a Ray actor or a process pool gets it
     assert second.apply_chat_template(CHATS[0], tokenize=True) == first.apply_chat_template(CHATS[0], tokenize=True)
 

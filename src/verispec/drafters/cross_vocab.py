@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import torch
 
@@ -171,7 +171,12 @@ class CrossVocabDrafter(Drafter):
     def __init__(self, draft: LoadedModel, target: LoadedModel, window: int | None = None):
         self.model, self.target, self.window = draft, target, window  # window: as DraftModelDrafter's, in draft ids
         self.name = f"model:{draft.name}"
-        self.shared = shared_vocabulary(target.tokenizer, draft.tokenizer, target.vocab_size, draft.vocab_size)
+
+    @cached_property
+    def shared(self) -> SharedVocabulary:
+        """The tokens both tokenizers hold as the same string, built on the first sampled proposal (a second or so
+        of reading both vocabularies; greedy drafting goes through the text and never needs it)."""
+        return shared_vocabulary(self.target.tokenizer, self.model.tokenizer, self.target.vocab_size, self.model.vocab_size)
 
     def start(self, prompt_ids: list[int]) -> DraftSession:
         return _CrossVocabSession(self, prompt_ids)

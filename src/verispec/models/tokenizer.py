@@ -11,8 +11,9 @@ template jinja2 alone cannot compile (`{% generation %}`), stays on transformers
 `FastTokenizer` with the `tokenizers` library and jinja2 alone, in under a second.
 
 Only plain chat messages ({"role", "content"} strings, as the CLI and the server pass) are rendered here;
-anything else, and every other attribute (the vocabulary for xgrammar, the cross-vocabulary drafters'
-token tables), goes to the transformers tokenizer, loaded then (`hf`). The state is keyed by the folder's
+the vocabulary and the special ids are read here too (comparing a draft's tokenizer with its target's);
+anything else (the added tokens' table for xgrammar and the cross-vocabulary drafters' shared vocabulary)
+goes to the transformers tokenizer, loaded then (`hf`). The state is keyed by the folder's
 files and the transformers and tokenizers versions: an upgrade checks again.
 """
 
@@ -27,7 +28,7 @@ from verispec.paths import files_stamp, keyed_file, write_whole
 
 __all__ = ["FastTokenizer", "load_tokenizer", "hf_tokenizer"]
 
-FORMAT = "1"
+FORMAT = "2"  # 2: the pad id kept too (the vocabulary comparison of `loading.tokenizer_problems` reads it)
 PROBE_TEXTS = ["Hello, world!", "  two  spaces\tand a tab\n\nnew lines ", "naïve café — 東京 🚀", "def f(x):\n    return x ** 2",
                "", "t1 t2 t3", "<|im_start|><|endoftext|><s></s><bos><eos>"]
 PROBE_CHATS = [
@@ -61,7 +62,7 @@ class FastTokenizer:
         self.folder, self._state = folder, state
         self._tokenizer = Tokenizer.from_str(state["backend"])
         self.special = state["special"]  # {"bos_token": "<s>", …}: what the chat template sees
-        self.bos_token_id, self.eos_token_id = state["bos_token_id"], state["eos_token_id"]
+        self.bos_token_id, self.eos_token_id, self.pad_token_id = state["bos_token_id"], state["eos_token_id"], state["pad_token_id"]
         self.chat_template = state["chat_template"]
         self._template = _compile(self.chat_template) if self.chat_template else None
 
@@ -80,6 +81,10 @@ class FastTokenizer:
 
     def __len__(self) -> int:
         return len(self.hf)
+
+    def get_vocab(self) -> dict[str, int]:
+        """{token: id}, added tokens included (as transformers' fast tokenizers give it)."""
+        return self._tokenizer.get_vocab(with_added_tokens=True)
 
     def token_to_id(self, token: str) -> int | None:
         """The id of `token` when the vocabulary holds it whole (added and special tokens too), else None."""
@@ -151,12 +156,14 @@ def _state_of(hf) -> dict | None:
     if backend is None or not (template is None or isinstance(template, str)) or getattr(hf, "clean_up_tokenization_spaces", False):
         return None
     return {"backend": backend.to_str(), "special": dict(hf.special_tokens_map), "bos_token_id": hf.bos_token_id,
-            "eos_token_id": hf.eos_token_id, "chat_template": template}
+            "eos_token_id": hf.eos_token_id, "pad_token_id": hf.pad_token_id, "chat_template": template}
 
 
 def _agrees(fast: FastTokenizer, hf) -> bool:
-    """Whether `fast` gives `hf`'s ids, text and chat prompts on the probes."""
+    """Whether `fast` gives `hf`'s vocabulary, ids, text and chat prompts on the probes."""
     try:
+        if fast.get_vocab() != hf.get_vocab():
+            return False
         for text in PROBE_TEXTS:
             for special in (True, False):
                 ids = hf(text, add_special_tokens=special)["input_ids"]
