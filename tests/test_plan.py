@@ -42,6 +42,15 @@ def test_a_steep_curve_or_a_costly_draft_plans_plain_decoding():
     assert "plain decoding" in plan.summary() and "ngram" in plan.summary()
 
 
+def test_hybrid_is_the_plan_where_its_draft_models_steps_beat_prompt_lookup():
+    """`hybrid` is predicted by its draft model's steps (α prior 0.6): with a draft a tenth of the target's cost on a
+    flat curve it beats prompt lookup's prediction and is the plan; at the 0.5B's cost it does not (prompt lookup is)."""
+    cheap = choose_plan("kquant", FLAT, {"ngram": 0.0, "hybrid:draft=small": 0.1}, max_gamma=4)
+    assert cheap.drafter == "hybrid:draft=small" and cheap.predicted["hybrid:draft=small"][0] > cheap.predicted["ngram"][0]
+    assert cheap.predicted["hybrid:draft=small"] == best_gamma(ALPHA_PRIORS["hybrid"], 0.1, FLAT, 4)[::-1]
+    assert choose_plan("kquant", FLAT, {"ngram": 0.0, "hybrid:draft=small": 0.4}, max_gamma=4).drafter == "ngram"
+
+
 def test_the_plan_drafts_no_further_than_the_backend_verifies_exactly():
     plan = choose_plan("gguf", FLAT, {"ngram": 0.0}, max_gamma=1, alphas={"ngram": 0.9})
     assert plan.gamma == 1 and plan.predicted["ngram"][1] == 1
@@ -67,22 +76,25 @@ def test_a_draft_model_is_measured_only_where_its_least_cost_could_win():
 
 
 def test_a_shipped_target_fetches_no_draft_model_that_could_not_win(tiny_target, tiny_draft, monkeypatch):
-    """With a shipped pair's sizes (`least_cost_ratio`), a draft as large as its target is never loaded: the
-    plan lists its bound; a draft a thousandth of its size is loaded and measured (the control)."""
+    """With a shipped pair's sizes (`least_cost_ratio`), a draft as large as its target is never loaded, neither as
+    the draft model nor as `hybrid`'s draft (`hybrid_draft_for`): the plan lists their bounds; a draft a thousandth
+    of its size is loaded and measured for both (the control)."""
     import verispec.engine.build as build
     from verispec.models import registry
 
+    hybrid = f"hybrid:draft={tiny_draft}"
     for draft_weights, measured in ((10**9, False), (10**6, True)):
-        shipped = {str(tiny_target): registry.ShippedModel("t", (), "file", "t", step_weights=10**9),
+        shipped = {str(tiny_target): registry.ShippedModel("t", (), "file", "t", hybrid_draft=str(tiny_draft), step_weights=10**9),
                    str(tiny_draft): registry.ShippedModel("d", (), "file", "d", step_weights=draft_weights)}
         monkeypatch.setattr(build, "SHIPPED_MODELS", shipped)
         monkeypatch.setattr(registry, "SHIPPED_MODELS", shipped)
         builder = build.EngineBuilder(str(tiny_target), default_draft=str(tiny_draft))
         plan = builder.plan(4, "float32")
-        assert ("model" in plan.predicted) == measured and ("model" in plan.bounds) != measured
+        for spec in ("model", hybrid):
+            assert (spec in plan.predicted) == measured and (spec in plan.bounds) != measured
         assert (str(tiny_draft) in builder.models.names) == measured
         if not measured:
-            assert "model ≤" in plan.summary() and "(not measured)" in plan.summary()
+            assert "model ≤" in plan.summary() and f"{hybrid} ≤" in plan.summary() and "(not measured)" in plan.summary()
 
 
 def test_the_auto_policy_pauses_when_speculation_loses_and_probes_to_resume():
@@ -122,6 +134,20 @@ def test_the_policy_sizes_and_pauses_each_hinted_class_of_steps_apart():
     assert sorted(hinted.next_gamma(weak) for _ in range(PROBE_EVERY)) == [0] * (PROBE_EVERY - 1) + [1]  # one probe
     assert hinted.next_gamma(strong) >= 6 and hinted.next_gamma() == 2  # unhinted steps: the starting γ
     assert shared.next_gamma() >= 1 and shared.alpha == pytest.approx(hinted.alpha)  # one γ: drafts after weak matches too
+
+
+def test_a_class_that_costs_no_draft_forward_is_priced_at_nothing():
+    """`Hint.free` (hybrid's prompt-lookup steps beside its draft model's): at the same α the free class drafts
+    further than the class that pays c for each token, and keeps drafting where the paid one pauses."""
+    costs = CostModel([1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35, 1.4], draft_token_seconds=0.3)
+    lookup, model = Hint(2, 0.5, free=True), Hint(0, 0.5)
+    policy = make_gamma_policy("auto", 2, costs, max_gamma=8)
+    assert policy.next_gamma(lookup) > policy.next_gamma(model) >= 1
+    for _ in range(20):  # both classes accept a quarter of what they draft
+        for hint in (lookup, model):
+            gamma = policy.next_gamma(hint) or 1
+            policy.update(gamma, gamma // 4, hint=hint)
+    assert policy.next_gamma(lookup) >= 1 and policy.next_gamma(model) == 0
 
 
 def test_token_trees_are_priced_by_the_positions_they_verify():

@@ -31,8 +31,11 @@ __all__ = ["ALPHA_PRIORS", "BACKEND_MARGIN", "MARGIN", "Plan", "best_gamma", "ch
            "worth_measuring"]
 
 # α before a request measures its own: prompt lookup accepted 0.40–0.43 at its first positions on public
-# prompts (Spec-Bench groups + HumanEval, gguf and kquant runs in BENCHMARKS.md), the 0.5B draft 0.78–0.82
-ALPHA_PRIORS = {"ngram": 0.4, "model": 0.7}
+# prompts (Spec-Bench groups + HumanEval, gguf and kquant runs in BENCHMARKS.md), the 0.5B draft 0.78–0.82;
+# `hybrid` (`registry.hybrid_draft_for`) is predicted by its draft model's steps (SmolLM2 through the text: 0.59–0.61
+# at the first position): where its prompt lookup matches it drafts as `ngram` does, so it is the plan only where its
+# model's steps are predicted to beat prompt lookup's
+ALPHA_PRIORS = {"ngram": 0.4, "model": 0.7, "hybrid": 0.6}
 MARGIN = 1.1  # a predicted speedup must reach this to be worth a drafter's memory and per-step work
 # another backend of the same file must be predicted faster by this much (more than the few per cent a
 # measured T(1) moves between runs): on an AVX2 build the kquant runner at 0.93 of ggml's seconds a token

