@@ -16,7 +16,7 @@ import torch
 from verispec.control import CostModel
 from verispec.control.costs import LONG_CONTEXT, SHORT_CONTEXT
 from verispec.control.gamma import PROBE_EVERY, make_gamma_policy
-from verispec.control.plan import ALPHA_PRIORS, BACKEND_MARGIN, MARGIN, best_gamma, choose_plan, worth_measuring
+from verispec.control.plan import ALPHA_PRIORS, BACKEND_MARGIN, LOOKUP_EMPTY, MARGIN, best_gamma, choose_plan, worth_measuring
 from verispec.control.theory import expected_speedup
 from verispec.types import Hint
 
@@ -42,13 +42,25 @@ def test_a_steep_curve_or_a_costly_draft_plans_plain_decoding():
     assert "plain decoding" in plan.summary() and "ngram" in plan.summary()
 
 
-def test_hybrid_is_the_plan_where_its_draft_models_steps_beat_prompt_lookup():
-    """`hybrid` is predicted by its draft model's steps (α prior 0.6): with a draft a tenth of the target's cost on a
-    flat curve it beats prompt lookup's prediction and is the plan; at the 0.5B's cost it does not (prompt lookup is)."""
-    cheap = choose_plan("kquant", FLAT, {"ngram": 0.0, "hybrid:draft=small": 0.1}, max_gamma=4)
-    assert cheap.drafter == "hybrid:draft=small" and cheap.predicted["hybrid:draft=small"][0] > cheap.predicted["ngram"][0]
-    assert cheap.predicted["hybrid:draft=small"] == best_gamma(ALPHA_PRIORS["hybrid"], 0.1, FLAT, 4)[::-1]
-    assert choose_plan("kquant", FLAT, {"ngram": 0.0, "hybrid:draft=small": 0.4}, max_gamma=4).drafter == "ngram"
+def test_hybrid_is_prompt_lookup_with_its_empty_steps_given_to_its_draft():
+    """`hybrid` is predicted as prompt lookup's steps with the share that draft nothing (`LOOKUP_EMPTY`) taken by its
+    draft model: on a flat curve a draft at c 0.14 (SmolLM2 beside the 1.5B, timed in turns) raises the prediction
+    and is the plan, as in the formula by hand; a draft costing more than its extra tokens bring (c 0.6) lowers it and
+    prompt lookup stays the plan. The bound before measuring is that prediction at the least cost."""
+    lookup_plan = choose_plan("kquant", FLAT, {"ngram": 0.0}, max_gamma=4)
+    lookup = lookup_plan.predicted["ngram"]
+    cheap = choose_plan("kquant", FLAT, {"ngram": 0.0, "hybrid:draft=small": 0.14}, max_gamma=4)
+    assert cheap.drafter == "hybrid:draft=small" and cheap.predicted["hybrid:draft=small"][0] > lookup[0]
+    speedup, gamma = cheap.predicted["hybrid:draft=small"]
+    time = LOOKUP_EMPTY + (1 - LOOKUP_EMPTY) * FLAT[lookup[1]]
+    alpha = ALPHA_PRIORS["hybrid"]
+    extra_tokens, extra_time = alpha * (1 - alpha**gamma) / (1 - alpha), 0.14 * gamma + FLAT[gamma] - 1
+    assert speedup == pytest.approx((lookup[0] * time + LOOKUP_EMPTY * extra_tokens) / (time + LOOKUP_EMPTY * extra_time))
+    costly = choose_plan("kquant", FLAT, {"ngram": 0.0, "hybrid:draft=small": 0.6}, max_gamma=4)
+    assert costly.drafter == "ngram" and costly.predicted["hybrid:draft=small"][0] < lookup[0]
+    worth, bound = worth_measuring(0.14, FLAT, 4, lookup[0], ALPHA_PRIORS["hybrid"], lookup)
+    assert worth and bound == pytest.approx(speedup)
+    assert not worth_measuring(0.6, FLAT, 4, lookup[0], ALPHA_PRIORS["hybrid"], lookup)[0]
 
 
 def test_the_plan_drafts_no_further_than_the_backend_verifies_exactly():
@@ -222,6 +234,24 @@ def test_the_long_curve_is_measured_and_cached_beside_the_short_one(tiny_target,
     assert len(keys) == 2 and sum(key.endswith(f"|context={LONG_CONTEXT}") for key in keys) == 1
     assert CostModel.calibrated(model, 3).long_target_seconds == costs.long_target_seconds  # read back, not measured
     assert CostModel.calibrated(load_model(tiny_target), 3).long_target_seconds is None  # a 128-token context
+
+
+def test_a_drafts_cost_ratio_is_its_forward_and_the_targets_timed_in_turns(tiny_target, tiny_draft, tmp_path, monkeypatch):
+    """c comes from the two single-token forwards timed alternately (`interleaved_token_seconds`), not from two
+    curves measured apart (a shared CPU's drift moved it by a third): whatever the curves say, c is the turns'
+    ratio, measured once and read back from the cache."""
+    from verispec.control import costs as costs_module
+    from verispec.models.loading import load_model
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    timed = []
+    monkeypatch.setattr(costs_module, "interleaved_token_seconds", lambda runners: timed.append(runners) or [0.04, 0.006])
+    target, draft = load_model(tiny_target), load_model(tiny_draft)
+    for _ in range(2):
+        model = CostModel.calibrated(target, 3, draft, long=False)
+        assert model.draft_cost_ratio() == pytest.approx(0.15)
+        assert model.draft_token_seconds == pytest.approx(0.15 * model.target_seconds[0])
+    assert timed == [[target.runner, draft.runner]]  # once: then the cache
 
 
 def test_a_curve_is_timed_after_placeholder_slots_not_a_prefill(tiny_target):

@@ -120,6 +120,19 @@ def _cached_curve(runner: Runner, folder: str, max_positions: int, context: int 
     return _cached(key, max_positions, lambda: measure_verify_curve(runner, max_positions, context), what)
 
 
+def _cached_cost_ratio(target: LoadedModel, draft: LoadedModel) -> float:
+    """c = T_d(1) / T(1), the draft's and the target's single-token forwards timed in turns
+    (`interleaved_token_seconds`): from two curves measured a minute apart it moved by a third on a shared CPU
+    (0.10–0.16 for SmolLM2 beside the 1.5B), enough to flip a plan between two drafters predicted a few per cent
+    apart."""
+    key = f"c|{_runner_key(draft.runner, str(draft.folder))}|over|{_runner_key(target.runner, str(target.folder))}"
+
+    def measure() -> list[float]:
+        target_seconds, draft_seconds = interleaved_token_seconds([target.runner, draft.runner])
+        return [draft_seconds / target_seconds]
+    return _cached(key, 1, measure, f"{Path(str(draft.folder)).name} against {Path(str(target.folder)).name}, in turns")[0]
+
+
 def measure_prefill(runner: Runner, chunk: int, repeats: int = 2) -> float:
     """Seconds of one prefill forward over `chunk` prompt tokens after `chunk` cached ones (best of `repeats`)."""
     cache = _context_cache(runner, chunk, chunk + 1)
@@ -146,8 +159,8 @@ class CostModel:
     def calibrated(cls, target: LoadedModel, max_positions: int, draft: LoadedModel | None = None,
                    long: bool = True) -> CostModel:
         """T(n) of the target for n up to `max_positions` (no wider than the runner verifies exactly), the draft
-        model's seconds per token and its T_d(2)/T_d(1), from the cache or measured now; a model-free drafter
-        costs 0. `long`: the curve after LONG_CONTEXT tokens too, which only the γ policy reads inside a request
+        model's seconds per token (its c, timed in turns with the target: `_cached_cost_ratio`, times the curve's
+        T(1)) and its T_d(2)/T_d(1), from the cache or measured now; a model-free drafter costs 0. `long`: the curve after LONG_CONTEXT tokens too, which only the γ policy reads inside a request
         (a plan compares backends on the short curve, so one it does not keep is never timed there)."""
         max_positions = min(max_positions, target.runner.exact_positions or max_positions)
         target_seconds = _cached_curve(target.runner, str(target.folder), max_positions)
@@ -157,7 +170,8 @@ class CostModel:
         if draft is None:
             return cls(target_seconds, 0.0, long_target_seconds=long_seconds)
         draft_curve = _cached_curve(draft.runner, str(draft.folder), 2)
-        return cls(target_seconds, draft_curve[0], draft_curve[1] / draft_curve[0], long_seconds)
+        c = _cached_cost_ratio(target, draft)
+        return cls(target_seconds, c * target_seconds[0], draft_curve[1] / draft_curve[0], long_seconds)
 
     def verify_cost(self, gamma: int, context: int | None = None) -> float:
         """T(γ+1) / T(1) for a step after `context` cached tokens (None: SHORT_CONTEXT): between the two

@@ -14,6 +14,10 @@ at the least cost it can have (`registry.least_cost_ratio`: its share of the wei
 prediction falls as c grows) must beat plain decoding's `MARGIN` and the candidates measured before it
 (`worth_measuring`); otherwise the plan lists that bound instead (`bounds`).
 
+`hybrid` (prompt lookup where it matches, a far smaller draft model elsewhere: `registry.hybrid_draft_for`) is
+predicted as prompt lookup is, with the steps where lookup drafts nothing (`LOOKUP_EMPTY` of them on public
+prompts) given to its draft (`hybrid_speedup`).
+
 Where several backends can run the target's file (llama.cpp and verispec's kquant runner for a Q4_K_M
 GGUF), each gets its own plan from its own measured curve, and `choose_backend` keeps the one with
 the fewest predicted seconds a token (its T(1) over its predicted speedup), if that beats the default
@@ -25,17 +29,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from verispec.control.theory import curve_verify_cost, expected_speedup
+from verispec.control.theory import curve_verify_cost, draft_step_cost, expected_speedup, expected_tokens
 
-__all__ = ["ALPHA_PRIORS", "BACKEND_MARGIN", "MARGIN", "Plan", "best_gamma", "choose_backend", "choose_plan",
-           "worth_measuring"]
+__all__ = ["ALPHA_PRIORS", "BACKEND_MARGIN", "LOOKUP_EMPTY", "MARGIN", "Plan", "best_gamma", "choose_backend", "choose_plan",
+           "hybrid_speedup", "worth_measuring"]
 
 # α before a request measures its own: prompt lookup accepted 0.40–0.43 at its first positions on public
-# prompts (Spec-Bench groups + HumanEval, gguf and kquant runs in BENCHMARKS.md), the 0.5B draft 0.78–0.82;
-# `hybrid` (`registry.hybrid_draft_for`) is predicted by its draft model's steps (SmolLM2 through the text: 0.59–0.61
-# at the first position): where its prompt lookup matches it drafts as `ngram` does, so it is the plan only where its
-# model's steps are predicted to beat prompt lookup's
+# prompts (Spec-Bench groups + HumanEval, gguf and kquant runs in BENCHMARKS.md), the 0.5B draft 0.78–0.82,
+# `hybrid`'s draft model (SmolLM2 through the text: `hybrid_speedup`) 0.59–0.61
 ALPHA_PRIORS = {"ngram": 0.4, "model": 0.7, "hybrid": 0.6}
+# the share of prompt lookup's steps that draft nothing on public prompts (478 of 1,078 on the AMX Xeon, 2026-11-27):
+# `hybrid` gives them to its draft model
+LOOKUP_EMPTY = 0.44
 MARGIN = 1.1  # a predicted speedup must reach this to be worth a drafter's memory and per-step work
 # another backend of the same file must be predicted faster by this much (more than the few per cent a
 # measured T(1) moves between runs): on an AVX2 build the kquant runner at 0.93 of ggml's seconds a token
@@ -48,6 +53,25 @@ def best_gamma(alpha: float, c: float, curve: Sequence[float], max_gamma: int, c
     model catching up at `catch_up` = T_d(2)/T_d(1)."""
     verify = curve_verify_cost(curve)
     return max(((g, expected_speedup(alpha, g, c, verify, catch_up)) for g in range(1, max_gamma + 1)), key=lambda pair: pair[1])
+
+
+def hybrid_speedup(lookup: tuple[float, int], alpha: float, c: float, curve: Sequence[float], max_gamma: int,
+                   catch_up: float = 1.0) -> tuple[float, int]:
+    """`hybrid`'s predicted speedup and its draft model's γ: prompt lookup's steps as `lookup` (its predicted speedup
+    and γ) predicts them, but the share LOOKUP_EMPTY that draft nothing (a token for T(1)) taken by the draft model
+    (E[tokens] for its drafting + T(γ+1)/T(1)). Those steps raise the speedup where the draft's extra tokens per
+    extra time beat it."""
+    verify = curve_verify_cost(curve)
+    speedup, gamma = lookup
+    time = LOOKUP_EMPTY + (1.0 - LOOKUP_EMPTY) * verify(gamma)  # a lookup step's mean cost, in T(1)
+    tokens = speedup * time
+
+    def mixed(g: int) -> float:
+        extra_tokens = expected_tokens(alpha, g) - 1.0
+        extra_time = draft_step_cost(alpha, g, c, catch_up) + verify(g) - 1.0
+        return (tokens + LOOKUP_EMPTY * extra_tokens) / (time + LOOKUP_EMPTY * extra_time)
+    best = max(range(1, max_gamma + 1), key=mixed)
+    return mixed(best), best
 
 
 @dataclass(frozen=True)
@@ -98,8 +122,12 @@ def choose_plan(precision: str, curve: Sequence[float], costs: dict[str, float],
     predicted: dict[str, tuple[float, int]] = {}
     if max_gamma >= 1 and curve:
         for spec, c in costs.items():
-            gamma, speedup = best_gamma(alphas[spec.split(":")[0]], c, curve, max_gamma, catch_ups.get(spec, 1.0))
-            predicted[spec] = (speedup, gamma)
+            kind, catch_up = spec.split(":")[0], catch_ups.get(spec, 1.0)
+            if kind == "hybrid" and "ngram" in predicted:  # prompt lookup, its empty steps the draft model's
+                predicted[spec] = hybrid_speedup(predicted["ngram"], alphas[kind], c, curve, max_gamma, catch_up)
+            else:
+                gamma, speedup = best_gamma(alphas[kind], c, curve, max_gamma, catch_up)
+                predicted[spec] = (speedup, gamma)
     best = max(predicted, key=lambda spec: predicted[spec][0], default=None)
     token_seconds = curve[0] if curve else None
     if best is None or predicted[best][0] < MARGIN:
@@ -108,11 +136,14 @@ def choose_plan(precision: str, curve: Sequence[float], costs: dict[str, float],
 
 
 def worth_measuring(least_c: float, curve: Sequence[float], max_gamma: int, rival: float,
-                    alpha: float = ALPHA_PRIORS["model"]) -> tuple[bool, float]:
+                    alpha: float = ALPHA_PRIORS["model"], lookup: tuple[float, int] | None = None) -> tuple[bool, float]:
     """(whether a draft model of cost ratio c ≥ `least_c` could be the plan, the most it could be predicted):
     at c = least_c and no catching-up cost (the prediction only falls from there) it must beat both
-    `MARGIN` and `rival`, the best speedup predicted for the candidates measured already."""
-    bound = best_gamma(alpha, least_c, curve, max_gamma)[1] if max_gamma >= 1 and curve else 0.0
+    `MARGIN` and `rival`, the best speedup predicted for the candidates measured already. `lookup`: the draft
+    is `hybrid`'s, predicted over prompt lookup's prediction (`hybrid_speedup`)."""
+    if max_gamma < 1 or not curve:
+        return False, 0.0
+    bound = hybrid_speedup(lookup, alpha, least_c, curve, max_gamma)[0] if lookup else best_gamma(alpha, least_c, curve, max_gamma)[1]
     return bound >= max(MARGIN, rival), bound
 
 

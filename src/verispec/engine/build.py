@@ -142,8 +142,10 @@ class EngineBuilder:
         for spec, draft in self._draft_candidates().items():
             least_c = least_cost_ratio(self.target_spec, draft)
             rival = max((speedup for speedup, _ in plan.predicted.values()), default=0.0)
-            alpha = ALPHA_PRIORS[spec.split(":")[0]]
-            worth, bound = (True, 0.0) if least_c is None else worth_measuring(least_c, curve, max_gamma, rival, alpha)
+            kind = spec.split(":")[0]
+            lookup = plan.predicted.get("ngram") if kind == "hybrid" else None
+            worth, bound = (True, 0.0) if least_c is None else worth_measuring(least_c, curve, max_gamma, rival,
+                                                                                 ALPHA_PRIORS[kind], lookup)
             if worth:
                 costs[spec] = self._candidate_costs(spec, gamma, precision)
                 plan = planned()
