@@ -160,8 +160,9 @@ class CostModel:
                    long: bool = True) -> CostModel:
         """T(n) of the target for n up to `max_positions` (no wider than the runner verifies exactly), the draft
         model's seconds per token (its c, timed in turns with the target: `_cached_cost_ratio`, times the curve's
-        T(1)) and its T_d(2)/T_d(1), from the cache or measured now; a model-free drafter costs 0. `long`: the curve after LONG_CONTEXT tokens too, which only the γ policy reads inside a request
-        (a plan compares backends on the short curve, so one it does not keep is never timed there)."""
+        T(1)) and its T_d(2)/T_d(1), from the cache or measured now; a model-free drafter costs 0. `long`: the
+        curve after LONG_CONTEXT tokens too, which only the γ policy reads inside a request (a plan compares
+        backends on the short curve, so one it does not keep is never timed there)."""
         max_positions = min(max_positions, target.runner.exact_positions or max_positions)
         target_seconds = _cached_curve(target.runner, str(target.folder), max_positions)
         long_seconds = None  # after LONG_CONTEXT tokens, where the target holds them

@@ -126,8 +126,8 @@ class EngineBuilder:
         costs on this CPU predict fastest (`choose_plan`) for the target in `precision`. Its verification curve and
         the draft models' costs are measured once and cached; a draft model only where it could be the plan
         (`worth_measuring`), so a first run neither fetches nor times a draft whose least possible cost already
-        rules it out. Only the short-context
-        curve is measured here (`_candidate_costs`): `planned_engine` times the kept plan's after a long context."""
+        rules it out. Only the short-context curve is measured here (`_candidate_costs`): `planned_engine` times the
+        kept plan's after a long context."""
         costs = {"ngram": self._candidate_costs("ngram", gamma, precision)}  # measured or cached
         target = self.target(precision)
         exact = target.runner.exact_positions
