@@ -13,7 +13,7 @@ Specs (`KIND` alone uses the defaults; options are `name=integer`, comma-separat
   lookup[:nodes=16,table_nodes=16,max_n=3]   no draft model: prompt lookup's tree and STAND's (the target's own
                                 n-gram table) merged into one tree, for a device where width costs little (a GPU)
   stand[:max_n=4,min_n=2,k=2,depth=5,wide=1]   STAND: n-gram table of the target's own distributions
-  hybrid[:min_match=2,min_rate=30,max_n=4,window=0]   n-gram when its match is long enough, else the draft model
+  hybrid[:min_match=2,min_rate=0,max_n=4,window=0]    n-gram when its match is long enough, else the draft model
                                 (window=W: it reads the prompt's last W tokens);
                                 `draft=NAME`: another draft model, of the target's tokenizer or not (through the text)
   online[:rank=8,buffer_size=64,steps=40,eval_requests=2,replay=4,holdout=25,support=64]   the draft model, distilled toward the

@@ -4,7 +4,9 @@ Per step the n-gram index is asked first (a dict lookup, far cheaper than a draf
 BENCHMARKS.md#avx2-which-drafter-for-which-task). Its chain is used when the matched suffix
 has at least `min_match` tokens and the n-gram source's measured acceptance (its α over this request,
 accepted / judged tokens as `AcceptanceStats` counts it, with an optimistic prior of 1 of 2) is at least
-`min_rate` percent; otherwise the draft model proposes. Acceptance is measured by comparing each
+`min_rate` percent (default 0: off, the γ policy sizes and pauses lookup's classes by their own acceptance; at
+30, long chains' rejected tails shut lookup out of summaries, 10 % slower there); otherwise the draft model
+proposes. Acceptance is measured by comparing each
 proposal with what was committed. The draft model's cache simply lags during n-gram steps and catches
 up on its next proposal.
 
@@ -41,7 +43,7 @@ class HybridDrafter(Drafter):
     `window` tokens (`base.window_cut`; 0: all of it), so that a long prompt does not cost a long draft
     prefill where the n-gram index does the copying."""
 
-    def __init__(self, model_drafter: Drafter, min_match: int = 2, min_rate: int = 30, max_n: int = 4, window: int = 0):
+    def __init__(self, model_drafter: Drafter, min_match: int = 2, min_rate: int = 0, max_n: int = 4, window: int = 0):
         if min_match < 1 or not 0 <= min_rate <= 100:
             raise InvalidParameterError(
                 f"hybrid drafter needs min_match ≥ 1 and 0 ≤ min_rate ≤ 100 (percent); got {min_match}, {min_rate}"
