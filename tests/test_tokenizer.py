@@ -54,6 +54,8 @@ def test_the_second_load_needs_no_transformers_and_gives_its_results(folder):
     second = load_tokenizer(folder)
     assert isinstance(second, FastTokenizer) and "hf" not in second.__dict__
     assert second.get_vocab() == first.get_vocab() and "hf" not in second.__dict__  # the vocabulary: no transformers either
+    added = lambda tokenizer: {index: token.content for index, token in tokenizer.added_tokens_decoder.items()}  # noqa: E731
+    assert added(second) == added(first) and "hf" not in second.__dict__
     _same_as_transformers(second, first)  # anything else: transformers' tokenizer, loaded then
     _same_as_transformers(pickle.loads(pickle.dumps(second)), first)  # as a Ray actor or a process pool gets it
     assert second.apply_chat_template(CHATS[0], tokenize=True) == first.apply_chat_template(CHATS[0], tokenize=True)

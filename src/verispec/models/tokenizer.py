@@ -11,9 +11,9 @@ template jinja2 alone cannot compile (`{% generation %}`), stays on transformers
 `FastTokenizer` with the `tokenizers` library and jinja2 alone, in under a second.
 
 Only plain chat messages ({"role", "content"} strings, as the CLI and the server pass) are rendered here;
-the vocabulary and the special ids are read here too (comparing a draft's tokenizer with its target's);
-anything else (the added tokens' table for xgrammar and the cross-vocabulary drafters' shared vocabulary)
-goes to the transformers tokenizer, loaded then (`hf`). The state is keyed by the folder's
+the vocabulary, the added tokens and the special ids are read here too (comparing a draft's tokenizer with its
+target's, the cross-vocabulary drafters' shared vocabulary); anything else goes to the transformers tokenizer,
+loaded then (`hf`). The state is keyed by the folder's
 files and the transformers and tokenizers versions: an upgrade checks again.
 """
 
@@ -85,6 +85,11 @@ class FastTokenizer:
     def get_vocab(self) -> dict[str, int]:
         """{token: id}, added tokens included (as transformers' fast tokenizers give it)."""
         return self._tokenizer.get_vocab(with_added_tokens=True)
+
+    @property
+    def added_tokens_decoder(self) -> dict:
+        """{id: AddedToken} of the added (special) tokens, as transformers' fast tokenizers give it."""
+        return dict(sorted(self._tokenizer.get_added_tokens_decoder().items()))
 
     def token_to_id(self, token: str) -> int | None:
         """The id of `token` when the vocabulary holds it whole (added and special tokens too), else None."""
