@@ -36,7 +36,7 @@ __all__ = ["ALPHA_PRIORS", "BACKEND_MARGIN", "LOOKUP_EMPTY", "MARGIN", "Plan", "
 
 # α before a request measures its own: prompt lookup accepted 0.40–0.43 at its first positions on public
 # prompts (Spec-Bench groups + HumanEval, gguf and kquant runs in BENCHMARKS.md), the 0.5B draft 0.78–0.82,
-# `hybrid`'s draft model (SmolLM2 through the text: `hybrid_speedup`) 0.59–0.61
+# `hybrid`'s draft model (SmolLM2 through the text: `hybrid_speedup`; also its steps' prior in the γ policy) 0.59–0.61
 ALPHA_PRIORS = {"ngram": 0.4, "model": 0.7, "hybrid": 0.6}
 # the share of prompt lookup's steps that draft nothing on public prompts (478 of 1,078 on the AMX Xeon, 2026-11-27):
 # `hybrid` gives them to its draft model

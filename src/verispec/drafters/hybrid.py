@@ -24,6 +24,7 @@ import copy
 
 import torch
 
+from verispec.control.plan import ALPHA_PRIORS
 from verispec.drafters.base import ComposedSession, Drafter, DraftSession
 from verispec.drafters.ngram import NgramDrafter, match_hint
 from verispec.drafters.prefix import common_prefix_length
@@ -32,9 +33,9 @@ from verispec.types import AcceptanceStats, Draft, Hint
 
 __all__ = ["HybridDrafter", "MODEL_STEPS"]
 
-# the draft model's steps: a class apart from prompt lookup's (keys 1… by matched length), its prior the first-position
-# acceptance of a draft on public prompts (SmolLM2 through the text 0.59–0.61, the 0.5B 0.73–0.77: BENCHMARKS.md)
-MODEL_STEPS = Hint(0, 0.6)
+# the draft model's steps: a class apart from prompt lookup's (keys 1… by matched length), from the prior the plan
+# predicts hybrid's draft with
+MODEL_STEPS = Hint(0, ALPHA_PRIORS["hybrid"])
 
 
 class HybridDrafter(Drafter):
