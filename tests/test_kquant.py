@@ -342,7 +342,7 @@ def test_a_prompt_fed_in_chunks_leaves_the_cache_it_leaves_whole(tiny):
     whole = runner.new_cache()
     whole_logits = runner.forward(whole, prompt, logits="last")
     chunked = runner.new_cache()
-    for first, last in [(0, 7), (7, 47), (47, 48), (48, 90)]:  # 7, 40 (wider than the compiled stack), 1, 42
+    for first, last in [(0, 7), (7, 47), (47, 48), (48, 90)]:  # 7, 40 (wider than a verification), 1, 42
         chunked_logits = runner.forward(chunked, prompt[first:last], logits="last")
     assert torch.equal(chunked_logits, whole_logits)
     assert torch.equal(chunked.keys[:, :, :90], whole.keys[:, :, :90]) and torch.equal(chunked.values[:, :, :90], whole.values[:, :, :90])
@@ -433,8 +433,9 @@ def test_a_file_with_other_block_types_is_a_clear_error(tmp_path):
 
 
 def test_the_compiled_decoder_stack_gives_the_same_bits_as_the_python_loop(tiny, monkeypatch):
-    """Decode steps, chain verifications and token trees run `KQuantLayers` (C++, `kernels/decoder.h`);
-    prefill and server batches the Python loop: the same model."""
+    """Decode steps, chain verifications, token trees and prompt pieces (more rows than a verification: the
+    element-wise work shared out over threads) run `KQuantLayers` (C++, `kernels/decoder.h`); server batches of
+    several rows the Python loop: the same model."""
     runner = tiny[0].runner
     assert runner._compiled_layers() is not None and runner.compiled
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)  # [4, 4]: two branches
@@ -446,7 +447,7 @@ def test_the_compiled_decoder_stack_gives_the_same_bits_as_the_python_loop(tiny,
         positions = cache.length + torch.tensor([0, 1, 1, 2])
         return out + [runner.forward(cache, torch.tensor([3, 4, 5, 6]), positions=positions, tree_mask=tree)]
 
-    feeds = [[5], [7, 9, 11, 13], [17], list(range(1, 9))]
+    feeds = [[5], [7, 9, 11, 13], [17], list(range(1, 9)), [i % 40 + 1 for i in range(70)]]
     compiled = decode(feeds)
     with monkeypatch.context() as patch:
         patch.setattr(Transformer, "_compiled_layers", lambda self: None)

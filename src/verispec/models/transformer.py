@@ -577,8 +577,10 @@ class Transformer:
         """The decoder stack over tokens [N] (the rows' new tokens, concatenated) -> hidden [N, hidden]."""
         cos, sin = self._rope_rows(rows)
         x = self._embed(tokens)  # [N, hidden]
-        row = rows[0]  # one chain (any compiled stack) or token tree (a stack on the exact attention, which takes a mask)
-        one_row = len(rows) == 1 and row.n <= ROW_INVARIANT_POSITIONS and (row.chain or self._exact_attend is not None)
+        row = rows[0]  # one chain of up to 32 positions (any compiled stack), or on the exact attention any row: a token
+        # tree (the attention takes its mask) or a prompt's piece
+        exact = self._exact_attend is not None
+        one_row = len(rows) == 1 and (exact or row.n <= ROW_INVARIANT_POSITIONS and row.chain)
         compiled = self._compiled_layers() if one_row else None
         if compiled is not None:  # the same operations as `_layers`, in one C++ call
             x = compiled.forward(x, row.cache.keys, row.cache.values, row.start, cos, sin, None if row.chain else row.mask)

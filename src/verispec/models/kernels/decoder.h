@@ -1,8 +1,8 @@
 // The decoder stack of verispec's runner as one C++ call, shared by the quantized precisions' extensions
 // (`int8.cpp`, `kquant.cpp`), each with its own linear layer.
 //
-// `DecoderLayers<Linear, Attention>::forward` runs one row of n ≤ 32 new positions (decoding and
-// verification: a chain, or a token tree where `Attention` takes a mask) through every layer with the
+// `DecoderLayers<Linear, Attention>::forward` runs one row of n new positions (decoding and verification:
+// a chain, or a token tree where `Attention` takes a mask; kquant's prompt pieces too) through every layer with the
 // same operations, in the same order, as `Transformer._layers` and `_attend_rows` (so the same bits),
 // without the Python interpreter between them. `Linear` is any type with
 // `at::Tensor operator()(const at::Tensor& x) const` (x [n, in] -> [n, out]); `Attention` attends the
@@ -85,7 +85,22 @@ class DecoderLayers {
   // layer, each a dispatch and an allocation). Each loop performs `Transformer._layers`'s float operations
   // on each element in the same order (every product and sum rounded on its own: the extensions build with
   // -ffp-contract=off), so the bits are the same; the reductions and transcendental functions (the mean of
-  // squares, SiLU) stay torch's own.
+  // squares, SiLU) stay torch's own. A pass of many rows (a prompt's piece) shares its rows out over the
+  // threads (`each_row`); a decode step's few rows stay on the calling thread.
+
+  // f(r) for every row r < rows: up to kRowsPerTask rows (a decode step, a verification) on the calling
+  // thread, more in tasks of at least that many over the threads (each row on its own: the same bits)
+  static constexpr int64_t kRowsPerTask = 32;
+  template <typename F>
+  static void each_row(int64_t rows, const F& f) {
+    if (rows <= kRowsPerTask) {
+      for (int64_t r = 0; r < rows; ++r) f(r);
+      return;
+    }
+    at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) f(r);
+    });
+  }
 
   // x [n, h] -> (x · (1 / √(mean(x²) + eps))) · weight [h] (float32, contiguous), each row on its own
   // (`Transformer._rms_norm`)
@@ -96,19 +111,22 @@ class DecoderLayers {
     const float eps = float(eps_);  // what adding a Python float to a float32 tensor adds
     const float *xp = x.data_ptr<float>(), *mp = mean.data_ptr<float>(), *wp = weight.data_ptr<float>();
     float* op = out.data_ptr<float>();
-    for (int64_t r = 0; r < rows; ++r) {
+    each_row(rows, [&](int64_t r) {
       const float inverse = 1.0f / std::sqrt(mp[r] + eps);  // torch's rsqrt: a rounded square root, a rounded division
       for (int64_t d = 0; d < width; ++d) op[r * width + d] = (xp[r * width + d] * inverse) * wp[d];
-    }
+    });
     return out;
   }
 
   // x [n, h] + y [n, h], written over y (a linear layer's fresh output)
   static at::Tensor add(const at::Tensor& x, at::Tensor y) {
     y = y.contiguous();
+    const int64_t width = y.size(1);
     const float* xp = x.data_ptr<float>();
     float* yp = y.data_ptr<float>();
-    for (int64_t i = 0, size = y.numel(); i < size; ++i) yp[i] = xp[i] + yp[i];
+    each_row(y.size(0), [&](int64_t r) {
+      for (int64_t i = r * width; i < (r + 1) * width; ++i) yp[i] = xp[i] + yp[i];
+    });
     return y;
   }
 
@@ -119,8 +137,9 @@ class DecoderLayers {
     at::Tensor out = at::silu(g.slice(1, 0, width)).contiguous();
     const float* up = g.data_ptr<float>() + width;
     float* op = out.data_ptr<float>();
-    for (int64_t r = 0; r < rows; ++r)
+    each_row(rows, [&](int64_t r) {
       for (int64_t d = 0; d < width; ++d) op[r * width + d] = op[r * width + d] * up[r * 2 * width + d];
+    });
     return out;
   }
 
@@ -138,7 +157,7 @@ class DecoderLayers {
       for (int64_t d = 0; d < half; ++d) out[d] = x[d] * c[d] + (-x[d + half]) * s[d];
       for (int64_t d = half; d < hd; ++d) out[d] = x[d] * c[d] + x[d - half] * s[d];
     };
-    for (int64_t j = 0; j < n; ++j) {
+    each_row(n, [&](int64_t j) {
       const float *row = src + j * width, *c = cp + j * hd, *s = sp + j * hd;
       for (int64_t h = 0; h < heads_; ++h) rotate(row + h * hd, c, s, qp + (h * n + j) * hd);
       for (int64_t h = 0; h < kv_heads_; ++h) {
@@ -146,7 +165,7 @@ class DecoderLayers {
         std::memcpy(vp + h * values.stride(0) + (start + j) * values.stride(1), row + q_size + kv_size + h * hd,
                     hd * sizeof(float));
       }
-    }
+    });
     return q;
   }
 
