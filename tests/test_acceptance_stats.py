@@ -84,3 +84,15 @@ def test_every_counter_agrees_with_the_one_type():
     assert (tally.alpha, tally.tau) == (pytest.approx(reference.alpha), pytest.approx(reference.tau))
     assert tally.to_dict() == {"results": 1, "errors": 1, "new_tokens": 11, "steps": 5, "accepted": 6, "judged": 9,
                                "seconds": 1.5, "tau": 2.2, "alpha": 0.6667, "tokens_per_second": 7.333}
+
+
+def test_c_counts_the_steps_a_draft_model_drafted():
+    """A hybrid's prompt-lookup steps (`free`) draft many tokens for nothing: c is the draft model's seconds per token
+    it drafted over the target's seconds per step, those steps left out; with only free steps, over all of them."""
+    stats = GenerationStats()
+    stats.record(StepRecord(2, 2, 0.020, 0.100))  # the draft model: 2 tokens in 20 ms
+    stats.record(StepRecord(8, 8, 0.001, 0.100, free=True))  # prompt lookup: 8 tokens in 1 ms
+    assert stats.cost_ratio == pytest.approx((0.020 / 2) / (0.200 / 2))
+    lookup = GenerationStats()
+    lookup.record(StepRecord(8, 8, 0.001, 0.100, free=True))
+    assert lookup.cost_ratio == pytest.approx((0.001 / 8) / 0.100)

@@ -186,6 +186,7 @@ class StepRecord:
     draft_seconds: float
     target_seconds: float
     width: int | None = None  # the draft tokens the verification scored (a tree's nodes); None: `proposed`
+    free: bool = False  # proposed by no draft model's forward (`Hint.free`: prompt lookup, also inside `hybrid`)
 
 
 @dataclass
@@ -250,11 +251,16 @@ class GenerationStats:
 
     @property
     def cost_ratio(self) -> float:
-        """c: seconds per drafted token / seconds per target forward."""
-        proposed = self.proposed_tokens
+        """c: seconds per drafted token / seconds per target forward, over the steps a draft model drafted (a
+        `hybrid`'s prompt-lookup steps draft for free and would dilute it); over every step when none did."""
+        paid = [record for record in self.records if not record.free]
+        if paid and len(paid) < len(self.records):
+            proposed, draft_seconds = sum(r.proposed for r in paid), sum(r.draft_seconds for r in paid)
+        else:
+            proposed, draft_seconds = self.proposed_tokens, self.draft_seconds
         if not proposed or not self.target_seconds:
             return 0.0
-        return (self.draft_seconds / proposed) / (self.target_seconds / self.steps)
+        return (draft_seconds / proposed) / (self.target_seconds / self.steps)
 
     @property
     def tokens_per_second(self) -> float:

@@ -552,7 +552,7 @@ class Generation:
         self._commit_tokens(shape, rows, new_tokens, scores)
         laps.mark("commit")
         self.stats.record(StepRecord(shape.depth, verdict.accepted, plan.draft_seconds, target_seconds + laps.since_target,
-                                     len(draft)))
+                                     len(draft), free=plan.hint is not None and plan.hint.free))
         self.policy.update(shape.depth, verdict.accepted, len(self.ids), plan.hint, len(draft) if draft.is_tree else None)
         laps.mark("policy")
         origins = [Origin.ACCEPTED] * verdict.accepted + [Origin.TARGET if len(draft) == 0 else verdict.next_origin]
