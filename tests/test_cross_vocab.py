@@ -161,7 +161,7 @@ def test_gemma_with_a_smollm2_draft_gives_the_target_s_own_greedy_output():
     its default draft (the shipped default, Qwen 0.5B, is larger than this target)."""
     from verispec import load
 
-    engine = load("gemma-3-270m", gamma_policy="constant")
+    engine = load("gemma-3-270m", "model", "float32", gamma_policy="constant")
     assert isinstance(engine.drafter, CrossVocabDrafter) and engine.drafter.model.name == "smollm2-135m-instruct"
     plain = Engine(engine.target, None)
     config = GenerationConfig(max_new_tokens=16)

@@ -1,7 +1,7 @@
 """verispec: lossless speculative decoding. A cheap drafter proposes, the target verifies in one pass.
 
     from verispec import load
-    engine = load()                      # Qwen2.5-Coder 1.5B target + 0.5B draft, shipped via PyPI
+    engine = load()                      # the shipped Qwen2.5-Coder 1.5B, backend and drafter planned from measured costs
     print(engine.generate("Write a haiku about caches.").text)
 
 The names below are imported on first use (PEP 562), so `import verispec.verify` or

@@ -31,7 +31,6 @@ BEAM_MAX_NEW_TOKENS = 128
 # turn to wait for, and a base model rarely ends by itself: without --max-new-tokens it gets this many.
 RAW_MAX_NEW_TOKENS = 256
 ORIGIN_STYLES = {Origin.ACCEPTED: "green", Origin.RECOVERED: "yellow", Origin.BONUS: "bold blue", Origin.TARGET: ""}
-ENGINE_DEFAULTS = EngineSpec(draft=AUTO, dtype=AUTO)  # the commands plan the drafter and pick the backend
 LIMITS = ServerLimits()  # `serve`'s defaults
 
 
@@ -383,12 +382,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--suffix", default=None, help="fill in the middle: write what goes between the prompt and this text "
                                                      "(a code model's fill-in-the-middle tokens; no chat template)")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, finish_reason, stats)")
-    EngineSpec.add_arguments(gen, ENGINE_DEFAULTS)
+    EngineSpec.add_arguments(gen)
     _add_sampling_options(gen)
     gen.set_defaults(func=_generate)
     chat = sub.add_parser("chat", help="a conversation at the terminal, each answer generated as `generate` would")
     chat.add_argument("--system", default=None, help="a system prompt opening the conversation")
-    EngineSpec.add_arguments(chat, ENGINE_DEFAULTS)
+    EngineSpec.add_arguments(chat)
     _add_sampling_options(chat)
     chat.set_defaults(func=_chat)
     models = sub.add_parser("models", help="list shipped models, or --pull NAME to install and convert")
@@ -440,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "× bytes per value, 56 KiB for the default 1.5B target in float32, and the server prints the "
                             "total at start. A request waits in the queue until its prompt + 256 fits; one that outgrows "
                             "the pool ends with finish_reason length")
-    EngineSpec.add_arguments(serve, ENGINE_DEFAULTS)
+    EngineSpec.add_arguments(serve)
     ray_group = serve.add_argument_group("Ray Serve (needs verispec[ray])")
     ray_group.add_argument("--ray", action="store_true", help="serve as replicas on Ray Serve (the same API; Serve's proxy listens on --host/--port)")
     _add_ray_address(ray_group)
@@ -467,7 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--flush-every", type=int, default=64, help="records per output part file")
     batch.add_argument("--local", action="store_true", help="no Ray: one engine in this process (same files, resume and checks)")
     _add_ray_address(batch)
-    EngineSpec.add_arguments(batch, ENGINE_DEFAULTS)
+    EngineSpec.add_arguments(batch)
     batch.set_defaults(func=_batch)
     from verispec.tools.bench import quality
 

@@ -258,11 +258,11 @@ def load(
 
     target: a shipped model name (see `verispec models`) or a model folder. draft: a drafter spec as
     in `verispec.drafters.make_drafter` (`model`, `model:NAME`, `ngram`, `tree`, `hybrid`, …; None or
-    "none": plain decoding of the target; "auto": planned from measured costs, `EngineBuilder.plan`,
-    the plan kept as `engine.plan`). dtype: "float32", "bfloat16" or "int8" (int8 weights, float32
+    "none": plain decoding of the target; "auto", the default: planned from measured costs, `EngineBuilder.plan`,
+    the plan kept as `engine.plan`, as the CLI's commands do). dtype: "float32", "bfloat16" or "int8" (int8 weights, float32
     activations; a draft model follows the target's precision, see `verispec.models.loading`), a
-    llama.cpp / Hugging Face precision, or "auto" (`auto_precision`; with draft "auto" the plan picks among
-    `auto_backends`). gamma: the (starting) draft
+    llama.cpp / Hugging Face precision, or "auto", the default (`auto_precision`; with draft "auto" the plan picks
+    among `auto_backends`). gamma: the (starting) draft
     length; gamma_policy: constant, heuristic, analytic or auto (how γ changes from step to step;
     default: auto with a planned drafter, analytic otherwise). device: "cpu" (the default), "cuda" or
     "auto" (CUDA when torch sees a GPU): where the torch runners keep weights and caches and where a

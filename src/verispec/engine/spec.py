@@ -45,14 +45,14 @@ class EngineSpec:
     """What `verispec.load` loads (its arguments: see there), as one picklable value.
 
     target: a shipped model name or a folder (or a .gguf). draft: a drafter spec, None or "none" for
-    plain decoding, "auto" for a planned one. dtype: a precision or "auto". gamma: the (starting) draft
-    length. gamma_policy: None for `load`'s default (auto with a planned drafter, analytic otherwise).
-    device: "cpu", "cuda" (or "cuda:N") or "auto" (`verispec.models.device`).
+    plain decoding, "auto" (the default, as in every command) for a planned one. dtype: a precision or "auto"
+    (the default). gamma: the (starting) draft length. gamma_policy: None for `load`'s default (auto with a
+    planned drafter, analytic otherwise). device: "cpu", "cuda" (or "cuda:N") or "auto" (`verispec.models.device`).
     """
 
     target: str = DEFAULT_TARGET
-    draft: str | None = "model"
-    dtype: str = "float32"
+    draft: str | None = AUTO
+    dtype: str = AUTO
     gamma: int = 4
     gamma_policy: str | None = None
     device: str = "cpu"

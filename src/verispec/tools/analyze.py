@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt sources as for `verispec bench`: own, humaneval, JSONL files (default own)")
     parser.add_argument("--per-category", type=int, default=1, help="prompts per category to measure on (default 1)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    EngineSpec.add_arguments(parser, names=("dtype", "device"))
+    EngineSpec.add_arguments(parser, EngineSpec(dtype="float32"), names=("dtype", "device"))
     parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature for α (0 = greedy α)")
 
 

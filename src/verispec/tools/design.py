@@ -99,7 +99,7 @@ def format_ranking(results: Sequence[CandidateResult]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    EngineSpec.add_arguments(parser, names=("target", "dtype"))
+    EngineSpec.add_arguments(parser, EngineSpec(dtype="float32"), names=("target", "dtype"))
     parser.add_argument("--candidate", action="append", default=None, metavar="SPEC",
                         help=f"a draft spec to measure (repeatable; default: {' '.join(DEFAULT_CANDIDATES)})")
     parser.add_argument("--questions", "--prompts", dest="questions", default="own",
