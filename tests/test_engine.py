@@ -122,11 +122,32 @@ def test_caches_hold_exactly_the_accepted_path(target, draft):
         generation.step()
         for model, cache in ((target, generation.cache), (draft, generation.session.cache)):
             assert cache.length <= len(generation.ids) - 1
+            if not cache.length:  # the draft's, after the first token: it reads the prompt in the next step
+                continue
             fresh = model.runner.new_cache()
             model.runner.forward(fresh, torch.tensor(generation.ids[: cache.length]), logits="none")
             torch.testing.assert_close(cache.keys[:, :, : cache.length], fresh.keys[:, :, : cache.length])
             torch.testing.assert_close(cache.values[:, :, : cache.length], fresh.values[:, :, : cache.length])
         assert generation.cache.length == len(generation.ids) - 1
+
+
+@pytest.mark.parametrize("spec", ["model", "hybrid"])
+def test_the_first_token_goes_out_before_the_draft_models_prefill(target, draft, hf_target, spec):
+    """`start` prefills the target only: the first token comes from that pass and `step` gives it at once; the draft
+    model reads the prompt in the next step, before it drafts (as a server feeds it in chunks after the first token)."""
+    models = ModelCache(target, draft)
+    models.default_draft = draft.name
+    engine = Engine(target, make_drafter(spec, target, load=models), gamma=3, gamma_policy="constant")
+    generation = engine.start(PROMPTS[1], GenerationConfig(max_new_tokens=12))
+    model = generation.session if spec == "model" else generation.session.model
+    assert model.cached == [] and not generation.prefilled
+    assert [event.token_id for event in generation.step()] == reference_generate(hf_target, PROMPTS[1], 1)
+    assert model.cached == []
+    generation.step()
+    assert len(model.cached) >= len(PROMPTS[1]) - 1 and generation.prefilled
+    while not generation.done:
+        generation.step()
+    assert generation.result().token_ids == reference_generate(hf_target, PROMPTS[1], 12, eos_ids=target.eos_ids)
 
 
 @pytest.mark.parametrize("spec", ["model", "tree", "merge", "hybrid", "cascade:draft={draft}",

@@ -557,7 +557,7 @@ def test_a_draft_of_other_blocks_runs_requantized_and_speculation_stays_exact(ti
         assert engine.generate(prompt, settings).token_ids == plain.generate(prompt, settings).token_ids
 
 
-# --- prompt caching: exact on a prefix-invariant runner (`engine/prefixes.py`) --------------------
+# --- prompt caching: exact on a prefix-invariant runner (`models/prefixes.py`) --------------------
 
 
 def test_a_shared_prefix_is_reused_and_the_output_is_what_a_fresh_engine_gives(tiny):
@@ -580,6 +580,42 @@ def test_a_shared_prefix_is_reused_and_the_output_is_what_a_fresh_engine_gives(t
             assert engine.generate(turn, config).stats.cached_tokens == len(second) + len(again.token_ids) - 1
 
 
+def test_a_draft_models_sessions_reuse_its_prefill_and_draft_the_same(tiny, monkeypatch):
+    """A kquant draft's sessions share a prompt cache of their own (`draft_prefix_store`): the next turn of a
+    conversation copies what the last request fed the draft and prefills only the rest, and its proposals (so the
+    steps, acceptance and output) are those of a draft prefilled from nothing."""
+    from verispec.drafters import base
+    from verispec.drafters.draft_model import DraftModelDrafter
+    from verispec.models.prefixes import draft_prefix_store
+
+    model, floats = tiny
+    assert draft_prefix_store(floats) is None  # a float32 draft: nothing stored
+    prompt = list(range(3, 23)) + [30, 31, 32]
+    config = GenerationConfig(max_new_tokens=12)
+
+    def conversation() -> tuple[int, list[int], list[tuple[int, int]], int]:
+        """Two turns; (the second's prompt tokens, its output, its steps' (proposed, accepted), the draft's prefill)."""
+        engine = Engine(model, DraftModelDrafter(model, model.vocab_size), gamma=3, gamma_policy="constant")
+        engine.prefixes = None  # the target prefills every turn whole: only the draft's store at work
+        turn = prompt + engine.generate(prompt, config).token_ids + [44, 45]
+        generation = engine.start(turn, config)
+        fed, feed = [], base.ModelSession._feed
+        with monkeypatch.context() as patch:  # the draft's first feed of this turn is its prefill (after the first token)
+            patch.setattr(base.ModelSession, "_feed", lambda self, tokens, logits="last": fed.append(len(tokens)) or feed(self, tokens, logits))
+            while not generation.done:
+                generation.step()
+        result = generation.result()
+        return len(turn), result.token_ids, [(r.proposed, r.accepted) for r in result.stats.records], fed[0]
+
+    draft_prefix_store(model)._entries.clear()
+    turn, stored, stored_steps, stored_prefill = conversation()
+    with monkeypatch.context() as patch:
+        patch.setattr(base, "draft_prefix_store", lambda model: None)
+        _, fresh, fresh_steps, fresh_prefill = conversation()
+    assert stored == fresh and stored_steps == fresh_steps
+    assert fresh_prefill == turn - 1 and stored_prefill <= turn - len(prompt)  # the draft fed only what is new
+
+
 def test_the_prompt_cache_outlives_the_process_when_saved(tiny, monkeypatch):
     """`save()` (what `verispec generate` does after its answer) leaves the recent entries, within its byte budget,
     for a new engine: it prefills only what follows them and answers what an engine without them answers; a store
@@ -588,8 +624,8 @@ def test_the_prompt_cache_outlives_the_process_when_saved(tiny, monkeypatch):
 
     from safetensors import safe_open
 
-    from verispec.engine import prefixes
-    from verispec.engine.prefixes import PrefixStore
+    from verispec.models import prefixes
+    from verispec.models.prefixes import PrefixStore
 
     model = tiny[0]
     monkeypatch.setattr(prefixes, "DISK_BUDGET", 21 * model.runner.cache_bytes_per_position)  # the entry's first 21
@@ -661,7 +697,7 @@ def test_a_prefill_in_chunks_continues_a_cached_prefix_exactly(tiny):
 
 
 def test_the_prefix_store_keeps_its_budget_and_drops_the_oldest(tiny):
-    from verispec.engine.prefixes import MIN_REUSE, PrefixStore
+    from verispec.models.prefixes import MIN_REUSE, PrefixStore
 
     runner = tiny[0].runner
     per_position = runner.cache_bytes_per_position

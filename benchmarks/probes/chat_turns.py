@@ -1,13 +1,16 @@
 """What prompt caching saves in a conversation: time to the first token of each turn of a chat, with the
-engine's prefix store (`engine/prefixes.py`) and without it.
+engine's prefix store (`models/prefixes.py`) and without it; with `--draft SPEC`, also the seconds the draft
+model's own prefill takes (in the first step, after the first token), with its store and without.
 
 Each turn's prompt is the whole conversation so far (the chat template applied, earlier answers
 included), so all but the new user message is what the previous turn left in the store. Prints, per
-turn: prompt tokens, tokens taken from the store, and the prefill's seconds (the time to the first token);
-then each cached turn's time against the prediction from the fresh run: its seconds × the share of the
-prompt left to prefill (the cached part's attention is not in it, so the ratio sits a little above 1).
+turn: prompt tokens, tokens taken from the store, and the prefill's seconds (the time to the first token;
+with a draft `+` its prefill's); then each cached turn's time against the prediction from the fresh run: its
+seconds × the share of the prompt left to prefill (the cached part's attention is not in it, so the ratio sits a
+little above 1).
 
-    .venv/bin/python benchmarks/probes/chat_turns.py [--dtype kquant] [--max-new-tokens 96] [--rounds 2]
+    .venv/bin/python benchmarks/probes/chat_turns.py [--dtype kquant] [--max-new-tokens 96] [--rounds 2] \
+        [--draft hybrid:draft=smollm2-135m-instruct]
 """
 
 from __future__ import annotations
@@ -15,9 +18,12 @@ from __future__ import annotations
 import argparse
 
 from verispec import Engine, GenerationConfig
-from verispec.models.loading import load_model
+from verispec.drafters import base, make_drafter
+from verispec.models.loading import ModelCache, load_model
 from verispec.models.registry import DEFAULT_TARGET
 from verispec.paths import cpu_summary
+
+draft_prefix_store = base.draft_prefix_store
 
 TURNS = [
     "Write a Python function that parses a CSV line with quoted fields.",
@@ -27,8 +33,9 @@ TURNS = [
 ]
 
 
-def conversation(engine: Engine, tokenizer, max_new_tokens: int) -> list[tuple[int, int, float]]:
-    """One chat through TURNS; per turn (prompt tokens, cached tokens, seconds to the first token)."""
+def conversation(engine: Engine, tokenizer, max_new_tokens: int) -> list[tuple[int, int, float, float]]:
+    """One chat through TURNS; per turn (prompt tokens, cached tokens, seconds to the first token, seconds of the
+    draft's prefill)."""
     messages, rows = [], []
     for turn in TURNS:
         messages.append({"role": "user", "content": turn})
@@ -40,7 +47,7 @@ def conversation(engine: Engine, tokenizer, max_new_tokens: int) -> list[tuple[i
             generation.step()
         result = generation.result()
         messages.append({"role": "assistant", "content": result.text})
-        rows.append((len(ids), result.stats.cached_tokens, first_token))
+        rows.append((len(ids), result.stats.cached_tokens, first_token, result.stats.prefill_seconds - first_token))
     return rows
 
 
@@ -50,18 +57,23 @@ def main() -> None:
     parser.add_argument("--dtype", default="kquant", help="a precision whose runner is prefix_invariant (kquant)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--draft", default=None, help="a drafter spec (its draft model in --dtype too); default: none")
     args = parser.parse_args()
     target = load_model(args.target, args.dtype, pack_rows=8)
-    print(f"{cpu_summary()} · {args.target} · {args.dtype} · per turn prompt tokens:cached:seconds to the first token")
-    for _ in range(args.rounds):  # interleaved: with the store, then without
+    drafter = make_drafter(args.draft, target, args.dtype, ModelCache(target)) if args.draft else None
+    print(f"{cpu_summary()} · {args.target} · {args.dtype} · {args.draft or 'no draft'} · per turn prompt "
+          "tokens:cached:seconds to the first token" + (" + of the draft's prefill" if drafter else ""))
+    for _ in range(args.rounds):  # interleaved: with the stores, then without
         runs = {}
         for cached in (True, False):
-            engine = Engine(target, None)
+            engine = Engine(target, drafter)
             if not cached:
                 engine.prefixes = None
+            base.draft_prefix_store = draft_prefix_store if cached else (lambda model: None)
             runs[cached] = conversation(engine, target.tokenizer, args.max_new_tokens)
-            print("cached" if cached else "fresh ", " ".join(f"{n}:{hit}:{s:.2f}s" for n, hit, s in runs[cached]), flush=True)
-        ratios = [s / (fresh * (n - hit) / n) for (n, hit, s), (_, _, fresh) in zip(runs[True], runs[False]) if hit]
+            print("cached" if cached else "fresh ", " ".join(f"{n}:{hit}:{s:.2f}s" + (f"+{d:.2f}s" if drafter else "")
+                                                             for n, hit, s, d in runs[cached]), flush=True)
+        ratios = [s / (fresh * (n - hit) / n) for (n, hit, s, _), (_, _, fresh, _) in zip(runs[True], runs[False]) if hit]
         print("cached turns, measured / predicted:", " ".join(f"{r:.2f}" for r in ratios), flush=True)
 
 

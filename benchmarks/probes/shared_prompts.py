@@ -31,8 +31,8 @@ from verispec import load  # noqa: E402
 from verispec.paths import cpu_summary  # noqa: E402
 from verispec.serving.http import create_app  # noqa: E402
 
-TEXTS = {"choices": (ROOT / "src/verispec/engine/prefixes.py").read_text()[:1200],  # ~300 tokens to summarize
-         "document": (ROOT / "src/verispec/engine/prefixes.py").read_text()[:2400]}  # ~600 tokens to ask about
+TEXTS = {"choices": (ROOT / "src/verispec/models/prefixes.py").read_text()[:1200],  # ~300 tokens to summarize
+         "document": (ROOT / "src/verispec/models/prefixes.py").read_text()[:2400]}  # ~600 tokens to ask about
 QUESTIONS = ["Summarize it in one sentence.", "Which constant bounds the bytes kept on disk?",
              "What does MIN_REUSE mean here?", "Why is the output the same with and without the store?",
              "Name every class it defines.", "What does save() write?", "When is nothing stored?", "What is a stamp?"]

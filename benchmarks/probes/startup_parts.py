@@ -54,7 +54,7 @@ def main() -> None:
           f"{seconds(lambda: [KQuantTiles.repack(weights[name]) for name in quantized]):.2f} s")
     prompt = model.encode_prompt("Hi")
     for label, store in (("from scratch", None), ("after the disk prompt cache", model)):
-        from verispec.engine.prefixes import prefix_store_for
+        from verispec.models.prefixes import prefix_store_for
 
         prefixes = prefix_store_for(store) if store is not None else None
         taken = prefixes.take(prompt, len(prompt) + 8) if prefixes is not None else None

@@ -131,7 +131,7 @@ def _summary(generation) -> None:
 
 
 def _keep_prompts(engine) -> None:
-    """Leave the prompt cache for the next command (`engine/prefixes.py`; where the backend keeps one)."""
+    """Leave the prompt cache for the next command (`models/prefixes.py`; where the backend keeps one)."""
     if engine.prefixes is not None:
         engine.prefixes.save()
 

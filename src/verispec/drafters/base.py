@@ -36,6 +36,7 @@ import torch
 
 from verispec.drafters.prefix import common_prefix_length
 from verispec.errors import InvalidParameterError
+from verispec.models.prefixes import draft_prefix_store
 from verispec.models.runner import Cache, LoadedModel
 from verispec.sampling.processors import SamplingParams
 from verispec.types import Draft, Hint
@@ -150,16 +151,18 @@ class ModelSession(DraftSession):
         self.cut = window_cut(len(prompt_ids), window)
         prompt_ids = self.view(prompt_ids)
         self._prompt = list(prompt_ids[:-1])  # what the prefill feeds (the last token comes with the first step)
-        if prefill:
-            self.cache = self.runner.prefilled_cache(prompt_ids)
-            self.cached: list[int] = list(self._prompt)
-        else:  # prefill_step feeds it; a proposal would first feed whatever is still missing anyway
-            self.cache = self.runner.new_cache(len(prompt_ids) + 64)
-            self.cached = []
+        # an earlier session's keys/values of this prompt's beginning, where exact (`models/prefixes.py`), else an empty cache
+        self.prefixes = draft_prefix_store(model)
+        capacity = len(prompt_ids) + 64
+        reused = self.prefixes.take(prompt_ids, capacity) if self.prefixes is not None else None
+        self.cache = reused if reused is not None else self.runner.new_cache(capacity)
+        self.cached: list[int] = self._prompt[: self.cache.length]
         # cached[:checked] is a prefix of the sequence the last commit got, and the next commit's sequence
         # agrees with that one before its own last token (it only adds accepted drafts and one token), so
         # a commit compares only from there on: a few tokens, not the whole context
         self._checked = len(self.cached)
+        if prefill:  # else prefill_step feeds the rest; a proposal would first feed whatever is still missing anyway
+            self.prefill_step()
 
     def prefill_step(self, max_tokens=None):
         if len(self.cached) < len(self._prompt) and self._prompt[: len(self.cached)] == self.cached:
@@ -198,6 +201,8 @@ class ModelSession(DraftSession):
         self._checked = keep
 
     def finish(self):
+        if self.prefixes is not None:  # for a later request that starts the same way (a conversation's next turn)
+            self.prefixes.keep(self.cached, self.cache)
         self.cache.release()
 
 
@@ -212,6 +217,14 @@ class ComposedSession(DraftSession):
     def commit(self, ids):
         for session in self.sessions:
             session.commit(ids)
+
+    def prefill_step(self, max_tokens=None):
+        """The parts' own prefills (those opened chunked), one after the other: a chunk goes to the first part
+        with some left; None feeds every part all of its own."""
+        pending = [session for session in self.sessions if not session.prefill_step(0)]
+        for session in pending if max_tokens is None else pending[:1]:
+            session.prefill_step(max_tokens)
+        return all(session.prefill_step(0) for session in self.sessions)
 
     def observe(self, ids, target_probs):
         for session in self.sessions:

@@ -60,11 +60,15 @@ class HybridDrafter(Drafter):
     def start(self, prompt_ids: list[int]) -> DraftSession:
         return _HybridSession(self, prompt_ids)
 
+    def start_chunked(self, prompt_ids: list[int]) -> DraftSession:
+        return _HybridSession(self, prompt_ids, chunked=True)
+
 
 class _HybridSession(ComposedSession):
-    def __init__(self, drafter: HybridDrafter, prompt_ids: list[int]):
+    def __init__(self, drafter: HybridDrafter, prompt_ids: list[int], chunked: bool = False):
         self.drafter = drafter
-        self.model = drafter.model_drafter.start(prompt_ids)
+        start = drafter.model_drafter.start_chunked if chunked else drafter.model_drafter.start
+        self.model = start(prompt_ids)  # chunked: its prefill fed by `prefill_step`
         self.ngram = drafter.ngram_drafter.start(prompt_ids)
         super().__init__([self.model, self.ngram])
         self.counts = {source: AcceptanceStats(proposed=2, accepted=1, judged=2) for source in ("ngram", "model")}  # prior 1/2

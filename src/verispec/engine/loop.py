@@ -56,7 +56,7 @@ from verispec.control import CostModel, make_gamma_policy
 from verispec.control.gamma import check_gamma_policy
 from verispec.control.plan import Plan
 from verispec.drafters.base import Drafter
-from verispec.engine.prefixes import prefix_store_for
+from verispec.models.prefixes import prefix_store_for
 from verispec.engine.shapes import Chain, shape_of
 from verispec.errors import InvalidParameterError, VerispecError
 from verispec.models.loading import ModelCache
@@ -179,7 +179,7 @@ class Engine:
         self._drafters: dict[str, Drafter | None] = {}
         self._preparing = threading.Lock()  # a server prepares requests' drafters on worker threads
         self._prepared: dict[tuple[str | None, str], Drafter | None] = {}  # (drafter spec, γ policy) → built, measured
-        # prompt caching where it is exact (`engine/prefixes.py`): a request's output never depends on it
+        # prompt caching where it is exact (`models/prefixes.py`): a request's output never depends on it
         self.prefixes = prefix_store_for(target)
 
     @property
@@ -415,17 +415,14 @@ class Generation:
         """A doubling cache (verispec's own runner) never doubles past what this request can use."""
         self.cache.ceiling = self.max_capacity
 
-    def _open_session(self, chunked: bool = False) -> None:
-        """The prompt is in the target's cache: open the drafter's session on it (chunked: its own
-        prefill, a draft model's, is left to later prefill_step calls)."""
+    def _open_session(self) -> None:
+        """The prompt is in the target's cache: open the drafter's session on it. Its own prefill (a draft
+        model's) is left to later prefill_step calls, so the first token goes out before it (`step`)."""
         self._session_opened = True
-        if self.drafter is None:
-            self.session = None
-        else:
-            self.session = self.drafter.start_chunked(self.ids) if chunked else self.drafter.start(self.ids)
+        self.session = None if self.drafter is None else self.drafter.start_chunked(self.ids)
         if self.session is not None:
             self.session.attach_target_cache(self.cache)
-        self.prefilled = self.session is None or self.session.prefill_step(0 if chunked else None)
+        self.prefilled = self.session is None or self.session.prefill_step(0)
 
     def prefill_step(self, max_tokens: int | None = None, running: Iterable[tuple[Sequence[int], Cache]] = ()) -> bool:
         """Feed at most `max_tokens` more prompt tokens (None: all the rest) into the target's cache; the first
@@ -454,7 +451,7 @@ class Generation:
             else:
                 logits = self.target.runner.forward(self.cache, torch.tensor(self.ids[done:end]), logits="last" if last else "none")
             if last:  # [1, vocab]: the first token, a step without a draft (its forward is the prefill's)
-                self._open_session(chunked=max_tokens is not None)
+                self._open_session()
                 first = StepPlan(Chain(Draft.empty()), torch.tensor(self.ids[-1:]), 0.0)
                 self._held = self.commit(first, logits, 0.0)
         else:
@@ -508,9 +505,11 @@ class Generation:
         return shape_of(draft).cut(gamma, most)
 
     def plan(self) -> StepPlan:
-        """Draft this step's tokens and say what the target must score (after the prefill: `prefilled`)."""
-        if not self.prefilled:
+        """Draft this step's tokens and say what the target must score (once the target's prompt is in; the rest
+        of the drafter's prefill first)."""
+        if not self._session_opened:
             raise VerispecError("plan() needs the whole prompt prefilled: call prefill_step() until it returns True")
+        self.prefill_step()
         remaining = self.max_new - len(self.output_ids)
         gamma, hint = 0, None
         start = time.perf_counter()
@@ -527,8 +526,9 @@ class Generation:
         the rejection rule keeps a prefix and adds one token of the target's. Returns the events of
         the tokens it emitted (one or more; an EOS token only when it releases held-back text); [] once
         `done`. The request finishes (and releases its caches) on EOS, a stop string or its length."""
-        self.prefill_step()  # a prefill left unfinished: the rest of it now
-        if self._held or self.done:
+        if not self._session_opened:  # a prompt left unfinished: the rest of it now, which gives the first token
+            self.prefill_step()
+        if self._held or self.done:  # the first token goes out before the drafter's own prefill (in `plan`)
             return self.take_held()
         plan = self.plan()  # draft
         start = time.perf_counter()

@@ -59,7 +59,7 @@ class Cache(Protocol):
 
     def copied(self, length: int, capacity: int) -> Cache:
         """A new cache of `capacity` positions holding a copy of the first `length` (prompt caching,
-        `engine/prefixes.py`; only a `prefix_invariant` runner's caches are asked)."""
+        `models/prefixes.py`; only a `prefix_invariant` runner's caches are asked)."""
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The valid positions as named tensors, what `Runner.cache_from` takes back (prompt caching kept on

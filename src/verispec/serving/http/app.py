@@ -203,7 +203,7 @@ def create_app(
             stopper.cancel()
             app.state.scheduler.stop()
             tokenizer_thread.shutdown(wait=False, cancel_futures=True)
-            if engine.prefixes is not None:  # the prompt cache, for the next server or command (`engine/prefixes.py`)
+            if engine.prefixes is not None:  # the prompt cache, for the next server or command (`models/prefixes.py`)
                 await asyncio.to_thread(engine.prefixes.save)
 
     app = FastAPI(title="verispec", version="0.1.0", lifespan=lifespan,

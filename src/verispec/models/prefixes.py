@@ -14,6 +14,10 @@ tokens. Running requests' caches count too (`take`'s `running`): a server's requ
 document or a system prompt prefill it once (the scheduler holds a request back while another is
 prefilling what they share: `serving/http/scheduler.py`), a request's n choices their prompt once.
 
+A draft model's sessions share a store of their own (`draft_prefix_store`, in memory only): in a conversation
+or over a shared document the draft then prefills only what is new too, as the target does (before, a chat's
+every turn prefilled the whole conversation into the draft again).
+
 Given a `file`, the store also outlives the process: `save()` writes its `DISK_ENTRIES` most recent entries
 there, at most `DISK_BUDGET` bytes (a long one keeps its beginning; the CLI saves after each answer), and a
 new store of the same `stamp` (the runner's variant, which names its kernels' build, the model file and the
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import json
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -37,7 +42,8 @@ from safetensors.torch import save_file
 from verispec.models.runner import Cache, LoadedModel, Runner
 from verispec.paths import files_stamp, keyed_file, write_whole
 
-__all__ = ["DISK_BUDGET", "DISK_ENTRIES", "MIN_REUSE", "PREFIX_BUDGET", "PrefixStore", "prefix_store_for", "shared_length"]
+__all__ = ["DISK_BUDGET", "DISK_ENTRIES", "MIN_REUSE", "PREFIX_BUDGET", "PrefixStore", "draft_prefix_store", "prefix_store_for",
+           "shared_length"]
 
 MIN_REUSE = 16  # shared tokens worth a copy (fewer: prefilling them costs about as little)
 PREFIX_BUDGET = 128 << 20  # bytes of cached keys/values kept for reuse by default (~2,300 positions of the 1.5B)
@@ -153,3 +159,20 @@ def prefix_store_for(model: LoadedModel) -> PrefixStore | None:
     path = Path(model.folder).resolve()  # the model file (a GGUF for kquant)
     stamp = files_stamp(runner.variant, torch.get_num_threads(), str(path), files=[path] if path.exists() else [])
     return PrefixStore(runner, file=keyed_file("prompts", path.name, stamp, ".safetensors"), stamp=stamp)
+
+
+_draft_stores: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runner -> the store its draft sessions share
+_draft_stores_lock = threading.Lock()
+
+
+def draft_prefix_store(model: LoadedModel) -> PrefixStore | None:
+    """The prompt cache every draft session of `model` shares, in memory for as long as its runner lives (None where the
+    runner is not `prefix_invariant`: a reused prefix must be what a fresh prefill computes, so a draft proposes the
+    same with or without it)."""
+    runner = model.runner
+    if not runner.prefix_invariant:
+        return None
+    with _draft_stores_lock:
+        if (store := _draft_stores.get(runner)) is None:
+            store = _draft_stores[runner] = PrefixStore(runner)
+        return store
