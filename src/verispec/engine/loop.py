@@ -252,8 +252,9 @@ class Engine:
         return self.target.infill_ids(prompt, suffix)
 
     def start(self, prompt: str | Sequence[int], config: GenerationConfig | None = None) -> Generation:
-        """Open a request: prefill the target's (and the drafter's) cache and return its `Generation`,
-        to advance with `step()` until `done` (then `result()`); `close()` one abandoned early.
+        """Open a request: prefill the target's cache (which gives the first token; a draft model reads the prompt
+        in the step after it) and return its `Generation`, to advance with `step()` until `done` (then `result()`);
+        `close()` one abandoned early.
 
         prompt: text (chat-templated unless `config.chat` is False) or token ids; config: defaults if
         None. Raises PromptError (an empty prompt, one that fills the context, token ids outside the
