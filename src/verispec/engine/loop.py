@@ -56,10 +56,10 @@ from verispec.control import CostModel, make_gamma_policy
 from verispec.control.gamma import check_gamma_policy
 from verispec.control.plan import Plan
 from verispec.drafters.base import Drafter
-from verispec.models.prefixes import prefix_store_for
 from verispec.engine.shapes import Chain, shape_of
 from verispec.errors import InvalidParameterError, VerispecError
 from verispec.models.loading import ModelCache
+from verispec.models.prefixes import prefix_store_for
 from verispec.models.runner import Cache, LoadedModel
 from verispec.sampling.grammar import Constraint, check_response_format
 from verispec.sampling.processors import MAX_TOP_LOGPROBS, SamplingParams, Scores, score_rows, token_logprobs

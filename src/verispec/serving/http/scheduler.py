@@ -62,8 +62,8 @@ import torch
 
 from verispec.control.costs import prefill_seconds_per_token
 from verispec.engine import Engine, Generation, GenerationConfig, StepPlan
-from verispec.models.prefixes import MIN_REUSE, shared_length
 from verispec.errors import PromptError, VerispecError
+from verispec.models.prefixes import MIN_REUSE, shared_length
 from verispec.models.runner import Cache
 from verispec.serving.http.limits import ServerLimits
 from verispec.serving.http.metrics import Metrics
