@@ -275,11 +275,13 @@ inline __m512i dot4(__m512i acc, __m512i w, const int8_t* p) {
 // where a block's work is long (Q4_K from 3 rows, Q6_K from 2): for shorter work the hardware's
 // prefetcher keeps up and the extra instructions only cost (on the AVX-512 EPYC of BENCHMARKS.md, whole-model
 // T(4)/T(1) went from 1.65–1.89 to 1.42 with this rule; `kernel_candidates.py`, `kquant_streaming.py` measure it).
+// On the AMX Xeon a decode step's Q6_K blocks (6.56 bits a weight, more work a byte) gain from it too: a step's
+// linear layers 10 % faster there (BENCHMARKS.md, "AMX").
 constexpr int kAhead = 2;
 template <int R>
 constexpr bool kPrefetchQ4K = R >= 3;
 template <int R>
-constexpr bool kPrefetchQ6K = R >= 2;
+constexpr bool kPrefetchQ6K = R >= (KQ_AMX ? 1 : 2);
 
 inline void prefetch_ahead(const uint8_t* block, int bytes, int j, int steps) {
   const int lines = (bytes + 63) / 64, per_step = (lines + steps - 1) / steps;
