@@ -17,7 +17,7 @@ import uvicorn
 from transformers import PreTrainedTokenizerFast
 
 from verispec import Engine, GenerationConfig, SamplingParams
-from verispec.drafters import DraftModelDrafter, ExpansionDrafter, NgramDrafter
+from verispec.drafters import DraftModelDrafter, ExpansionDrafter, HybridDrafter, NgramDrafter
 from verispec.models.loading import load_model
 from verispec.serving.request import chat_prompt_ids
 from verispec.serving.http.schemas import ChatMessage
@@ -42,7 +42,7 @@ def tiny_engine(target_dir: Path, draft: Path | str = "ngram", gamma: int = 3) -
 
     draft: a model folder (the target's own folder: every draft accepted, bonus tokens; a random draft:
     mostly rejected), "ngram" (prompt lookup: ragged acceptance on looping output), or ("tree", folder)
-    for a SpecInfer token tree from that draft model.
+    for a SpecInfer token tree from that draft model, ("hybrid", folder) for prompt lookup or that draft model.
     """
     target = load_model(target_dir)
     # AutoTokenizer turns the word-level tokenizer into a Qwen2 BPE one (model_type qwen2): load the file as is
@@ -51,7 +51,9 @@ def tiny_engine(target_dir: Path, draft: Path | str = "ngram", gamma: int = 3) -
     if draft == "ngram":
         drafter = NgramDrafter(max_n=3)
     elif isinstance(draft, tuple):
-        drafter = ExpansionDrafter(load_model(draft[1]), target.vocab_size, k=2, depth=3)
+        kind, model = draft[0], load_model(draft[1])
+        drafter = (ExpansionDrafter(model, target.vocab_size, k=2, depth=3) if kind == "tree"
+                   else HybridDrafter(DraftModelDrafter(model, target.vocab_size)))
     else:
         drafter = DraftModelDrafter(load_model(draft), target.vocab_size)
     return Engine(target, drafter, gamma=gamma, gamma_policy="constant")

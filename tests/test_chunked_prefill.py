@@ -33,12 +33,12 @@ def chunked(engine, ids, config, chunk: int) -> tuple[list[int], list[int]]:
     return generation.result().token_ids, lengths
 
 
-@pytest.mark.parametrize("draft", ["ngram", "model", "tree"])
+@pytest.mark.parametrize("draft", ["ngram", "model", "tree", "hybrid"])
 @pytest.mark.parametrize("chunk", [1, 3, 7, 24, 1000])
 def test_chunked_prefill_gives_the_whole_prefills_tokens(tiny_target, tiny_draft, draft, chunk):
     """Fails on the old code (no `prefill=False`) and on a chunked prefill that feeds a chunk wrongly
     (the positive control below shows that such a prefill changes the tokens)."""
-    engine = tiny_engine(tiny_target, draft={"ngram": "ngram", "model": tiny_draft, "tree": ("tree", tiny_draft)}[draft])
+    engine = tiny_engine(tiny_target, draft="ngram" if draft == "ngram" else tiny_draft if draft == "model" else (draft, tiny_draft))
     for config in CONFIGS:
         whole = engine.generate(PROMPT, config).token_ids
         got, lengths = chunked(engine, PROMPT, config, chunk)
@@ -86,17 +86,23 @@ def test_a_cache_doubles_no_further_than_its_request_can_use(tiny_target, monkey
     assert generation.cache.capacity == most
 
 
-def test_a_draft_models_own_prefill_is_chunked_too(tiny_target, tiny_draft):
-    """With the draft-model drafter, a 3-token chunk fills the target's cache (the whole prompt: its
-    last token gives the first new token) in 9 calls, then the draft model's (the prompt but its last
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_a_draft_models_own_prefill_is_chunked_too(tiny_target, tiny_draft, hybrid):
+    """With the draft-model drafter (alone, or inside `hybrid`), a 3-token chunk fills the target's cache (the whole
+    prompt: its last token gives the first new token) in 9 calls, then the draft model's (the prompt but its last
     token) in 8 more, never more than 3 positions of either at once. Fails if the draft session
     prefills the whole prompt when it opens (the target's 9 calls would be all)."""
-    engine = tiny_engine(tiny_target, draft=tiny_draft)
+    engine = tiny_engine(tiny_target, draft=("hybrid", tiny_draft) if hybrid else tiny_draft)
     generation = Generation(engine, PROMPT, CONFIGS[0], prefill=False)
+
+    def draft_length() -> int:
+        session = generation.session
+        return 0 if session is None else (session.model if hybrid else session).cache.length
+
     fed = []  # (target positions, draft positions) after each call
     while not generation.prefill_step(3):
-        fed.append((generation.cache.length, generation.session.cache.length if generation.session else 0))
-    fed.append((generation.cache.length, generation.session.cache.length))
+        fed.append((generation.cache.length, draft_length()))
+    fed.append((generation.cache.length, draft_length()))
     assert len(fed) == 17 and fed[-1] == (25, 24)
     steps = [(b[0] - a[0], b[1] - a[1]) for a, b in zip([(0, 0), *fed], fed)]
     assert all(0 <= t <= 3 and 0 <= d <= 3 and (t == 0) != (d == 0) for t, d in steps)
