@@ -334,10 +334,14 @@ def test_forward_rows_equal_single_position_decoding(tiny):
     assert torch.equal(batched[0], together)
 
 
-def test_a_prompt_fed_in_chunks_leaves_the_cache_it_leaves_whole(tiny):
+@pytest.mark.parametrize("piece", [None, 32])
+def test_a_prompt_fed_in_chunks_leaves_the_cache_it_leaves_whole(tiny, piece, monkeypatch):
     """kquant's attention is row-invariant at every width, prefill included: a server's chunked prefill
-    gives the bits of a whole one (so the request's output cannot depend on how it was chunked)."""
+    gives the bits of a whole one (so the request's output cannot depend on how it was chunked), and a whole one
+    the bits of its own pieces (`_prefill_piece`: 32 here, where the CPU's default would hold all 90)."""
     runner = tiny[0].runner
+    if piece is not None:
+        monkeypatch.setattr(Transformer, "_prefill_piece", lambda self: piece)
     prompt = torch.randint(0, runner.config.vocab_size, (90,), generator=torch.Generator().manual_seed(3))  # [90]
     whole = runner.new_cache()
     whole_logits = runner.forward(whole, prompt, logits="last")

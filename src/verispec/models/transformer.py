@@ -59,6 +59,7 @@ QUANTIZATIONS = ("int8", "kquant")
 # verifying γ+1 positions computes each exactly as decoding it alone would (see `Transformer`).
 ROW_INVARIANT_POSITIONS = 32
 PREFILL_PIECE = 256  # the most positions of one chain a forward pass runs at once (longer ones: in pieces)
+AMX_PREFILL_PIECE = 128  # the same on kquant's AMX kernels (a prompt token 3.34 → 2.99 ms: BENCHMARKS.md, "AMX")
 
 
 @dataclass(frozen=True)
@@ -491,18 +492,19 @@ class Transformer:
         positions: [n] absolute positions (default: consecutive after the cache);
         tree_mask: [n, n] bool, True where new token i may attend to new token j (default causal);
         logits: "all" -> [n, vocab], "last" -> [1, vocab], "none" -> None. Logits are float32.
-        A long chain (a prompt) runs in pieces of `PREFILL_PIECE` positions: the activations of a piece
-        stay in the CPU's caches (faster: BENCHMARKS.md, "What made kquant fast").
+        A long chain (a prompt) runs in pieces (`_prefill_piece`): the activations of a piece stay in the CPU's
+        caches (faster: BENCHMARKS.md, "What made kquant fast").
         """
         n = tokens.shape[0]
         if self._graphs is not None and logits != "none" and self._graphs.fits(cache, n, positions, tree_mask):
             out = self._graphs.forward(cache, tokens, positions, tree_mask)  # [n, vocab], or None: no room for a graph
             if out is not None:
                 return out if logits == "all" else out[-1:]
-        if positions is None and tree_mask is None and n > PREFILL_PIECE and logits != "all":
-            for first in range(0, n - PREFILL_PIECE, PREFILL_PIECE):
-                self.forward(cache, tokens[first : first + PREFILL_PIECE], logits="none")
-            rest = (n - 1) % PREFILL_PIECE + 1
+        piece = self._prefill_piece()
+        if positions is None and tree_mask is None and n > piece and logits != "all":
+            for first in range(0, n - piece, piece):
+                self.forward(cache, tokens[first : first + piece], logits="none")
+            rest = (n - 1) % piece + 1
             return self.forward(cache, tokens[n - rest :], logits=logits)
         row = self._row(cache, n, positions, tree_mask)
         x = self._run(tokens.to(self.device), [row])  # [n, hidden]
@@ -511,6 +513,11 @@ class Transformer:
         if logits == "last":
             x = x[-1:]
         return self._logits(x)
+
+    def _prefill_piece(self) -> int:
+        """The most positions of a prompt one pass feeds: `AMX_PREFILL_PIECE` on kquant's AMX kernels (measured there;
+        a piece reads every weight once, so elsewhere the larger `PREFILL_PIECE`)."""
+        return AMX_PREFILL_PIECE if self.quant == "kquant" and kquant_kernels().kernels_in_use() == "amx" else PREFILL_PIECE
 
     @torch.inference_mode()
     def forward_static(self, cache: KVCache, tokens: torch.Tensor, start: torch.Tensor, positions: torch.Tensor | None,
