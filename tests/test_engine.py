@@ -131,15 +131,23 @@ def test_caches_hold_exactly_the_accepted_path(target, draft):
         assert generation.cache.length == len(generation.ids) - 1
 
 
-@pytest.mark.parametrize("spec", ["model", "hybrid"])
+@pytest.mark.parametrize("spec", ["model", "tree", "hybrid", "merge", "cascade:draft={draft}",
+                                  "cascade:kind=horizontal,strong=1,draft={draft}"])
 def test_the_first_token_goes_out_before_the_draft_models_prefill(target, draft, hf_target, spec):
     """`start` prefills the target only: the first token comes from that pass and `step` gives it at once; the draft
-    model reads the prompt in the next step, before it drafts (as a server feeds it in chunks after the first token)."""
+    model (alone or a part of a composed drafter) reads the prompt in the next step, before it drafts (as a server
+    feeds it in chunks after the first token)."""
+    from verispec.drafters.base import ModelSession
+
     models = ModelCache(target, draft)
     models.default_draft = draft.name
-    engine = Engine(target, make_drafter(spec, target, load=models), gamma=3, gamma_policy="constant")
+    engine = Engine(target, make_drafter(spec.format(draft=draft.name), target, load=models), gamma=3, gamma_policy="constant")
     generation = engine.start(PROMPTS[1], GenerationConfig(max_new_tokens=12))
-    model = generation.session if spec == "model" else generation.session.model
+
+    def model_session(session):  # the session, or the first part of it, that drafts with the draft model's cache
+        return session if isinstance(session, ModelSession) else next(filter(None, map(model_session, getattr(session, "sessions", ()))), None)
+
+    model = model_session(generation.session)
     assert model.cached == [] and not generation.prefilled
     assert [event.token_id for event in generation.step()] == reference_generate(hf_target, PROMPTS[1], 1)
     assert model.cached == []

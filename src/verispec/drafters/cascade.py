@@ -63,10 +63,13 @@ class VerticalCascadeDrafter(Drafter):
     def start(self, prompt_ids: list[int]) -> DraftSession:
         return _VerticalSession(self, prompt_ids)
 
+    def start_chunked(self, prompt_ids: list[int]) -> DraftSession:
+        return _VerticalSession(self, prompt_ids, prefill=False)
+
 
 class _VerticalSession(ModelSession):
-    def __init__(self, drafter: VerticalCascadeDrafter, prompt_ids: list[int]):
-        super().__init__(drafter.model, prompt_ids)
+    def __init__(self, drafter: VerticalCascadeDrafter, prompt_ids: list[int], prefill: bool = True):
+        super().__init__(drafter.model, prompt_ids, prefill)
         self.drafter = drafter
         self.inner = drafter.inner.start(prompt_ids)
 
@@ -135,11 +138,15 @@ class HorizontalCascadeDrafter(Drafter):
     def start(self, prompt_ids: list[int]) -> DraftSession:
         return _HorizontalSession(self, prompt_ids)
 
+    def start_chunked(self, prompt_ids: list[int]) -> DraftSession:
+        return _HorizontalSession(self, prompt_ids, chunked=True)
+
 
 class _HorizontalSession(ComposedSession):
-    def __init__(self, drafter: HorizontalCascadeDrafter, prompt_ids: list[int]):
+    def __init__(self, drafter: HorizontalCascadeDrafter, prompt_ids: list[int], chunked: bool = False):
         self.drafter = drafter
-        self.strong, self.weak = drafter.strong.start(prompt_ids), drafter.weak.start(prompt_ids)
+        start = (lambda d: d.start_chunked(prompt_ids)) if chunked else (lambda d: d.start(prompt_ids))
+        self.strong, self.weak = start(drafter.strong), start(drafter.weak)
         super().__init__([self.strong, self.weak])
 
     def propose(self, ids, gamma, params, generator):

@@ -125,6 +125,9 @@ class MergeDrafter(Drafter):
     def start(self, prompt_ids: list[int]) -> DraftSession:
         return _MergeSession([d.start(prompt_ids) for d in self.drafters], self.target_vocab_size)
 
+    def start_chunked(self, prompt_ids: list[int]) -> DraftSession:
+        return _MergeSession([d.start_chunked(prompt_ids) for d in self.drafters], self.target_vocab_size)
+
 
 class _MergeSession(ComposedSession):
     def __init__(self, sessions: list[DraftSession], vocab_size: int):
