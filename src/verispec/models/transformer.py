@@ -500,8 +500,8 @@ class Transformer:
             out = self._graphs.forward(cache, tokens, positions, tree_mask)  # [n, vocab], or None: no room for a graph
             if out is not None:
                 return out if logits == "all" else out[-1:]
-        piece = self._prefill_piece()
-        if positions is None and tree_mask is None and n > piece and logits != "all":
+        # (a decode step or a verification, n ≤ AMX_PREFILL_PIECE ≤ any piece, asks nothing of the kernels)
+        if positions is None and tree_mask is None and logits != "all" and n > AMX_PREFILL_PIECE and n > (piece := self._prefill_piece()):
             for first in range(0, n - piece, piece):
                 self.forward(cache, tokens[first : first + piece], logits="none")
             rest = (n - 1) % piece + 1
