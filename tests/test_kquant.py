@@ -341,6 +341,9 @@ def test_a_prompt_fed_in_chunks_leaves_the_cache_it_leaves_whole(tiny, piece, mo
     the bits of its own pieces (`_prefill_piece`: 32 here, where the CPU's default would hold all 90)."""
     runner = tiny[0].runner
     if piece is not None:
+        from verispec.models import transformer
+
+        monkeypatch.setattr(transformer, "AMX_PREFILL_PIECE", piece)
         monkeypatch.setattr(Transformer, "_prefill_piece", lambda self: piece)
     prompt = torch.randint(0, runner.config.vocab_size, (90,), generator=torch.Generator().manual_seed(3))  # [90]
     whole = runner.new_cache()
