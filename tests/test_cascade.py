@@ -80,6 +80,8 @@ def test_cascade_caches_hold_exactly_their_path(target, draft, mini, sampling):
             cache, held = session.cache, session.cached
             assert cache.length == len(held) <= len(generation.ids) - 1
             assert held == generation.ids[: len(held)]
+            if not held:  # after the first token: the draft reads the prompt in the next step
+                continue
             fresh = model.runner.new_cache()
             model.runner.forward(fresh, torch.tensor(held), logits="none")
             torch.testing.assert_close(cache.keys[:, :, : cache.length], fresh.keys[:, :, : cache.length])
