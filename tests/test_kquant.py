@@ -59,7 +59,7 @@ def float_rows(kind: int, blocks: np.ndarray) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", [Q4_K, Q6_K], ids=["Q4_K", "Q6_K"])
-@pytest.mark.parametrize("columns", [48, 40])  # 40: a tile padded with zero columns
+@pytest.mark.parametrize("columns", [48, 40, 200])  # 40: a tile padded with zero columns; 200: 13 tiles, stored 8 at a time
 def test_the_kernel_multiplies_the_files_weights(kind, columns):
     kernels = kquant_kernels()
     rng = np.random.default_rng(kind + columns)
@@ -73,8 +73,12 @@ def test_the_kernel_multiplies_the_files_weights(kind, columns):
     rounded = (q.float().view(11, 2, 256) * d[:, :, None]).view(11, 512)
     assert (rounded - x).abs().max() <= d.max() / 2 + 1e-6
     expected = rounded.double() @ weight.double().T  # [11, columns]
-    y = KQuantLinear(KQuantWeight(kind, torch.from_numpy(blocks), 512))(x)
-    assert torch.allclose(y.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max())
+    bias = torch.randn(columns)
+    layer = KQuantLinear(KQuantWeight(kind, torch.from_numpy(blocks), 512), bias)
+    for rows in (11, 3):  # AMX's tile multiplies (from 9 rows), the vector code
+        y = layer(x[:rows])
+        reference = expected[:rows] + bias.double()
+        assert torch.allclose(y.double(), reference, rtol=1e-5, atol=1e-5 * reference.abs().max())
 
 
 @contextmanager
