@@ -94,7 +94,7 @@ def test_a_shipped_target_fetches_no_draft_model_that_could_not_win(tiny_target,
     import verispec.engine.build as build
     from verispec.models import registry
 
-    hybrid = f"hybrid:draft={tiny_draft}"
+    hybrid = f"hybrid:draft={tiny_draft},window={build.HYBRID_WINDOW}"
     for draft_weights, measured in ((10**9, False), (10**6, True)):
         shipped = {str(tiny_target): registry.ShippedModel("t", (), "file", "t", hybrid_draft=str(tiny_draft), step_weights=10**9),
                    str(tiny_draft): registry.ShippedModel("d", (), "file", "d", step_weights=draft_weights)}

@@ -31,9 +31,13 @@ from verispec.paths import cpu_key, read_table, store_in_table
 __all__ = ["EngineBuilder", "auto_backends", "auto_precision", "backend_choices", "load"]
 
 BACKEND_CHOICES = "backend_choices.json"
-# how backends are compared (2: T(1) timed in turns, prefill weighed; 3: `hybrid` among the candidates): a choice
-# made by another rule is made again
-CHOICE_RULE = 3
+# how backends are compared (2: T(1) timed in turns, prefill weighed; 3: `hybrid` among the candidates; 4: its draft
+# reads a long prompt's end, HYBRID_WINDOW): a choice made by another rule is made again
+CHOICE_RULE = 4
+# the plan's `hybrid` draft reads a long prompt's first tokens and its last HYBRID_WINDOW (`base.window_cut`): prompt
+# lookup copies from the rest, and the draft's prefill and its steps' attention stay short (BENCHMARKS.md, "AMX":
+# summaries and RAG +2 % and +8 % over the draft reading it all)
+HYBRID_WINDOW = 256
 
 
 def auto_precision(target: str, device: str = "cpu") -> str:
@@ -155,12 +159,13 @@ class EngineBuilder:
 
     def _draft_candidates(self) -> dict[str, str]:
         """The plan's candidates that run a draft model, for a shipped target: spec → the shipped draft it loads
-        (`model`: the default draft; `hybrid:draft=NAME`: the target's `hybrid_draft_for`, where it has one)."""
+        (`model`: the default draft; `hybrid:draft=NAME,window=HYBRID_WINDOW`: the target's `hybrid_draft_for`, where it
+        has one)."""
         if self.target_spec not in SHIPPED_MODELS:
             return {}
         drafts = {"model": self.models.default_draft or default_draft_for(self.target_spec)}
         if hybrid := hybrid_draft_for(self.target_spec):
-            drafts[f"hybrid:draft={hybrid}"] = hybrid
+            drafts[f"hybrid:draft={hybrid},window={HYBRID_WINDOW}"] = hybrid
         return drafts
 
     def _candidate_costs(self, spec: str, gamma: int, precision: str | None) -> CostModel:
