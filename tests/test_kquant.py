@@ -81,6 +81,34 @@ def test_the_kernel_multiplies_the_files_weights(kind, columns):
         assert torch.allclose(y.double(), reference, rtol=1e-5, atol=1e-5 * reference.abs().max())
 
 
+def q8k_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ggml's Q8_K of float32 rows [rows, K] in numpy's float32 arithmetic: (q, d, sums over each 16): d = absmax / 127
+    (a NaN ignored), q = the product with 127 / absmax rounded to the nearest, ties to even, within ±127 (NaN: −127)."""
+    blocks = x.reshape(len(x), -1, 256)
+    amax = np.where(np.isnan(blocks), np.float32(0), np.abs(blocks)).max(-1, keepdims=True)  # [rows, blocks, 1]
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        inverse = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+        rounded = np.rint(blocks * inverse)
+    q = np.clip(np.where(np.isnan(rounded), np.float32(-127), rounded), -127, 127).astype(np.int8).reshape(x.shape)
+    return q, (amax[..., 0] / np.float32(127)).astype(np.float32), q.reshape(len(x), -1, 16).astype(np.int32).sum(-1)
+
+
+def test_activations_are_quantized_as_q8k_to_the_bit():
+    """The vector quantizer (`quantize_block`) gives numpy's Q8_K bytes, ties, zeros, NaN and infinities included."""
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((6, 512)) * np.logspace(-30, 30, 6)[:, None]).astype(np.float32)
+    x[1, :256] = rng.integers(-254, 255, 256) / 2  # absmax 127 (set below): scale 1, so every odd half is a tie
+    x[1, 0] = 127.0
+    x[2, :256] = 0.0  # a block of zeros: d = 0, q = 0
+    x[3, 7], x[3, 300] = np.nan, np.inf  # a NaN left out of the maximum, quantized to −127; an infinity: every product NaN
+    x[4, :256] = rng.standard_normal(256).astype(np.float32) * np.float32(1e-40)  # subnormal values
+    q, d, sums, _ = kquant_kernels().quantize_rows(torch.from_numpy(x))
+    expected_q, expected_d, expected_sums = q8k_reference(x)
+    assert np.array_equal(q.numpy(), expected_q) and np.array_equal(sums.numpy(), expected_sums)
+    assert np.array_equal(d.numpy(), expected_d)
+    assert (expected_q[1, 1:256] % 2 == 0).any() and (x[1, 1:256] % 1 != 0).any()  # ties were there to round
+
+
 @contextmanager
 def kernels_of(name: str):
     """Run the kquant kernels `name` ("amx", "avx512", "avx2", "portable") inside the block, the fastest after."""

@@ -806,6 +806,63 @@ at::Tensor dequantize(int64_t kind, at::Tensor raw) {
 
 namespace {
 
+// One super-block of activations (256 values at v) as Q8_K: d = absmax / 127, q = round(v · (127 / absmax)) to the
+// nearest, ties to even, within ±127, and q's sums over each 16 values. The vector code performs the scalar code's
+// float operations on each value (the maximum ignores a NaN as std::max does; a NaN or infinite product lands on −127
+// as the clamps order it), so every CPU quantizes to the same bytes.
+void quantize_block(const float* v, int8_t* q, float* d, int32_t* sums) {
+#if KQ_AVX512
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  __m512 most = _mm512_setzero_ps();
+  for (int j = 0; j < kBlock; j += 16) most = _mm512_max_ps(_mm512_andnot_ps(sign, _mm512_loadu_ps(v + j)), most);
+  const float amax = _mm512_reduce_max_ps(most);
+  const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+  *d = amax / 127.0f;
+  const __m512 scale = _mm512_set1_ps(inverse), low = _mm512_set1_ps(-127.0f), high = _mm512_set1_ps(127.0f);
+  for (int j = 0; j < kBlock; j += 16) {
+    const __m512 rounded = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(v + j), scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i values = _mm512_cvtps_epi32(_mm512_min_ps(high, _mm512_max_ps(rounded, low)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + j), _mm512_cvtsepi32_epi8(values));
+    sums[j / 16] = _mm512_reduce_add_epi32(values);
+  }
+#elif KQ_AVX2
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 most = _mm256_setzero_ps();
+  for (int j = 0; j < kBlock; j += 8) most = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(v + j)), most);
+  __m128 half = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
+  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+  const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+  *d = amax / 127.0f;
+  const __m256 scale = _mm256_set1_ps(inverse), low = _mm256_set1_ps(-127.0f), high = _mm256_set1_ps(127.0f);
+  auto quantized = [&](const float* from) {  // 8 values as int32
+    const __m256 rounded = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(from), scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm256_cvtps_epi32(_mm256_min_ps(high, _mm256_max_ps(rounded, low)));
+  };
+  for (int j = 0; j < kBlock; j += 16) {
+    const __m256i first = quantized(v + j), second = quantized(v + j + 8);
+    const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(first, second), 0xd8);  // 16 int16 in order
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + j), _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1)));
+    __m256i total = _mm256_add_epi32(first, second);
+    __m128i four = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    four = _mm_add_epi32(four, _mm_shuffle_epi32(four, 0x4e));
+    sums[j / 16] = _mm_cvtsi128_si32(_mm_add_epi32(four, _mm_shuffle_epi32(four, 0xb1)));
+  }
+#else
+  float amax = 0.0f;
+  for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
+  const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+  *d = amax / 127.0f;
+  for (int j = 0; j < kBlock; ++j) q[j] = int8_t(std::min(127.0f, std::max(-127.0f, std::nearbyint(v[j] * inverse))));
+  for (int s = 0; s < 16; ++s) {
+    int32_t total = 0;
+    for (int j = 0; j < 16; ++j) total += q[16 * s + j];
+    sums[s] = total;
+  }
+#endif
+}
+
+
 // x [rows, K] float32 -> (q int8 [rows, P], d float32 [rows, P / 256], sums int32 [rows, P / 16], pair sums int16
 // [rows, P / 32]) for P = K rounded up to whole super-blocks: the values past K are zeros (a padded layer's)
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_padded(at::Tensor x) {
@@ -831,17 +888,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_padded(at::T
         std::fill(padded + present, padded + kBlock, 0.0f);
         v = padded;
       }
-      int8_t* out = qp + i * kBlock;
-      float amax = 0.0f;
-      for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
-      const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-      dp[i] = amax / 127.0f;
-      for (int j = 0; j < kBlock; ++j) out[j] = int8_t(std::min(127.0f, std::max(-127.0f, std::nearbyint(v[j] * inverse))));
-      for (int s = 0; s < 16; ++s) {
-        int32_t total = 0;
-        for (int j = 0; j < 16; ++j) total += out[16 * s + j];
-        sp[i * 16 + s] = total;
-      }
+      quantize_block(v, qp + i * kBlock, dp + i, sp + i * 16);
       for (int s = 0; s < 8; ++s) pp[i * 8 + s] = int16_t(sp[i * 16 + 2 * s] + sp[i * 16 + 2 * s + 1]);  // |sum| ≤ 32 · 127
     }
   });
