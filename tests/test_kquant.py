@@ -12,6 +12,7 @@ exact distribution (chi-square, stated power, with a positive control).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 from contextlib import contextmanager
 
@@ -175,15 +176,20 @@ def test_the_vector_code_gives_the_portable_codes_bits_for_each_row_alone(name):
 @pytest.mark.parametrize("kind", [Q4_K, Q6_K])
 def test_an_input_narrower_than_its_super_blocks_is_multiplied_as_its_zero_padded_copy(kind):
     """A requantized layer's rows are padded with zeros to whole super-blocks (896 → 1024 inputs): the kernel
-    quantizes the narrower input as if padded (no padded copy is made), bit for bit the padded product."""
+    quantizes the narrower input as if padded (no padded copy is made) and skips the sub-blocks past it (their
+    weights here are random, not zeros), bit for bit the padded product: in the vector code (3 rows) and the AMX
+    tiles (11), with each kernel built here."""
     kernels = kquant_kernels()
     blocks = torch.from_numpy(random_blocks(kind, 32, 512, np.random.default_rng(3)))
     layer = KQuantLinear(KQuantWeight(kind, blocks, 512))
-    for width in (300, 257, 511):  # the second super-block part-filled
-        x = torch.randn(3, width)
-        padded = torch.cat([x, torch.zeros(3, 512 - width)], dim=1)
-        got = kernels.linear(x, layer.packed, layer.kinds, layer.columns, None)
-        assert torch.equal(got, kernels.linear(padded, layer.packed, layer.kinds, layer.columns, None))
+    for name in kernels.kernels_built():
+        kernels.use_kernels(name)
+        for width, rows in itertools.product((300, 257, 511, 320), (3, 11)):  # the second super-block part-filled
+            x = torch.randn(rows, width)
+            padded = torch.cat([x, torch.zeros(rows, 512 - width)], dim=1)
+            got = kernels.linear(x, layer.packed, layer.kinds, layer.columns, None)
+            assert torch.equal(got, kernels.linear(padded, layer.packed, layer.kinds, layer.columns, None)), (name, width, rows)
+    kernels.use_kernels(kernels.kernels_built()[0])
 
 
 def test_bad_shapes_are_clear_errors():

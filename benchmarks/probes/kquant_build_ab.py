@@ -5,9 +5,10 @@ kernels of `--against REV` (kquant.cpp and its headers as that revision has them
 name and both builds run the shipped target's linear layers on the same packed weights: every layer of a kind (qkv,
 o, gate_up, down), then the head, for `--rows` activation rows (1: a decode step), in `--rounds` rounds, the two
 builds' order alternating. Prints the median milliseconds per kind and build. `--against HEAD` on a clean checkout is
-an A/A: two builds of the same source (their code layout alone still moves kinds by a few per cent).
+an A/A: two builds of the same source (their code layout alone still moves kinds by a few per cent). `--model`
+times another shipped model's layers (a draft's).
 
-    python benchmarks/probes/kquant_build_ab.py --against 9c70245 [--rows 1] [--rounds 12]
+    python benchmarks/probes/kquant_build_ab.py --against 9c70245 [--rows 1] [--rounds 12] [--model smollm2-135m-instruct]
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ def main() -> None:
     parser.add_argument("--against", required=True, help="the git revision whose kernels to time against")
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--model", default=DEFAULT_TARGET, help="a shipped model (a draft: smollm2-135m-instruct)")
     args = parser.parse_args()
-    runner = load_model(DEFAULT_TARGET, "kquant").runner  # this checkout's kernels
+    runner = load_model(args.model, "kquant").runner  # this checkout's kernels
     commit, other = build_of(args.against)
     kinds = {name: [getattr(layer, name) for layer in runner.layers] for name in ("qkv", "o", "gate_up", "down")}
     kinds["head"] = [runner.lm_head]

@@ -191,6 +191,11 @@ struct Activations {
   const int32_t* sums;        // [rows, K / 16]
   const int16_t* pair_sums;   // [rows, K / 32]: the sums over each 32 values (Q4_K's sub-blocks)
   int64_t k, blocks;
+  int64_t width;  // the input's own width (≤ K): past it every value is zero (a requantized draft's rows padded)
+
+  // The sub-blocks of `size` values in super-block b that hold any of the input. Past them every product is zero,
+  // so the vector and AMX kernels skip them (a padded layer's weights are not read) and their sums stay the same.
+  int sub_blocks(int64_t b, int size) const { return int((std::min<int64_t>(kBlock, width - b * kBlock) + size - 1) / size); }
 };
 
 // f(std::integral_constant<int, R>{}) for R = rows (1 … kRows): the vector tile kernels are compiled per row count
@@ -330,7 +335,7 @@ void dot_tile_q4k(const uint8_t* tile, const Activations& a, int64_t row0, float
     const uint8_t* nibbles = t + 2 * 32 + 2 * 8 * 16;
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
-    for (int j = 0; j < 8; ++j) {
+    for (int j = 0, subs = a.sub_blocks(b, 32); j < subs; ++j) {
       if constexpr (kPrefetchQ4K<R>) prefetch_ahead(t, kQ4KTile, j, 8);
       __m512i w[8];
       for (int tt = 0; tt < 4; ++tt) {
@@ -380,7 +385,7 @@ void dot_tile_q6k(const uint8_t* tile, const Activations& a, int64_t row0, float
     const uint8_t* values = t + 32 + 16 * 16;
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
-    for (int j = 0; j < 16; ++j) {
+    for (int j = 0, subs = a.sub_blocks(b, 16); j < subs; ++j) {
       if constexpr (kPrefetchQ6K<R>) prefetch_ahead(t, kQ6KTile, j, 16);
       __m512i w[4];  // the 6-bit values of the sub-block, unpacked
       unpack_q6k(values + 192 * j, w);
@@ -453,10 +458,10 @@ inline void fold_row(__m512i w, __m512i scale16, __m512i offset16, uint8_t* low,
 
 // A tile-block's 256 weights of 16 columns, scales folded in: low, high [64 rows × 64 bytes] (row t: weights
 // 4t … 4t + 3 of each column)
-void fold_q4k(const uint8_t* t, uint8_t* low, uint8_t* high) {
+void fold_q4k(const uint8_t* t, int subs, uint8_t* low, uint8_t* high) {  // sub-blocks j < subs
   const __m512i nibble = _mm512_set1_epi8(0x0f), zero = _mm512_setzero_si512();
   const uint8_t* nibbles = t + 2 * 32 + 2 * 8 * 16;
-  for (int j = 0; j < 8; ++j) {
+  for (int j = 0; j < subs; ++j) {
     prefetch_ahead(t, kQ4KTile, j, 8);  // the weight stream keeps reads in flight while the tile multiplies run
     const __m512i scale = twice16_512(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 64 + 16 * j))));
     for (int tt = 0; tt < 4; ++tt) {  // as `dot_tile_q4k` unpacks them: rows 8j + tt (low nibbles) and 8j + tt + 4
@@ -468,10 +473,10 @@ void fold_q4k(const uint8_t* t, uint8_t* low, uint8_t* high) {
   }
 }
 
-void fold_q6k(const uint8_t* t, uint8_t* low, uint8_t* high) {  // the values are stored as value + 32
+void fold_q6k(const uint8_t* t, int subs, uint8_t* low, uint8_t* high) {  // the values are stored as value + 32
   const __m512i offset = _mm512_set1_epi16(32);
   const uint8_t* values = t + 32 + 16 * 16;
-  for (int j = 0; j < 16; ++j) {
+  for (int j = 0; j < subs; ++j) {
     prefetch_ahead(t, kQ6KTile, j, 16);
     const __m512i scale = twice16_512(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * j))));
     __m512i w[4];  // rows 4j … 4j + 3
@@ -488,8 +493,11 @@ void dot_tile_amx(int64_t kind, const uint8_t* tile, const Activations& a, int64
   int configured = 0;
   for (int64_t b = 0; b < a.blocks; ++b) {
     const uint8_t* t = tile + b * tile_bytes(kind);
-    if (kind == Q4_K) fold_q4k(t, low, high);
-    else fold_q6k(t, low, high);
+    // the quarters (64 values) that hold any of the input; the rows a quarter holds past the last folded sub-block
+    // are an earlier block's, times zero activations
+    const int quarters = a.sub_blocks(b, 64);
+    if (kind == Q4_K) fold_q4k(t, a.sub_blocks(b, 32), low, high);
+    else fold_q6k(t, a.sub_blocks(b, 16), low, high);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));
     const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32)));  // Q4_K
     __m512i min_pairs[4];  // Q4_K: the mins of sub-blocks (2i, 2i + 1), int16
@@ -500,7 +508,7 @@ void dot_tile_amx(int64_t kind, const uint8_t* tile, const Activations& a, int64
       if (n != configured) configure_tiles(configured = n);
       _tile_zero(0);
       _tile_zero(1);
-      for (int quarter = 0; quarter < 4; ++quarter) {
+      for (int quarter = 0; quarter < quarters; ++quarter) {
         _tile_loadd(2, a.q + row0 * a.k + b * kBlock + 64 * quarter, a.k);
         _tile_loadd(3, low + 1024 * quarter, 64);
         _tile_dpbsud(0, 2, 3);
@@ -566,7 +574,7 @@ void dot_tile_q4k_avx2(const uint8_t* tile, const Activations& a, int64_t row0, 
       const uint8_t* nibbles = t + 2 * 32 + 2 * 8 * 16;
       __m256i dot[R];
       for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
-      for (int j = 0; j < 8; ++j) {
+      for (int j = 0, subs = a.sub_blocks(b, 32); j < subs; ++j) {
         const __m256i scale = twice16(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + 64 + 16 * j + 8 * h))));
         __m256i w[8];  // w[i]: weights 4i … 4i + 3 of each column (low nibbles: i < 4; high: i ≥ 4)
         for (int i = 0; i < 4; ++i) {
@@ -616,7 +624,7 @@ void dot_tile_q6k_avx2(const uint8_t* tile, const Activations& a, int64_t row0, 
       const uint8_t* values = t + 32 + 16 * 16;
       __m256i dot[R];
       for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
-      for (int j = 0; j < 16; ++j) {
+      for (int j = 0, subs = a.sub_blocks(b, 16); j < subs; ++j) {
         const __m256i scale = twice16(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + 32 + 16 * j + 8 * h))));
         const uint8_t* packed = values + 192 * j + 32 * h;
         const __m256i low0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed));
@@ -925,7 +933,7 @@ at::Tensor linear(at::Tensor x, std::vector<at::Tensor> packed, std::vector<int6
   }
   auto y = at::empty({rows, total}, x.options());
   const Activations a{q.data_ptr<int8_t>(), d.data_ptr<float>(), sums.data_ptr<int32_t>(), pair_sums.data_ptr<int16_t>(),
-                      k, k / kBlock};
+                      k, k / kBlock, x.size(1)};
   std::vector<Part> parts;
   for (size_t i = 0, offset = 0; i < packed.size(); offset += columns[i], ++i)
     parts.push_back({kinds[i], packed[i].data_ptr<uint8_t>(), columns[i], int64_t(offset)});
