@@ -870,7 +870,6 @@ void quantize_block(const float* v, int8_t* q, float* d, int32_t* sums) {
 #endif
 }
 
-
 // x [rows, K] float32 -> (q int8 [rows, P], d float32 [rows, P / 256], sums int32 [rows, P / 16], pair sums int16
 // [rows, P / 32]) for P = K rounded up to whole super-blocks: the values past K are zeros (a padded layer's)
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_padded(at::Tensor x) {
