@@ -145,8 +145,8 @@ class HorizontalCascadeDrafter(Drafter):
 class _HorizontalSession(ComposedSession):
     def __init__(self, drafter: HorizontalCascadeDrafter, prompt_ids: list[int], chunked: bool = False):
         self.drafter = drafter
-        start = (lambda d: d.start_chunked(prompt_ids)) if chunked else (lambda d: d.start(prompt_ids))
-        self.strong, self.weak = start(drafter.strong), start(drafter.weak)
+        self.strong, self.weak = (d.start_chunked(prompt_ids) if chunked else d.start(prompt_ids)
+                                  for d in (drafter.strong, drafter.weak))
         super().__init__([self.strong, self.weak])
 
     def propose(self, ids, gamma, params, generator):
