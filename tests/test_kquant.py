@@ -776,11 +776,12 @@ def test_the_prefix_store_keeps_its_budget_and_drops_the_oldest(tiny):
     assert store.positions == 100  # running caches are read, never kept
 
 
-def _served_together(engine: Engine, prompts: list[list[int]], config: GenerationConfig):
-    """(scheduler, jobs, each job's token ids): `prompts` submitted at once to a real scheduler's thread, chunks of 4."""
+def _served_together(engine: Engine, prompts: list[list[int]], config: GenerationConfig, prefill_chunk: int | None = 4):
+    """(scheduler, jobs, each job's token ids): `prompts` submitted at once to a real scheduler's thread, chunks of
+    `prefill_chunk` (None: `prefill_chunks`, as a server measures them)."""
     from verispec.serving.http.scheduler import Scheduler
 
-    scheduler = Scheduler(engine, max_batch=8, prefill_chunk=4)
+    scheduler = Scheduler(engine, max_batch=8, prefill_chunk=prefill_chunk)
 
     async def run():
         jobs = [scheduler.submit(list(prompt), config) for prompt in prompts]
@@ -815,6 +816,33 @@ def test_a_server_with_prompt_caching_gives_each_request_its_answer_alone(tiny, 
     assert shared == 4 or (drafter == "hybrid" and shared >= 2)
     assert answers == alone
     assert drafter == "plain" or sum(job.generation.stats.proposed_tokens for job in jobs) > 0  # the drafts were judged
+
+
+def test_a_quiet_server_prefills_in_larger_chunks_and_answers_the_same(tiny, monkeypatch):
+    """On kquant (prefix-invariant) a prompt fed while no request decodes goes in the idle chunk (sized to
+    IDLE_PREFILL_BUDGET_SECONDS: 128 tokens here), one fed while another request decodes in the busy chunk (16):
+    the answer is the same both ways and a fresh engine's alone, greedy and sampled."""
+    import verispec.serving.http.scheduler as scheduling
+
+    monkeypatch.setattr(scheduling, "prefill_seconds_per_token", lambda model, chunk: 0.15 / 16)
+    model = LoadedModel("kq", tiny[0].folder, tiny[0].runner, tiny[0].tokenizer, frozenset())  # no eos: full lengths
+    long, short = [3 + (i * 5) % 44 for i in range(100)], [7, 8, 9]
+    engine = Engine(model, None)
+    try:
+        for config in (GenerationConfig(max_new_tokens=30), GenerationConfig(max_new_tokens=30, seed=3,
+                                                                             sampling=SamplingParams(temperature=1.0))):
+            alone = Engine(model, None).generate(long, config).token_ids
+            answers, chunks = [], []
+            for prompts in ([long], [short, long]):  # alone; beside a short prompt that decodes while it prefills
+                engine.prefixes._entries.clear()
+                scheduler, jobs, tokens = _served_together(engine, prompts, config, prefill_chunk=None)
+                assert (scheduler.prefill_chunk, scheduler.idle_prefill_chunk) == (16, 128)
+                answers.append(tokens[-1])
+                chunks.append([turn.prefilled[jobs[-1].id] for turn in scheduler.turns if jobs[-1].id in turn.prefilled])
+            assert chunks == [[100], [16] * 6 + [4]]
+            assert answers == [alone, alone]
+    finally:
+        engine.prefixes.file.unlink(missing_ok=True)
 
 
 def test_a_prompt_prefilled_meanwhile_is_reused_by_a_request_admitted_before(tiny):

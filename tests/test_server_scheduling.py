@@ -242,7 +242,11 @@ def test_the_default_prefill_chunk_is_what_fits_the_time_budget(tiny_target, mon
     import verispec.serving.http.scheduler as scheduler
 
     monkeypatch.setattr(scheduler, "prefill_seconds_per_token", lambda model, chunk: seconds_per_token)
-    assert scheduler.auto_prefill_chunk(tiny_engine(tiny_target)) == chunk
+    engine = tiny_engine(tiny_target)
+    assert scheduler.auto_prefill_chunk(engine) == chunk
+    # float32 is not prefix-invariant (its batched prefill rounds a chunk as it is cut): no larger chunk when idle
+    assert not engine.target.runner.prefix_invariant and scheduler.prefill_chunks(engine, None) == (chunk, chunk)
+    assert scheduler.prefill_chunks(engine, 24) == (24, 24) and scheduler.prefill_chunks(engine, 0) == (0, 0)
 
 
 def test_a_server_measures_its_prefill_chunk_once_and_keeps_it(tiny_target):

@@ -292,14 +292,13 @@ def _serve(args: argparse.Namespace) -> int:
         return _serve_on_ray(args, spec, limits)
     from verispec.errors import InvalidParameterError
     from verispec.serving.http import create_app
-    from verispec.serving.http.scheduler import auto_prefill_chunk, kv_bytes_per_token, memory_limits
+    from verispec.serving.http.scheduler import kv_bytes_per_token, memory_limits, prefill_chunks
     from verispec.serving.http.server import run
 
     engine = spec()  # once, before serving
     if engine.plan is not None:
         Console(stderr=True, highlight=False).print(engine.plan.summary())
-    if limits.prefill_chunk is None:  # measured now (once per model and CPU), never on a request's path
-        limits = dataclasses.replace(limits, prefill_chunk=auto_prefill_chunk(engine))
+    busy, idle = prefill_chunks(engine, limits.prefill_chunk)  # measured now (once per model and CPU), then read
     app = create_app(engine, model_name=args.model_name, limits=limits)
     try:  # resolved as the scheduler will; an impossible limit is refused now, not at start-up inside uvicorn
         pool, max_model_len = memory_limits(engine, limits.max_batch, limits.kv_pool_tokens, limits.max_model_len)
@@ -309,7 +308,7 @@ def _serve(args: argparse.Namespace) -> int:
     size = f" = {pool * per_token / 2**30:.2f} GiB of target cache" if per_token else ""
     console = Console(stderr=True)
     console.print(f"KV pool {pool} positions{size}; at most {max_model_len} positions per request; "
-                  f"prefill chunk {limits.prefill_chunk or 'whole prompt'}")
+                  f"prefill chunk {busy or 'whole prompt'}" + (f" ({idle} while none decodes)" if idle != busy else ""))
     console.print(f"serving {args.model_name or engine.target.name} on http://{args.host}:{args.port} "
                   "(playground at /, OpenAI API under /v1)")
     run(app, args.host, args.port, args.max_connections, args.keep_alive)
@@ -428,7 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="/health answers 503 degraded when the scheduler has work but has not advanced for this long")
     serve.add_argument("--prefill-chunk", type=int, default=LIMITS.prefill_chunk,
                        help="prompt tokens prefilled per scheduler turn, after the other requests' decode steps "
-                            "(default: what the target prefills in 0.15 s on this CPU, measured once; "
+                            "(default: what the target prefills in 0.15 s on this CPU, measured once, and on kquant what it "
+                            "prefills in 1.5 s while no request decodes; a number: always that many; "
                             "0: each prompt whole, holding up everyone else meanwhile)")
     serve.add_argument("--max-model-len", type=int, default=LIMITS.max_model_len,
                        help="most positions per request, prompt + new tokens (default: the target's context); a longer "

@@ -384,7 +384,8 @@ def create_app(
                 "gamma_policy": engine.gamma_policy, "max_batch": scheduler.max_batch,
                 "active": scheduler.active_count, "queued": scheduler.queue_length, "stalled_seconds": round(stalled, 3),
                 "max_model_len": scheduler.max_model_len, "prefill_chunk": scheduler.prefill_chunk,
-                "kv_pool_tokens": scheduler.kv_pool_tokens, "kv_pool_reserved_tokens": scheduler.reserved_tokens}
+                "idle_prefill_chunk": scheduler.idle_prefill_chunk, "kv_pool_tokens": scheduler.kv_pool_tokens,
+                "kv_pool_reserved_tokens": scheduler.reserved_tokens}
         if status == "degraded":
             body["reason"] = (f"the scheduler has not advanced for {stalled:.1f} s (limit {limits.stall_seconds:g} s) "
                               "with requests waiting or running")

@@ -13,7 +13,7 @@ are made, before any model loads: an InvalidParameterError names the option.
   max_body_bytes     larger request bodies: HTTP 413
   body_timeout       seconds a body may take to arrive after its headers; longer: HTTP 408
   stall_seconds      /health is 503 degraded when the scheduler has work but has not advanced for this long
-  prefill_chunk      prompt tokens prefilled per scheduler turn (None: measured, `auto_prefill_chunk`; 0: whole)
+  prefill_chunk      prompt tokens prefilled per scheduler turn (None: measured, `prefill_chunks`; 0: whole)
   kv_pool_tokens     target KV positions the running requests share (None: `default_kv_pool_tokens`)
   max_model_len      most positions per request, prompt + new tokens (None: the target's context)
   shutdown_grace     seconds running requests may go on once a shutdown begins
@@ -44,7 +44,7 @@ class ServerLimits:
     max_body_bytes: int = 1 << 20
     body_timeout: float = 30.0
     stall_seconds: float = 60.0
-    prefill_chunk: int | None = None  # sized to the scheduler's PREFILL_BUDGET_SECONDS (`auto_prefill_chunk`)
+    prefill_chunk: int | None = None  # sized to the scheduler's time budgets (`prefill_chunks`)
     kv_pool_tokens: int | None = None
     max_model_len: int | None = None
     shutdown_grace: float = 10.0

@@ -23,9 +23,13 @@ Every turn of the worker:
 
 The chunk is a time budget: by default (`prefill_chunk=None`) the most tokens, a power of two in
 8…512, that the target prefills in `PREFILL_BUDGET_SECONDS` on this CPU (each size timed once per
-model and CPU and cached, so it is the same at every start). It is a fixed size, never adapted to the load: how a
-prompt is cut into forwards changes its rounding on some backends, and a request must get the same
-answer alone or among others.
+model and CPU and cached, so it is the same at every start). While no request decodes, a prompt's own
+part is fed in chunks sized to `IDLE_PREFILL_BUDGET_SECONDS` instead (what a request arriving then waits
+for at most), but only on a `prefix_invariant` target, whose cache holds the same bits however a prompt
+is cut (`prefill_chunks`): elsewhere (llama.cpp, torch's batched prefill) the cut changes a prompt's
+rounding, and a request must get the same answer alone or among others, so the chunk never follows the
+load there. A lone request on a quiet server then prefills in the backend's efficient pieces (kquant's
+700-token prompt on the AMX Xeon: chunks of 32 re-read the weights 22 times).
 
 KV pool: `kv_pool_tokens` cache positions of the target shared by the running requests. A request
 holds its reservation (prompt + initial spare at admission); when a step would write past it, the
@@ -71,10 +75,11 @@ from verispec.types import GenerationStats, TokenEvent
 
 __all__ = ["Scheduler", "Job", "JobUpdate", "QueueFullError", "RequestTimeoutError", "ServerStoppingError", "Turn", "live_stats",
            "SHUTDOWN_FINISH_REASON", "auto_prefill_chunk", "default_kv_pool_tokens", "kv_bytes_per_token",
-           "memory_limits"]
+           "memory_limits", "prefill_chunks"]
 
 Encoder = Callable[[Engine], list[int]]  # runs on the worker: request → prompt token ids
 PREFILL_BUDGET_SECONDS = 0.15  # what one prefill chunk may add to the decoding requests' step
+IDLE_PREFILL_BUDGET_SECONDS = 1.5  # a chunk while nothing decodes: what a request arriving then may wait for its turn
 STARVATION_TURNS = 4  # a prompt passed over for shorter ones this many prefill turns in a row goes next
 POOL_TOKENS_PER_SLOT = 2048  # the default pool: this many positions per batch slot (at least one full-length request)
 POOL_HEADROOM = 64  # a full-length request's draft positions past max_model_len
@@ -93,6 +98,18 @@ def auto_prefill_chunk(engine: Engine, budget: float = PREFILL_BUDGET_SECONDS) -
     while chunk < 512 and prefill_seconds_per_token(engine.target, 2 * chunk) * 2 * chunk <= budget:
         chunk *= 2
     return chunk
+
+
+def prefill_chunks(engine: Engine, prefill_chunk: int | None) -> tuple[int, int]:
+    """(prompt tokens a turn feeds while requests decode, while none does; 0: a whole prompt). A set
+    `prefill_chunk` is both; None: `auto_prefill_chunk` within PREFILL_BUDGET_SECONDS, and while nothing
+    decodes within IDLE_PREFILL_BUDGET_SECONDS where the target is `prefix_invariant` (elsewhere the same)."""
+    if prefill_chunk is not None:
+        return prefill_chunk, prefill_chunk
+    busy = auto_prefill_chunk(engine)
+    if not engine.target.runner.prefix_invariant:
+        return busy, busy
+    return busy, auto_prefill_chunk(engine, IDLE_PREFILL_BUDGET_SECONDS)
 
 
 def memory_limits(engine: Engine, max_batch: int, kv_pool_tokens: int | None, max_model_len: int | None) -> tuple[int, int]:
@@ -211,8 +228,8 @@ class Job:
 class Scheduler:
     """Owns the engine on one worker thread; `submit` from any thread or event loop.
 
-    prefill_chunk: most prompt tokens fed per worker turn (None: `auto_prefill_chunk`, measured now;
-    0: a whole prompt at once);
+    prefill_chunk: most prompt tokens fed per worker turn (None: `prefill_chunks`, measured now, and larger
+    while no request decodes; 0: a whole prompt at once);
     kv_pool_tokens: target cache positions all running requests may hold together (default:
     `default_kv_pool_tokens`); max_model_len: most positions (prompt + new tokens) per request
     (default and at most: the target's context).
@@ -227,10 +244,10 @@ class Scheduler:
         ServerLimits(max_batch=max_batch, max_queue=max_queue, request_timeout=request_timeout, prefill_chunk=prefill_chunk,
                      kv_pool_tokens=kv_pool_tokens, max_model_len=max_model_len)  # their checks, with the server's
         kv_pool_tokens, max_model_len = memory_limits(engine, max_batch, kv_pool_tokens, max_model_len)
-        prefill_chunk = auto_prefill_chunk(engine) if prefill_chunk is None else prefill_chunk
         self.engine, self.metrics = engine, metrics or Metrics()
         self.max_batch, self.max_queue, self.request_timeout = max_batch, max_queue, request_timeout
-        self.prefill_chunk, self.kv_pool_tokens, self.max_model_len = prefill_chunk, kv_pool_tokens, max_model_len
+        self.prefill_chunk, self.idle_prefill_chunk = prefill_chunks(engine, prefill_chunk)
+        self.kv_pool_tokens, self.max_model_len = kv_pool_tokens, max_model_len
         self._waiting: deque[Job] = deque()
         self._work = threading.Condition()  # guards _waiting; notified on submit
         self._active: list[Job] = []
@@ -466,8 +483,11 @@ class Scheduler:
         job.last_prefill_turn = self._prefill_turns
         generation = job.generation
         before, copied = generation.cache.length, generation.stats.cached_tokens
+        quiet = not any(other.generation.prefilled for other in self._active)  # no request decodes
+        own_part = generation.cache.length < generation.prompt_len  # the target's prefill, not its draft's
+        chunk = self.idle_prefill_chunk if quiet and own_part else self.prefill_chunk
         try:
-            done = generation.prefill_step(self.prefill_chunk or None, self._running_caches(job))
+            done = generation.prefill_step(chunk or None, self._running_caches(job))
         except Exception as error:  # noqa: BLE001
             self._fail(job, error, "error")
             return {}
