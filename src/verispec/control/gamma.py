@@ -4,12 +4,12 @@
 - heuristic: Hugging Face's original schedule: start at 5 (or the given γ), +2 when every draft
   token was accepted, −1 otherwise, never below 1.
 - analytic: the γ that maximises E[tokens] / (γ·c + T(γ+1)/T(1)) for the acceptance and costs measured in
-  this run (acceptance: the first draft position's rate α₁ and a later position's α given the one before,
-  each from accepted counts, `theory.expected_tokens`: a draft model that drafts a new word often misses its
-  first token and seldom the rest of a run it got right, and one rate for both sized such steps past what was
-  accepted; c and T(n) from timings, T(n)/T(1) at the context the sequence has reached: `CostModel.verify_cost`). A drafter of token trees verifies more
-  positions than its depth: its steps are priced at T(w·γ+1)/T(1), w the nodes its trees have held per
-  depth so far in this request.
+  this run. Acceptance: the first draft position's rate α₁ and a later position's α given the one before,
+  each from accepted counts (`theory.expected_tokens`): a draft often misses a run's first token and seldom
+  the rest of a run it got right, and one rate for both misjudged both kinds of step. c and T(n) from timings,
+  T(n)/T(1) at the context the sequence has reached (`CostModel.verify_cost`). A drafter of token trees
+  verifies more positions than its depth: its steps are priced at T(w·γ+1)/T(1), w the nodes its trees have
+  held per depth so far in this request.
 - auto: analytic, and γ = 0 (plain steps) while even the best γ is predicted slower than plain
   decoding; every `PROBE_EVERY` plain steps it drafts one token to measure α again, and resumes
   when speculation would pay (the policy `--draft auto` plans with).

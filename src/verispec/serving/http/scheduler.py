@@ -28,8 +28,8 @@ part is fed in chunks sized to `IDLE_PREFILL_BUDGET_SECONDS` instead (what a req
 for at most), but only on a `prefix_invariant` target, whose cache holds the same bits however a prompt
 is cut (`prefill_chunks`): elsewhere (llama.cpp, torch's batched prefill) the cut changes a prompt's
 rounding, and a request must get the same answer alone or among others, so the chunk never follows the
-load there. A lone request on a quiet server then prefills in the backend's efficient pieces (kquant's
-700-token prompt on the AMX Xeon: chunks of 32 re-read the weights 22 times).
+load there. A lone request on a quiet server then prefills in the backend's efficient pieces (each chunk
+reads every weight once: a 700-token prompt in chunks of 32 reads them 22 times).
 
 KV pool: `kv_pool_tokens` cache positions of the target shared by the running requests. A request
 holds its reservation (prompt + initial spare at admission); when a step would write past it, the
