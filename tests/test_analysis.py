@@ -33,19 +33,6 @@ def test_a_draft_models_catching_up_costs_more_after_full_acceptance():
     assert optimal_gamma(0.9, 0.3, 8, lambda g: 1.0, catch_up=3.0) >= optimal_gamma(0.9, 0.3, 8, lambda g: 1.0)
 
 
-def test_a_first_position_of_its_own_rate():
-    """α₁ for the first draft position, α for each later one given the one before: 1 + α₁(1 + α + … + α^(γ−1))."""
-    assert expected_tokens(0.2, 3, first=0.4) == pytest.approx(1 + 0.4 * (1 + 0.2 + 0.04))
-    assert expected_tokens(1.0, 3, first=0.5) == pytest.approx(2.5)
-    assert expected_tokens(0.8, 4, first=0.8) == pytest.approx(expected_tokens(0.8, 4))
-    # a full acceptance (α₁α^(γ−1)) makes the next step's first draft forward a catching-up one
-    assert draft_step_cost(0.5, 2, 0.2, 1.5, first=0.8) == pytest.approx(0.2 * (2 + 0.8 * 0.5 * 0.5))
-    # later tokens that fare worse than the first are worth one token only; better ones, a longer draft
-    flat = lambda g: 1.0 + 0.05 * g  # noqa: E731
-    assert optimal_gamma(0.6, 0.15, 8, flat) == 2 and optimal_gamma(0.2, 0.15, 8, flat, first=0.6) == 1
-    assert optimal_gamma(0.5, 0.15, 8, flat) == 1 and optimal_gamma(0.9, 0.15, 8, flat, first=0.5) >= 4
-
-
 def test_optimal_gamma_limits():
     for alpha in (0.1, 0.5, 0.9):
         assert optimal_gamma(alpha, 0.0, max_gamma=10) == 10  # free drafts: draft as far as allowed

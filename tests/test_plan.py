@@ -17,7 +17,7 @@ from verispec.control import CostModel
 from verispec.control.costs import LONG_CONTEXT, SHORT_CONTEXT
 from verispec.control.gamma import PROBE_EVERY, make_gamma_policy
 from verispec.control.plan import ALPHA_PRIORS, BACKEND_MARGIN, LOOKUP_EMPTY, MARGIN, best_gamma, choose_plan, worth_measuring
-from verispec.control.theory import expected_speedup, optimal_gamma
+from verispec.control.theory import expected_speedup
 from verispec.types import Hint
 
 FLAT = [1.0, 1.01, 1.08, 1.15, 1.31]  # T(n) of a flat verifier (int8 on AVX-512): speculation pays
@@ -121,11 +121,11 @@ def test_the_auto_policy_pauses_when_speculation_loses_and_probes_to_resume():
     assert analytic.next_gamma() >= 1
     gammas = [policy.next_gamma() for _ in range(PROBE_EVERY)]
     assert gammas == [0] * (PROBE_EVERY - 1) + [1]
-    for _ in range(200):  # the probes accepted: α₁ climbs until speculation pays again
+    for _ in range(200):  # the probes accepted: α climbs until speculation pays again
         policy.update(1, 1)
-        if all(policy.next_gamma() >= 1 for _ in range(2)):  # two steps in a row: not a probe
+        if policy.next_gamma() >= 1:
             break
-    assert all(policy.next_gamma() >= 1 for _ in range(PROBE_EVERY))
+    assert policy.next_gamma() >= 1
 
 
 def test_the_policy_sizes_and_pauses_each_hinted_class_of_steps_apart():
@@ -160,22 +160,6 @@ def test_a_class_that_costs_no_draft_forward_is_priced_at_nothing():
             gamma = policy.next_gamma(hint) or 1
             policy.update(gamma, gamma // 4, hint=hint)
     assert policy.next_gamma(lookup) >= 1 and policy.next_gamma(model) == 0
-
-
-def test_the_policy_weighs_a_drafts_first_token_apart_from_the_rest():
-    """α₁ (the first draft position's acceptance) and α (a later one's given the one before), each from the counts
-    of its positions: a draft that gets 6 first tokens in 10 right and nothing after drafts one token; one that gets
-    half its first tokens right and then whole runs drafts as far as allowed, where one rate for both (0.79: the
-    control, by the same theory) would stop at 4."""
-    costs = CostModel([1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35, 1.4], draft_token_seconds=0.15)
-    verify = lambda gamma: costs.verify_cost(gamma, None)  # noqa: E731
-    for steps, gamma in (([(3, 1)] * 6 + [(3, 0)] * 4, 1), ([(4, 4)] * 5 + [(4, 0)] * 5, 8)):
-        policy = make_gamma_policy("auto", 3, costs, max_gamma=8)
-        for _ in range(4):
-            for proposed, accepted in steps:
-                policy.update(proposed, accepted)
-        assert policy.next_gamma() == gamma
-    assert optimal_gamma(policy.alpha, 0.15, 8, verify) == 4 and policy.alpha == pytest.approx(0.79, abs=0.01)
 
 
 def test_token_trees_are_priced_by_the_positions_they_verify():

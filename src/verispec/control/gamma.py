@@ -3,13 +3,11 @@
 - constant: always γ.
 - heuristic: Hugging Face's original schedule: start at 5 (or the given γ), +2 when every draft
   token was accepted, −1 otherwise, never below 1.
-- analytic: the γ that maximises E[tokens] / (γ·c + T(γ+1)/T(1)) for the acceptance and costs measured in
-  this run. Acceptance: the first draft position's rate α₁ and a later position's α given the one before,
-  each from accepted counts (`theory.expected_tokens`): a draft often misses a run's first token and seldom
-  the rest of a run it got right, and one rate for both misjudged both kinds of step. c and T(n) from timings,
-  T(n)/T(1) at the context the sequence has reached (`CostModel.verify_cost`). A drafter of token trees
-  verifies more positions than its depth: its steps are priced at T(w·γ+1)/T(1), w the nodes its trees have
-  held per depth so far in this request.
+- analytic: the γ that maximises E[tokens] / (γ·c + T(γ+1)/T(1)) for the α and costs measured in
+  this run (α: the geometric estimate from accepted counts; c and T(n) from timings, T(n)/T(1) at the
+  context the sequence has reached: `CostModel.verify_cost`). A drafter of token trees verifies more
+  positions than its depth: its steps are priced at T(w·γ+1)/T(1), w the nodes its trees have held per
+  depth so far in this request.
 - auto: analytic, and γ = 0 (plain steps) while even the best γ is predicted slower than plain
   decoding; every `PROBE_EVERY` plain steps it drafts one token to measure α again, and resumes
   when speculation would pay (the policy `--draft auto` plans with).
@@ -100,18 +98,8 @@ class AnalyticGamma(GammaPolicy):
         return self._alpha(self.overall)
 
     def _alpha(self, steps: _Steps) -> float:
-        return self._rate(steps, steps.seen.accepted, steps.seen.judged)
-
-    def _rate(self, steps: _Steps, accepted: int, judged: int) -> float:
-        """accepted / judged draft tokens, with the class's prior worth `prior_weight` judged tokens."""
-        return min(max((steps.prior_alpha * self.prior_weight + accepted) / (self.prior_weight + judged), 0.01), 0.99)
-
-    def _rates(self, steps: _Steps) -> tuple[float, float]:
-        """(α₁, α): the class's first draft position's acceptance rate, and a later position's given the one before
-        (every step that drafted judged its first position; the rest of the judged tokens are later ones)."""
-        seen = steps.seen
-        offered, kept = (seen.offered[0], seen.kept[0]) if seen.offered else (0, 0)
-        return self._rate(steps, kept, offered), self._rate(steps, seen.accepted - kept, seen.judged - offered)
+        accepted = steps.prior_alpha * self.prior_weight + steps.seen.accepted
+        return min(max(accepted / (self.prior_weight + steps.seen.judged), 0.01), 0.99)
 
     def _steps(self, hint: Hint | None) -> _Steps:
         if hint is None:
@@ -152,13 +140,13 @@ class AnalyticGamma(GammaPolicy):
         c = self.costs.draft_cost_ratio()
         if c is None:
             return
-        (first, alpha), catch_up = self._rates(steps), self.costs.draft_catch_up
+        alpha, catch_up = self._alpha(steps), self.costs.draft_catch_up
         if steps.free:  # no draft forward to pay for, none to catch up
             c, catch_up = 0.0, 1.0
         # a step of depth γ verifies positions(γ) draft tokens, after `context` tokens
         verify_cost = lambda gamma: self.costs.verify_cost(self.positions(gamma), context)  # noqa: E731
-        gamma = optimal_gamma(alpha, c, self.max_gamma, verify_cost, catch_up, first)
-        loses = expected_speedup(alpha, gamma, c, verify_cost, catch_up, first) < 1.0
+        gamma = optimal_gamma(alpha, c, self.max_gamma, verify_cost, catch_up)
+        loses = expected_speedup(alpha, gamma, c, verify_cost, catch_up) < 1.0
         steps.gamma = 0 if self.may_pause and loses else gamma
 
 

@@ -7,9 +7,6 @@ catch_up: T_d(2)/T_d(1) of a draft model, what feeding it two tokens costs again
 drafts γ tokens in γ forwards, the first of which feeds what the target committed since its last step:
 one token, or two after a step that accepted every draft (the draft never fed its own last token),
 which happens with probability α^γ. The papers' γ·c is the case catch_up = 1 (a flat draft curve).
-`first`: the first draft position's own acceptance rate α₁, α then being a later position's given the one
-before it (a draft that misses its first token more often than the rest of a run it got right: E[tokens]
-= 1 + α₁(1 + α + … + α^(γ−1))); None: α₁ = α, the papers' geometric model.
 """
 
 from __future__ import annotations
@@ -29,36 +26,33 @@ def acceptance_rate(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> to
     return torch.minimum(target_probs, draft_probs).sum(dim=-1)
 
 
-def expected_tokens(alpha: float, gamma: float, first: float | None = None) -> float:
-    """E[tokens per step] = 1 + α₁(1 − α^γ) / (1 − α), (1 − α^(γ+1)) / (1 − α) when α₁ = α (`first` None); γ may
-    be a mean draft length (non-integer)."""
-    first = alpha if first is None else first
+def expected_tokens(alpha: float, gamma: float) -> float:
+    """E[tokens per step] = (1 − α^(γ+1)) / (1 − α); γ may be a mean draft length (non-integer)."""
     if alpha >= 1.0:
-        return 1.0 + first * gamma
-    return 1.0 + first * (1.0 - alpha**gamma) / (1.0 - alpha)
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
-def draft_step_cost(alpha: float, gamma: float, c: float, catch_up: float = 1.0, first: float | None = None) -> float:
+def draft_step_cost(alpha: float, gamma: float, c: float, catch_up: float = 1.0) -> float:
     """A step's drafting in T(1): c · (γ − 1 + the catching-up forward), that forward costing 1, or
-    `catch_up` after a step that accepted all γ (probability α₁α^(γ−1)); 0 for a step that drafts nothing."""
+    `catch_up` after a step that accepted all γ (probability α^γ); 0 for a step that drafts nothing."""
     if gamma <= 0:
         return 0.0
-    all_accepted = alpha**gamma if first is None else first * alpha ** (gamma - 1)
-    return c * (gamma + all_accepted * (catch_up - 1.0))
+    return c * (gamma + alpha**gamma * (catch_up - 1.0))
 
 
 def expected_speedup(alpha: float, gamma: float, c: float, verify_cost: Callable[[int], float] | None = None,
-                     catch_up: float = 1.0, first: float | None = None) -> float:
-    """E[tokens] / (drafting + T(γ+1)/T(1)); the papers' (1−α^(γ+1)) / ((1−α)(γc+1)) when verify_cost is None,
-    catch_up 1 and `first` None."""
+                     catch_up: float = 1.0) -> float:
+    """E[tokens] / (drafting + T(γ+1)/T(1)); the papers' (1−α^(γ+1)) / ((1−α)(γc+1)) when verify_cost is None
+    and catch_up 1."""
     verify = verify_cost(gamma) if verify_cost is not None else 1.0
-    return expected_tokens(alpha, gamma, first) / (draft_step_cost(alpha, gamma, c, catch_up, first) + verify)
+    return expected_tokens(alpha, gamma) / (draft_step_cost(alpha, gamma, c, catch_up) + verify)
 
 
 def optimal_gamma(alpha: float, c: float, max_gamma: int = 16, verify_cost: Callable[[int], float] | None = None,
-                  catch_up: float = 1.0, first: float | None = None) -> int:
+                  catch_up: float = 1.0) -> int:
     """The γ in [1, max_gamma] with the highest expected speedup."""
-    return max(range(1, max_gamma + 1), key=lambda g: expected_speedup(alpha, g, c, verify_cost, catch_up, first))
+    return max(range(1, max_gamma + 1), key=lambda g: expected_speedup(alpha, g, c, verify_cost, catch_up))
 
 
 def curve_verify_cost(curve: Sequence[float]) -> Callable[[int], float]:
