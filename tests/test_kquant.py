@@ -183,14 +183,12 @@ def test_an_input_narrower_than_its_super_blocks_is_multiplied_as_its_zero_padde
     kernels = kquant_kernels()
     blocks = torch.from_numpy(random_blocks(kind, 32, 512, np.random.default_rng(3)))
     layer = KQuantLinear(KQuantWeight(kind, blocks, 512))
-    for name in kernels.kernels_built():
-        kernels.use_kernels(name)
-        for width, rows in itertools.product((300, 257, 511, 320), (3, 11)):  # the second super-block part-filled
-            x = torch.randn(rows, width)
-            padded = torch.cat([x, torch.zeros(rows, 512 - width)], dim=1)
+    for name, (width, rows) in itertools.product(kernels.kernels_built(), itertools.product((300, 257, 511, 320), (3, 11))):
+        x = torch.randn(rows, width)  # the second super-block part-filled
+        padded = torch.cat([x, torch.zeros(rows, 512 - width)], dim=1)
+        with kernels_of(name):
             got = kernels.linear(x, layer.packed, layer.kinds, layer.columns, None)
             assert torch.equal(got, kernels.linear(padded, layer.packed, layer.kinds, layer.columns, None)), (name, width, rows)
-    kernels.use_kernels(kernels.kernels_built()[0])
 
 
 def test_bad_shapes_are_clear_errors():
