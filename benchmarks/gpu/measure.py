@@ -12,7 +12,9 @@ on one device, in one run:
    greedy, on the same random models and random prompts (no EOS: every run makes --new-tokens tokens);
    each speculative output compared with plain decoding's on the same device and dtype (`same_as_plain`);
    every verispec method timed on its second pass over the prompts, after a cold one that captured its
-   graphs, each pass with a fresh drafter (`verispec_speed`); plain timed again at the end (drift);
+   graphs, each pass with a fresh drafter (`verispec_speed`); plain timed again at the end (drift); with
+   --host-steps each replayed one twice in turns, its whole steps on the device (`engine/device_steps.py`,
+   the default) and through the host (VERISPEC_DEVICE_STEPS=0), `device_steps` in its record;
 3. the speedups over replayed plain decoding that the theory predicts from the measured graph curves,
    the draft's c and acceptance measured on the real models on a CPU (--alpha): random weights agree
    with nothing, so measured speculative tok/s here show the cost of a step, not its gain.
@@ -201,6 +203,7 @@ def verispec_speed(builder: EngineBuilder, method: str, prompts: list[list[int]]
     tokens = sum(len(ids) for ids in run["outputs"])
     failed = engine.target.runner._graphs.failed if engine.target.runner.graphs else None
     return ({"kind": "speed", "system": "verispec", "method": method, "policy": policy, "graphs": engine.target.runner.graphs,
+             "device_steps": engine.target.runner.graphs and os.environ.get("VERISPEC_DEVICE_STEPS", "1") != "0",
              "graph_failure": failed, "tokens": tokens, "seconds": run["seconds"], "tok_s": tokens / run["seconds"],
              "cold_tok_s": sum(len(ids) for ids in cold["outputs"]) / cold["seconds"],
              "same_as_cold": sum(a == b for a, b in zip(run["outputs"], cold["outputs"])),
@@ -295,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="verispec drafter specs (none: plain; default none,ngram,model,tree,hybrid, or with --real and no "
                              "--real-draft none,ngram,stand), each at --gamma, or SPEC@N (γ N) or SPEC@POLICY (e.g. ngram@heuristic)")
     parser.add_argument("--no-launched", action="store_true", help="skip plain decoding launched eagerly (slow on a GPU)")
+    parser.add_argument("--host-steps", action="store_true",
+                        help="time each replayed method also with its steps through the host (VERISPEC_DEVICE_STEPS=0), in turns")
     parser.add_argument("--profile", default="", help="--methods entries whose host time is profiled too (cProfile, top 30)")
     parser.add_argument("--hf-methods", default=None,
                         help="Hugging Face generate() modes (default plain,assisted,prompt_lookup; assisted needs a draft; none: no HF run)")
@@ -380,12 +385,22 @@ def main(argv: list[str] | None = None) -> int:
         stop = args.real is not None
         plain: dict[bool, list[list[int]]] = {}
         plain_modes = [True] if args.no_launched else [False, True]
+        step_modes = ["1", "0"] if args.host_steps and replay else ["1"]  # VERISPEC_DEVICE_STEPS: on the device, then the host
+
+        def in_turns(what: str, run) -> None:
+            """`run` once per step mode (`--host-steps`), the setting restored after."""
+            for mode in step_modes:
+                os.environ["VERISPEC_DEVICE_STEPS"] = mode
+                attempt(f"{what} device_steps={mode}", run)
+            os.environ.pop("VERISPEC_DEVICE_STEPS")
+
         for graphs in (plain_modes if replay else [False]):  # plain decoding launched, then replayed
             def measure_plain(graphs=graphs):
                 runners["target"].use_graphs(graphs)
-                record, plain[graphs] = verispec_speed(builder, "none", prompts, new_tokens, args.gamma, device, stop)
+                record, outputs = verispec_speed(builder, "none", prompts, new_tokens, args.gamma, device, stop)
+                plain.setdefault(graphs, outputs)  # the reference: the first mode's
                 emit({**record, "gamma": 0})
-            attempt(f"plain graphs={graphs}", measure_plain)
+            (in_turns if graphs else attempt)(f"plain graphs={graphs}", measure_plain)
         runners["target"].use_graphs(replay)
         reference = plain.get(replay)
         for entry in [m for m in split_specs(methods) if m != "none"]:
@@ -393,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
                 method, gamma, policy = method_and_policy(entry, args.gamma)
                 record, outputs = verispec_speed(builder, method, prompts, new_tokens, gamma, device, stop, policy)
                 emit({**record, "gamma": gamma, **agreement(outputs, reference)})
-            attempt(f"verispec {entry}", measure_method)
+            in_turns(f"verispec {entry}", measure_method)
         for entry in split_specs(args.profile):
             attempt(f"profile {entry}", lambda entry=entry: emit(host_profile(builder, entry, prompts, new_tokens, args.gamma,
                                                                               device, stop, top=30)))

@@ -27,7 +27,8 @@ def _cost(record: dict) -> str:
 
 def _speed(record: dict) -> str:
     same = f" = plain {record['same_as_plain']}/{record['prompts']}" if record.get("same_as_plain") is not None else ""
-    return (f"  {record['system']} {record['method']:<28} {record['tok_s']:8.1f} tok/s  τ {record.get('tau') or 1:.2f}"
+    where = {True: " (device steps)", False: " (host steps)"}.get(record.get("device_steps")) if record.get("graphs") else ""
+    return (f"  {record['system']} {record['method'] + where:<42} {record['tok_s']:8.1f} tok/s  τ {record.get('tau') or 1:.2f}"
             f"{same}  = cold {record.get('same_as_cold', '-')}{'  (again)' if record.get('again') else ''}")
 
 

@@ -14,6 +14,10 @@ after one: BENCHMARKS.md), so each step tells the γ policy its match length (`h
 `HINT_CLASSES`, with `MATCH_PRIORS` as priors), and the policy sizes each class of step by its own measured
 acceptance: a short draft or none after a weak match, a long one after a strong match. `hints=0` turns this off.
 
+`lookup_on_device` is the same rule (a chain) over a device buffer of token ids, in tensor operations of fixed
+shapes that read nothing back to the host, so that a whole step can be captured as a CUDA graph
+(`engine/device_steps.py`).
+
 `nodes=N` drafts a token tree instead of one continuation: the continuations of every earlier match of the last
 `max_n` … `min_n` tokens (longest suffix first, latest match first), merged where they agree, up to N nodes and γ
 deep. Where verifying more positions costs almost nothing (a GPU) more of the output is found in the text this way
@@ -30,7 +34,7 @@ from verispec.drafters.prefix import common_prefix_length
 from verispec.errors import InvalidParameterError
 from verispec.types import Draft, Hint
 
-__all__ = ["NgramDrafter", "MATCH_PRIORS", "match_hint"]
+__all__ = ["NgramDrafter", "MATCH_PRIORS", "lookup_on_device", "match_hint"]
 
 # acceptance of the first drafted token by matched suffix length (1, 2, ≥ 3), measured on public prompts (Spec-Bench's
 # groups and HumanEval, the 1.5B target's greedy outputs: `benchmarks/probes/lookup_bound.py`): the classes' priors
@@ -55,6 +59,29 @@ class NgramDrafter(Drafter):
 
     def start(self, prompt_ids: list[int]) -> DraftSession:
         return _NgramSession(self.max_n, self.min_n, self.oldest, self.hints, self.nodes)
+
+
+def lookup_on_device(ids: torch.Tensor, length: torch.Tensor, gamma: int, max_n: int, min_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_NgramSession.lookup`'s rule on the device: the sequence is ids[:length] (ids [capacity] long, length [1]
+    long, both on the device); returns the draft [γ] and the matched suffix's length n [1] (0: no match).
+
+    The draft is the γ tokens after the most recent earlier occurrence of the longest suffix of n ≤ max_n tokens
+    (n ≥ min_n) that occurred before, as the host's lookup drafts them, except that it always holds γ tokens:
+    where the host's draft stops at the end of the sequence (or is empty, without a match) this one goes on with
+    whatever the buffer holds there. A draft is only a guess, so that costs acceptance, never exactness."""
+    capacity = ids.shape[0]
+    ends = torch.arange(capacity, device=ids.device)  # [capacity]: where an earlier n-gram ends
+    last = length - 1  # [1]: where the suffix ends
+    agree = ends < last  # [capacity]: an earlier n-gram with a token after it, agreeing with the suffix so far
+    best, matched = torch.full_like(length, -1), torch.zeros_like(length)
+    for n in range(1, max_n + 1):
+        back = n - 1  # the n-gram's first token lies `back` before its end
+        agree = agree & (ends >= back) & (ids[(ends - back).clamp(min=0)] == ids[(last - back).clamp(min=0)])
+        if n >= min_n:
+            found = torch.where(agree & (last >= back), ends, -1).amax(0, keepdim=True)  # [1]: the latest such end
+            best, matched = torch.where(found >= 0, found, best), torch.where(found >= 0, n, matched)  # longer n wins
+    draft = ids[(best + 1 + torch.arange(gamma, device=ids.device)).clamp(max=capacity - 1)]  # [γ]
+    return draft, matched
 
 
 def match_hint(matched: int) -> Hint:

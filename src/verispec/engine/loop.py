@@ -56,6 +56,7 @@ from verispec.control import CostModel, make_gamma_policy
 from verispec.control.gamma import check_gamma_policy
 from verispec.control.plan import Plan
 from verispec.drafters.base import Drafter
+from verispec.engine.device_steps import DeviceSteps
 from verispec.engine.shapes import Chain, shape_of
 from verispec.errors import InvalidParameterError, VerispecError
 from verispec.models.loading import ModelCache
@@ -395,6 +396,7 @@ class Generation:
         # room for the first tokens; a cache grows as the sequence does, never by the request's promise
         self.initial_capacity, self.max_capacity = self.capacities(engine, self.prompt_len, config)
         self.session, self.prefilled, self._session_opened = None, False, False
+        self.device_steps: DeviceSteps | None = None  # where whole steps run on the device (set with the session)
         self._held: list[TokenEvent] = []  # the first token's events, from the prefill, until step() gives them
         self.cache = self.target.runner.new_cache(self.initial_capacity)
         self._cap_growth()
@@ -424,6 +426,7 @@ class Generation:
         if self.session is not None:
             self.session.attach_target_cache(self.cache)
         self.prefilled = self.session is None or self.session.prefill_step(0)
+        self.device_steps = DeviceSteps.of(self)
 
     def prefill_step(self, max_tokens: int | None = None, running: Iterable[tuple[Sequence[int], Cache]] = ()) -> bool:
         """Feed at most `max_tokens` more prompt tokens (None: all the rest) into the target's cache; the first
@@ -524,13 +527,16 @@ class Generation:
 
     def step(self) -> list[TokenEvent]:
         """One draft + verify step: the drafter proposes, the target scores the proposal in one forward,
-        the rejection rule keeps a prefix and adds one token of the target's. Returns the events of
-        the tokens it emitted (one or more; an EOS token only when it releases held-back text); [] once
-        `done`. The request finishes (and releases its caches) on EOS, a stop string or its length."""
+        the rejection rule keeps a prefix and adds one token of the target's (where steps run on the device,
+        `device_steps.py`, a run of such steps). Returns the events of the tokens it emitted (one or more; an
+        EOS token only when it releases held-back text); [] once `done`. The request finishes (and releases
+        its caches) on EOS, a stop string or its length."""
         if not self._session_opened:  # a prompt left unfinished: the rest of it now, which gives the first token
             self.prefill_step()
         if self._held or self.done:  # the first token goes out before the drafter's own prefill (in `plan`)
             return self.take_held()
+        if self.device_steps is not None and (events := self.device_steps.run()) is not None:
+            return events
         plan = self.plan()  # draft
         start = time.perf_counter()
         logits = self.target.runner.forward(

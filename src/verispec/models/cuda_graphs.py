@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MAX_CHAIN", "MAX_WIDTH", "GraphSteps", "StoragePool", "graphs_wanted"]
+__all__ = ["MAX_CHAIN", "MAX_WIDTH", "GraphSteps", "StoragePool", "capture", "graphs_wanted"]
 
 MAX_WIDTH = 64  # the widest token tree captured; longer feeds run eagerly
 MAX_CHAIN = 32  # the longest chain captured (a step's γ+1; a longer one is a prompt, prefilled eagerly)
@@ -95,6 +95,8 @@ class GraphSteps:
     def __init__(self, runner, capture: bool):
         self.runner, self.capture = runner, capture
         self.graphs: dict[tuple, _Graph] = {}
+        self.steps: dict[tuple, object] = {}  # the state of whole steps replayed for a caller (`replayed`), by its key
+        self.captured_steps = 0
         self.failed: str | None = None  # why a capture failed (then every new shape runs eagerly)
         self.pool = torch.cuda.graph_pool_handle() if capture else None  # one memory pool for every graph's temporaries
 
@@ -148,19 +150,48 @@ class GraphSteps:
         """Capture `graph`'s forward on its cache's storage (its inputs already loaded: the warm-up writes
         the same keys and values the first replay will)."""
         run = lambda: self.runner.forward_static(graph.cache, graph.tokens, graph.start, graph.positions, graph.tree)  # noqa: E731
-        device = graph.tokens.device
         if not self.capture:
             def replay():
                 graph.logits = run()
 
             graph.replay = replay
             return
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # a warm-up off the capturing stream (libraries allocate their workspaces here)
-            run()
-        torch.cuda.current_stream(device).wait_stream(side)
-        cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cuda_graph, pool=self.pool):
-            graph.logits = run()  # [n, vocab]: allocated from the graph's pool, rewritten by each replay
-        graph.replay = cuda_graph.replay
+        graph.logits, graph.replay = capture(run, graph.tokens.device, self.pool)  # logits [n, vocab], rewritten by each replay
+
+    def forward_at(self, cache, tokens: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """The chain `tokens` [n] (on the device) fed after the first `start` [1] slots, a device tensor: logits
+        [n, vocab] (`Transformer.forward_static`). Leaves `cache.length` to the caller."""
+        return self.runner.forward_static(cache, tokens, start, None, None)
+
+    def replayed(self, run: Callable[[], None]) -> Callable[[], None] | None:
+        """`run` — device work on static tensors that reads nothing back to the host (a whole step:
+        `engine/device_steps.py`, which keeps it in `steps`) — as a replay: captured as a CUDA graph, or on a CPU
+        `run` itself. Capturing runs it once first (a warm-up), so its effects must be ones the caller can undo.
+        None where no graph may be captured (MAX_GRAPHS reached, or a capture failed): the caller runs eagerly."""
+        if not self.capture:
+            return run
+        if len(self.graphs) + self.captured_steps >= MAX_GRAPHS or self.failed:
+            return None
+        try:
+            _, replay = capture(run, self.runner.device, self.pool)
+        except RuntimeError as error:
+            self.failed = f"{type(error).__name__}: {error}"
+            warnings.warn(f"CUDA graph capture failed, running eagerly: {self.failed}", RuntimeWarning, stacklevel=2)
+            return None
+        self.captured_steps += 1
+        return replay
+
+
+def capture(run: Callable[[], object], device: torch.device, pool) -> tuple[object, Callable[[], None]]:
+    """Capture `run` as a CUDA graph after one warm-up call off the capturing stream (libraries allocate their
+    workspaces there); (what the captured call returned, allocated from `pool` and rewritten by each replay, the
+    replay)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    cuda_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cuda_graph, pool=pool):
+        output = run()
+    return output, cuda_graph.replay

@@ -104,6 +104,7 @@ class HFRunner:
 
     variant = ",hf"
     compiled = False  # transformers' own modules run
+    step_graphs = None  # transformers' modules, launched from the host
     linear_bytes = None  # not told apart from the other weights
     cache_bytes_per_position = None  # a DynamicCache grows by what is fed
 

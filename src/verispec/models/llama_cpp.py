@@ -378,6 +378,7 @@ class LlamaCppRunner:
     # -- declared capabilities (the runner protocol, `models/runner.py`) ---------------------------
     supports_trees = True  # each leaf a sequence sharing the prefix (see the module docstring)
     prefix_invariant = False  # ggml's kernels round a batch of rows differently from fewer
+    step_graphs = None  # each step goes through llama.cpp's own graph, from the host
     compiled = False  # ggml is what runs: no Python-level decoder stack to tell apart
     linear_bytes = None  # ggml's quantized blocks: only the file's size is known
     cache_bytes_per_position = None  # llama.cpp sizes its KV cells itself

@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 
 from verispec.errors import InvalidParameterError, PromptError
+from verispec.models.cuda_graphs import GraphSteps
 from verispec.models.infill import infill_format
 
 __all__ = ["Cache", "LoadedModel", "Runner", "RunnerConfig", "ragged_rows", "tensor_bytes"]
@@ -73,7 +74,7 @@ class Runner(Protocol):
     """A model that scores new positions after a cache, for one sequence or several at once.
 
     Besides its config and dtype a runner declares what it can do, so that callers never probe:
-    `precision`, `variant`, `supports_trees`, `prefix_invariant`, `compiled`, the exact width (`exact_positions`,
+    `precision`, `variant`, `supports_trees`, `prefix_invariant`, `compiled`, `step_graphs`, the exact width (`exact_positions`,
     `exact_positions_after`) and its bytes (`weight_bytes`, `linear_bytes`, `cache_bytes_per_position`).
     """
 
@@ -123,6 +124,12 @@ class Runner(Protocol):
 
     def exact_positions_after(self, length: int) -> int | None:
         """`exact_positions` for a forward after `length` cached positions (it may shrink as a cache grows)."""
+
+    @property
+    def step_graphs(self) -> GraphSteps | None:
+        """Where a whole step may run on the runner's device without the host (`engine/device_steps.py`): its
+        `GraphSteps` (`models/cuda_graphs.py`: a forward after a device-given start, whole steps captured as
+        CUDA graphs); None for a runner that does not replay its steps."""
 
     def new_cache(self, capacity: int = ...) -> Cache: ...
 

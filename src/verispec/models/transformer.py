@@ -414,6 +414,11 @@ class Transformer:
         """Whether steps replay as (CUDA) graphs: `use_graphs`."""
         return self._graphs is not None
 
+    @property
+    def step_graphs(self) -> GraphSteps | None:
+        """Its replayed steps while `graphs` is on (`Runner.step_graphs`), else None."""
+        return self._graphs
+
     def new_cache(self, capacity: int = 1024) -> KVCache:
         return KVCache(self.config, capacity, self.dtype, self.device, self._pool)
 
