@@ -124,6 +124,9 @@ def _interpret(script: str, *args: str, **env: str) -> str:
     TRITON_INTERPRET="0" in `env`: on the GPU)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path), **env}
     result = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=600)
+    if env["TRITON_INTERPRET"] == "1" and "InterpreterError: TypeError('only 0-dimensional arrays" in result.stderr:
+        pytest.skip("this Triton's interpreter indexes with 1-element arrays, which numpy ≥ 2.4 refuses "
+                    "(triton-lang/triton#9171, fixed after Triton 3.6): the GPU tests check the kernels here")
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
