@@ -171,15 +171,17 @@ def timed_pass(engine: Engine, prompts: list[list[int]], new_tokens: int, device
     """One greedy generation per prompt: seconds, outputs, steps and acceptance counts."""
     config = GenerationConfig(max_new_tokens=new_tokens, chat=False)
     synchronize(device)
-    start, outputs, steps, accepted, judged = time.perf_counter(), [], 0, 0, 0
+    start, outputs, steps, accepted, judged, on_device = time.perf_counter(), [], 0, 0, 0, False
     for prompt in prompts:
         result = engine.generate(prompt, config)
+        on_device |= "device steps" in result.stats.phases
         outputs.append(result.token_ids)
         steps += result.stats.steps
         accepted += result.stats.acceptance.accepted
         judged += result.stats.acceptance.judged
     synchronize(device)
-    return {"seconds": time.perf_counter() - start, "outputs": outputs, "steps": steps, "accepted": accepted, "judged": judged}
+    return {"seconds": time.perf_counter() - start, "outputs": outputs, "steps": steps, "accepted": accepted, "judged": judged,
+            "device_steps": on_device}
 
 
 def cold_pass(builder: EngineBuilder, method: str, gamma: int, policy: str, stop: bool, prompts: list[list[int]],
@@ -203,7 +205,7 @@ def verispec_speed(builder: EngineBuilder, method: str, prompts: list[list[int]]
     tokens = sum(len(ids) for ids in run["outputs"])
     failed = engine.target.runner._graphs.failed if engine.target.runner.graphs else None
     return ({"kind": "speed", "system": "verispec", "method": method, "policy": policy, "graphs": engine.target.runner.graphs,
-             "device_steps": engine.target.runner.graphs and os.environ.get("VERISPEC_DEVICE_STEPS", "1") != "0",
+             "device_steps": run["device_steps"],  # whole steps on the device (`engine/device_steps.py`)
              "graph_failure": failed, "tokens": tokens, "seconds": run["seconds"], "tok_s": tokens / run["seconds"],
              "cold_tok_s": sum(len(ids) for ids in cold["outputs"]) / cold["seconds"],
              "same_as_cold": sum(a == b for a, b in zip(run["outputs"], cold["outputs"])),
@@ -388,10 +390,13 @@ def main(argv: list[str] | None = None) -> int:
         step_modes = ["1", "0"] if args.host_steps and replay else ["1"]  # VERISPEC_DEVICE_STEPS: on the device, then the host
 
         def in_turns(what: str, run) -> None:
-            """`run` once per step mode (`--host-steps`), the setting restored after."""
+            """`run` once per step mode (`--host-steps`; the host's only where the first took device steps), the
+            setting restored after."""
             for mode in step_modes:
                 os.environ["VERISPEC_DEVICE_STEPS"] = mode
                 attempt(f"{what} device_steps={mode}", run)
+                if not records[-1].get("device_steps"):
+                    break
             os.environ.pop("VERISPEC_DEVICE_STEPS")
 
         for graphs in (plain_modes if replay else [False]):  # plain decoding launched, then replayed
