@@ -158,6 +158,20 @@ def test_the_end_of_the_context_is_reached_on_the_host(model, hf_target):
     assert len(result.token_ids) == 28 and result.token_ids == reference_generate(hf_target, prompt, 28)
 
 
+def test_a_sequence_that_outgrows_its_storage_moves_to_a_bigger_one(tmp_path, graphs_everywhere):
+    """A cache sized for the request (200 + 42 tokens and a step's draft: the pool's 256 slots) moves to a storage of
+    512 when a run of steps may write past it: new buffers, the sequence loaded into them, the same answer."""
+    from conftest import make_tiny_model
+    from transformers import AutoModelForCausalLM
+
+    folder = make_tiny_model(tmp_path / "long", seed=4, layers=2, context=1024)
+    long_model, hf = load_model(folder), AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompt = (PROMPTS[1] * 40)[:200]
+    result = _generate(_engine(long_model, NgramDrafter(), 4), prompt, GenerationConfig(max_new_tokens=42, chat=False, ignore_eos=True))
+    assert result.token_ids == reference_generate(hf, prompt, 42)
+    assert {key[-1] for key in long_model.runner.step_graphs.steps} == {256, 512}  # buffers by storage capacity
+
+
 def test_requests_take_over_a_storage_and_its_buffers(model, hf_target):
     """A later request gets a released storage back (its graphs and buffers with it) and loads its own sequence;
     two requests stepped in turns each keep their own."""

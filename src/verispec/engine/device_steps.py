@@ -77,12 +77,12 @@ class DeviceSteps:
 
     def run(self) -> list[TokenEvent] | None:
         """Replay up to STEPS_PER_SYNC steps, then emit their tokens; None (nothing done) where the context has no
-        room for a run: the caller takes the general path."""
+        room for a run or the cache's storage is not the pool's: the caller takes the general path."""
         generation = self.generation
         length, remaining = len(generation.ids), generation.max_new - len(generation.output_ids)
         widest = 1 if self.drafter is None else min(generation.engine.max_gamma, MAX_CHAIN - 1) + 1
         steps = min(STEPS_PER_SYNC, remaining, (generation.target.context_length - length) // widest)
-        if steps < 1:
+        if steps < 1 or not self.graphs.replays_on(generation.cache):
             return None
         gamma = 0 if self.drafter is None else max(0, min(generation.policy.next_gamma(), remaining - 1, widest - 1))
         start = time.perf_counter()

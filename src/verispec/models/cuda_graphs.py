@@ -100,11 +100,17 @@ class GraphSteps:
         self.failed: str | None = None  # why a capture failed (then every new shape runs eagerly)
         self.pool = torch.cuda.graph_pool_handle() if capture else None  # one memory pool for every graph's temporaries
 
+    @staticmethod
+    def replays_on(cache) -> bool:
+        """Whether steps on `cache` may be captured: its storage comes from the pool, which keeps it (and the
+        addresses a graph is bound to) for the next request; a storage of its own is freed with the cache."""
+        return cache.pool is not None
+
     def fits(self, cache, n: int, positions: torch.Tensor | None, tree_mask: torch.Tensor | None) -> bool:
         """Whether a forward of `n` positions after `cache` can replay: a pooled storage, a step's width (a
         chain's, or a tree's), positions inside the model's context (the RoPE table a graph reads; TriForce's
         may lie past the slots)."""
-        if cache.pool is None or not 1 <= n <= (MAX_WIDTH if tree_mask is not None else MAX_CHAIN):
+        if not self.replays_on(cache) or not 1 <= n <= (MAX_WIDTH if tree_mask is not None else MAX_CHAIN):
             return False
         if positions is not None and int(positions.max()) >= self.runner.config.max_position_embeddings:
             return False
