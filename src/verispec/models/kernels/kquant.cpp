@@ -198,6 +198,19 @@ struct Activations {
   int sub_blocks(int64_t b, int size) const { return int((std::min<int64_t>(kBlock, width - b * kBlock) + size - 1) / size); }
 };
 
+// f(j) for the sub-blocks j < subs of a super-block of Full sub-blocks (`Activations::sub_blocks`). A whole block,
+// every block but a padded layer's last, runs a loop of constant length, which the compiler unrolls and schedules
+// as one: a loop bounded by `subs` alone made the AVX-512 kernels' 8-row passes 1.2× slower (the 1.5B's linears; its
+// prefill's 1.25×). The AVX2 kernels keep that loop: this form measured 5 % slower there (benchmarks/probes/kquant_build_ab.py)
+template <int Full, typename F>
+inline void for_sub_blocks(int subs, F&& f) {
+  if (subs == Full) {
+    for (int j = 0; j < Full; ++j) f(j);
+  } else {
+    for (int j = 0; j < subs; ++j) f(j);
+  }
+}
+
 // f(std::integral_constant<int, R>{}) for R = rows (1 … kRows): the vector tile kernels are compiled per row count
 template <typename F>
 void with_rows(int rows, F&& f) {
@@ -335,7 +348,7 @@ void dot_tile_q4k(const uint8_t* tile, const Activations& a, int64_t row0, float
     const uint8_t* nibbles = t + 2 * 32 + 2 * 8 * 16;
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
-    for (int j = 0, subs = a.sub_blocks(b, 32); j < subs; ++j) {
+    for_sub_blocks<8>(a.sub_blocks(b, 32), [&](int j) {
       if constexpr (kPrefetchQ4K<R>) prefetch_ahead(t, kQ4KTile, j, 8);
       __m512i w[8];
       for (int tt = 0; tt < 4; ++tt) {
@@ -345,7 +358,7 @@ void dot_tile_q4k(const uint8_t* tile, const Activations& a, int64_t row0, float
       }
       const __m512i scale = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 64 + 16 * j)));
       add_sub_block<R, 8>(w, scale, a, row0, b * kBlock + 32 * j, zeros, dot);
-    }
+    });
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));
     const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32)));
     __m512i min_pairs[4];  // [16 columns × (m of sub-block 2i, m of 2i + 1)] int16
@@ -385,7 +398,7 @@ void dot_tile_q6k(const uint8_t* tile, const Activations& a, int64_t row0, float
     const uint8_t* values = t + 32 + 16 * 16;
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
-    for (int j = 0, subs = a.sub_blocks(b, 16); j < subs; ++j) {
+    for_sub_blocks<16>(a.sub_blocks(b, 16), [&](int j) {
       if constexpr (kPrefetchQ6K<R>) prefetch_ahead(t, kQ6KTile, j, 16);
       __m512i w[4];  // the 6-bit values of the sub-block, unpacked
       unpack_q6k(values + 192 * j, w);
@@ -393,7 +406,7 @@ void dot_tile_q6k(const uint8_t* tile, const Activations& a, int64_t row0, float
       __m512i start[R];  // minus 32 · (the activations' sum): the weights are stored as value + 32
       for (int r = 0; r < R; ++r) start[r] = _mm512_set1_epi32(-32 * a.sums[(row0 + r) * (a.k / 16) + b * 16 + j]);
       add_sub_block<R, 4>(w, scale, a, row0, b * kBlock + 16 * j, start, dot);
-    }
+    });
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));
     for (int r = 0; r < R; ++r) {
       const __m512 xd = _mm512_set1_ps(a.d[(row0 + r) * a.blocks + b]);
