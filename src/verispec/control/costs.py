@@ -16,6 +16,7 @@ output exactly. A model-free drafter (n-gram) counts as free (c = 0).
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -65,15 +66,24 @@ def _plausible(times: list[float]) -> bool:
 
 def measure_verify_curve(runner: Runner, max_positions: int, context: int = SHORT_CONTEXT, repeats: int = 3,
                          attempts: int = 3) -> list[float]:
-    """Seconds of one forward over n = 1..max_positions new positions after `context` cached tokens:
-    the best of `repeats` rounds over every n (so a drift of the machine's speed, which on a shared CPU
-    lasts seconds, touches every n alike), measured again (keeping each n's best) while the curve is
-    implausible."""
+    """Seconds of one forward over n = 1..max_positions new positions after `context` cached tokens.
+
+    Each of `repeats` rounds times every n right after a forward of one position, so each ratio T(n)/T(1) comes
+    from a pair timed a tenth of a second apart: a shared CPU's speed drifts over seconds, and a curve of
+    separate bests (T(1) from a quiet moment, T(2) from a busy one) once made a plan decode plain where prompt
+    lookup ran 1.2× faster (BENCHMARKS.md, AVX-512, 2026-11-28). T(n) is the fastest T(1) of all rounds times the
+    median ratio of n's pairs; measured again (rounds added) while the curve is implausible."""
     cache = _context_cache(runner, context, max_positions + 1)
-    times = [float("inf")] * max_positions
+    ones: list[float] = []
+    ratios: list[list[float]] = [[] for _ in range(max_positions)]
+    times: list[float] = []
     for _ in range(attempts):
         for _ in range(repeats):
-            times = [min(best, _best_seconds(runner, cache, n, "all", 1)) for n, best in enumerate(times, 1)]
+            for n in range(1, max_positions + 1):
+                one = _best_seconds(runner, cache, 1, "all", 1)
+                ones.append(one)
+                ratios[n - 1].append(_best_seconds(runner, cache, n, "all", 1) / one if n > 1 else 1.0)
+        times = [min(ones) * statistics.median(pairs) for pairs in ratios]
         if _plausible(times):
             break
     cache.release()
@@ -115,7 +125,8 @@ def _runner_key(runner: Runner, folder: str) -> str:
 
 
 def _cached_curve(runner: Runner, folder: str, max_positions: int, context: int = SHORT_CONTEXT) -> list[float]:
-    key = _runner_key(runner, folder) + ("" if context == SHORT_CONTEXT else f"|context={context}")
+    # "paired": measured by `measure_verify_curve`'s pairs (a curve of separate bests, stored before, is measured again)
+    key = _runner_key(runner, folder) + "|paired" + ("" if context == SHORT_CONTEXT else f"|context={context}")
     what = f"{Path(folder).name} on {runner.precision}: T(1…{max_positions}) after {context} tokens"  # the spinner's
     return _cached(key, max_positions, lambda: measure_verify_curve(runner, max_positions, context), what)
 

@@ -32,8 +32,9 @@ __all__ = ["EngineBuilder", "auto_backends", "auto_precision", "backend_choices"
 
 BACKEND_CHOICES = "backend_choices.json"
 # how backends are compared (2: T(1) timed in turns, prefill weighed; 3: `hybrid` among the candidates; 4: its draft
-# reads a long prompt's end, HYBRID_WINDOW): a choice made by another rule is made again
-CHOICE_RULE = 4
+# reads a long prompt's end, HYBRID_WINDOW; 5: curves from paired timings, `costs.measure_verify_curve`): a choice
+# made by another rule is made again
+CHOICE_RULE = 5
 # the plan's `hybrid` draft reads a long prompt's first tokens and its last HYBRID_WINDOW (`base.window_cut`): prompt
 # lookup copies from the rest, and the draft's prefill and its steps' attention stay short (BENCHMARKS.md, "AMX":
 # summaries and RAG +2 % and +8 % over the draft reading it all)
