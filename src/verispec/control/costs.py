@@ -71,8 +71,8 @@ def measure_verify_curve(runner: Runner, max_positions: int, context: int = SHOR
     Each of `repeats` rounds times every n right after a forward of one position, so each ratio T(n)/T(1) comes
     from a pair timed a tenth of a second apart: a shared CPU's speed drifts over seconds, and a curve of
     separate bests (T(1) from a quiet moment, T(2) from a busy one) once made a plan decode plain where prompt
-    lookup ran 1.2× faster (BENCHMARKS.md, AVX-512, 2026-11-28). T(n) is the fastest T(1) of all rounds times the
-    median ratio of n's pairs; measured again (rounds added) while the curve is implausible."""
+    lookup paid (BENCHMARKS.md, AVX-512, 2026-11-28). T(n) is the fastest T(1) of all rounds times the median
+    ratio of n's pairs; measured again (rounds added) while the curve is implausible."""
     cache = _context_cache(runner, context, max_positions + 1)
     ones: list[float] = []
     ratios: list[list[float]] = [[] for _ in range(max_positions)]

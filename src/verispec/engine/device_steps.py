@@ -1,9 +1,9 @@
 """Greedy decoding and prompt-lookup speculation with the whole step on the device (issue #32).
 
 On a GPU each forward already replays as one CUDA graph (`models/cuda_graphs.py`), yet the host still
-drafts, verifies, commits and reads back every step while the GPU waits: on an H200, 2.6 ms a plain token
-around a 2.1 ms forward, 3.7 ms a prompt-lookup step around a 2.6 ms one (BENCHMARKS.md, "GPU"). Here a
-step is device work on static buffers, and nothing of it comes back to the host:
+drafts, verifies, commits and reads back every step while the GPU waits: a fifth to a third of a step on an
+H200 (BENCHMARKS.md, "GPU"). Here a step is device work on static buffers, and nothing of it comes back to
+the host:
 
     draft  = lookup_on_device(ids, length, γ)                  the γ tokens after the suffix's latest match
     logits = forward_at(cache, [ids[length−1]] + draft, start = length − 1)           [γ+1, vocab]

@@ -200,8 +200,8 @@ struct Activations {
 
 // f(j) for the sub-blocks j < subs of a super-block of Full sub-blocks (`Activations::sub_blocks`). A whole block,
 // every block but a padded layer's last, runs a loop of constant length, which the compiler unrolls and schedules
-// as one: a loop bounded by `subs` alone made the AVX-512 kernels' 8-row passes 1.2× slower (the 1.5B's linears; its
-// prefill's 1.25×). The AVX2 kernels keep that loop: this form measured 5 % slower there (benchmarks/probes/kquant_build_ab.py)
+// as one: bounded by `subs` alone, the AVX-512 kernels' 8-row passes ran slower (verification and prefill; the AVX2
+// kernels keep that loop, where this form measured slower: BENCHMARKS.md, AVX-512, 2026-11-28)
 template <int Full, typename F>
 inline void for_sub_blocks(int subs, F&& f) {
   if (subs == Full) {
