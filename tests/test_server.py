@@ -218,7 +218,6 @@ BAD_REQUESTS = [
     ({"model": MODEL, "prompt": ""}, 400, "prompt", "empty"),
     ({"model": MODEL, "prompt": [3, 999]}, 400, "prompt", "token ids must lie in"),
     ({"model": MODEL, "prompt": "t5", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4 stop strings"),
-    ({"prompt": "t5"}, 422, "model", "Field required"),
     ({"model": MODEL, "prompt": "t5", "drafter": "model"}, 400, "drafter", "is not loaded here"),
     ({"model": MODEL, "prompt": "t5", "drafter": "ngram:max_n=x"}, 400, "drafter", "must look like name=integer"),
     ({"model": MODEL, "prompt": "t5", "gamma": 0}, 422, "gamma", "greater than or equal to 1"),
@@ -234,6 +233,18 @@ def test_bad_completion_requests_name_the_problem(server, body, status, param, m
     assert message in error["message"] and error["param"] == param
     if param:
         assert param in error["message"] or param == "prompt"
+
+
+def test_a_request_without_a_model_gets_the_served_one(server):
+    """`model` left out is the served model, as llama.cpp's and vLLM's servers take it; another id is refused above."""
+    completion = httpx.post(server.url + "/v1/completions", json={"prompt": "t5", "max_tokens": 3, "temperature": 0})
+    chat = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "t5"}], "max_tokens": 3})
+    tokens = httpx.post(server.url + "/tokenize", json={"prompt": "t5 t6"})
+    named = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "t5", "max_tokens": 3, "temperature": 0})
+    assert [r.status_code for r in (completion, chat, tokens, named)] == [200] * 4, completion.text
+    assert completion.json()["model"] == chat.json()["model"] == MODEL and tokens.json()["count"] == 2
+    assert completion.json()["choices"][0]["text"] == named.json()["choices"][0]["text"]
+    assert httpx.post(server.url + "/tokenize", json={"model": "gpt-4", "prompt": "t5"}).status_code == 400
 
 
 def test_bad_chat_requests_and_malformed_json(server):

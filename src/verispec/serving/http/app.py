@@ -242,7 +242,7 @@ def create_app(
                     encode: Callable[[Engine], list[list[int]]], fmt: CompletionFormat) -> Response:
         started = time.perf_counter()
         scheduler: Scheduler = request.app.state.scheduler
-        if body.model != request.app.state.model_name:
+        if body.model not in (None, request.app.state.model_name):
             response = error_response(400, f"model: unknown model {body.model!r}; this server serves {request.app.state.model_name!r} (see /v1/models)",
                                       param="model", code="model_not_found")
         else:
@@ -334,9 +334,9 @@ def create_app(
         return await serve(request, body, "chat", lambda engine: [chat_prompt_ids(engine, messages, body.offered_tools())],
                            ChatFormat(request.app.state.model_name, _tokenizer(request), tools=body.calls_tools))
 
-    async def on_tokenizer_thread(request: Request, model: str, work: Callable[[Engine], dict]) -> JSONResponse:
+    async def on_tokenizer_thread(request: Request, model: str | None, work: Callable[[Engine], dict]) -> JSONResponse:
         """`work` on the served engine, on the tokenizer thread: its answer, or the error naming the field."""
-        if model != request.app.state.model_name:
+        if model not in (None, request.app.state.model_name):
             return error_response(400, f"model: unknown model {model!r}; this server serves {request.app.state.model_name!r}",
                                   param="model", code="model_not_found")
         try:

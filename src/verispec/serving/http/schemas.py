@@ -79,12 +79,16 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)  # a misspelt or unimplemented field is refused; no type coercion
 
 
+MODEL_FIELD = ("the served model's id (see /v1/models); left out, the served model (as llama.cpp's and vLLM's servers "
+               "take it; another id is refused)")
+
+
 class StreamOptions(_Body):
     include_usage: bool = Field(False, description="one last chunk with empty `choices` and the `usage`")
 
 
 class _GenerationFields(_Body):
-    model: Text = Field(description="the served model's id (see /v1/models)")
+    model: Text | None = Field(None, description=MODEL_FIELD)
     max_tokens: int | None = Field(None, ge=1, description="new tokens at most (default: the server's; at most its limit)")
     temperature: float = Field(1.0, ge=0, le=100, description=f"0 = greedy, else ≥ {MIN_TEMPERATURE}")
     top_p: float = Field(1.0, gt=0, le=1)
@@ -357,7 +361,7 @@ class ChatCompletionRequest(_GenerationFields):
 
 
 class TokenizeRequest(_Body):
-    model: Text = Field(description="the served model's id (see /v1/models)")
+    model: Text | None = Field(None, description=MODEL_FIELD)
     prompt: Text | None = Field(None, description="text, encoded as /v1/completions does (no chat template)")
     messages: list[ChatMessage] | None = Field(None, min_length=1, description="a chat, encoded as /v1/chat/completions does")
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS, description="with messages: the tools the template shows")
@@ -376,7 +380,7 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(_Body):
-    model: Text = Field(description="the served model's id (see /v1/models)")
+    model: Text | None = Field(None, description=MODEL_FIELD)
     tokens: list[Annotated[int, Field(ge=0)]] = Field(max_length=1 << 20, description="token ids")
 
 
