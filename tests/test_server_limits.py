@@ -398,7 +398,7 @@ def test_the_openapi_schema_advertises_what_is_accepted(server):
     assert completion["additionalProperties"] is False and chat["additionalProperties"] is False
     props, chat_props = completion["properties"], chat["properties"]
     assert props["n"]["maximum"] == 16 and props["best_of"]["anyOf"][0]["const"] == 1
-    assert props["model"]["enum"] == [MODEL] and chat_props["model"]["enum"] == [MODEL]  # the one model served
+    assert props["model"]["enum"] == chat_props["model"]["enum"] == [MODEL, None]  # the one model served, or none named
     assert props["presence_penalty"]["maximum"] == 2 and "max_completion_tokens" not in props
     assert props["logit_bias"]["anyOf"][0]["maxProperties"] == 300
     assert {"max_completion_tokens", "stream_options", "response_format", "tools"} <= set(chat_props)

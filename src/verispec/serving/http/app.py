@@ -220,12 +220,12 @@ def create_app(
     default_openapi = app.openapi
 
     def openapi() -> dict:
-        """FastAPI's schema, with `model` limited to the one model this server serves (known once loaded)."""
+        """FastAPI's schema, with `model` limited to the one model this server serves (known once loaded) or left out."""
         schema = default_openapi()
         name = app.state.model_name
         if name is not None:
             for body in ("CompletionRequest", "ChatCompletionRequest"):
-                schema["components"]["schemas"][body]["properties"]["model"]["enum"] = [name]
+                schema["components"]["schemas"][body]["properties"]["model"]["enum"] = [name, None]
         return schema
 
     app.openapi = openapi
