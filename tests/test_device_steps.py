@@ -71,7 +71,7 @@ def _lookups(rule: _NgramSession, cases: int = 2_000):
         host = type(rule)(max_n, min_n, oldest=rule.oldest)
         want, matched = host.lookup(ids, gamma)
         draft, n = lookup_on_device(torch.tensor(ids + [99] * 50), torch.tensor([length]), gamma, max_n, min_n)
-        yield want, matched, draft.tolist(), int(n)
+        yield want, matched, draft[0].tolist(), int(n)
 
 
 def test_the_device_lookup_drafts_what_the_host_lookup_drafts():
@@ -88,11 +88,37 @@ def test_the_lookup_comparison_tells_another_rule_apart():
     assert differ > 100
 
 
+def _distinct_continuations(buffer: list[int], length: int, gamma: int, max_n: int, min_n: int, chains: int) -> list[list[int]]:
+    """The host's order of matches for a tree (`_NgramSession.tree`: longest suffix first, latest match first), each
+    match's γ tokens read from `buffer` (past the sequence too, as the device does), the first `chains` distinct."""
+    ids, found = buffer[:length], []
+    for n in range(min(max_n, length), min_n - 1, -1):
+        for end in range(length - 2, n - 2, -1):  # an n-gram ending before the last token, latest first
+            continuation = buffer[end + 1 : end + 1 + gamma]
+            if ids[end - n + 1 : end + 1] == ids[-n:] and continuation not in found:
+                found.append(continuation)
+    return found[:chains]
+
+
+def test_the_device_lookup_drafts_distinct_continuations_in_the_hosts_order():
+    rng, trees = random.Random(1), 0
+    for _ in range(1_000):
+        length, gamma, max_n, chains = rng.randint(1, 40), rng.randint(1, 6), rng.randint(1, 4), rng.randint(2, 5)
+        min_n = rng.randint(1, max_n)
+        buffer = [rng.randrange(rng.choice([2, 3, 5])) for _ in range(length)] + [99] * 50
+        want = _distinct_continuations(buffer, length, gamma, max_n, min_n, chains)
+        drafts, _ = lookup_on_device(torch.tensor(buffer), torch.tensor([length]), gamma, max_n, min_n, chains)
+        assert drafts.shape == (chains, gamma) and drafts[: len(want)].tolist() == want
+        trees += len(want) == chains
+    assert trees > 300  # most sequences held as many distinct continuations as branches
+
+
 # --- whole generations: the target's own greedy output ---------------------------------------------------
 
 
 @pytest.mark.parametrize("drafter, gamma", [(None, 1), (NgramDrafter(), 1), (NgramDrafter(), 4), (NgramDrafter(), 12),
-                                            (NgramDrafter(max_n=2, min_n=2), 3)])
+                                            (NgramDrafter(max_n=2, min_n=2), 3), (NgramDrafter(nodes=16), 4),
+                                            (NgramDrafter(nodes=24), 12), (NgramDrafter(nodes=63), 3)])
 def test_device_steps_decode_as_the_target_alone(model, hf_target, drafter, gamma, monkeypatch):
     engine = _engine(model, drafter, gamma)
     config = GenerationConfig(max_new_tokens=40, chat=False, ignore_eos=True)
@@ -108,6 +134,15 @@ def test_device_steps_decode_as_the_target_alone(model, hf_target, drafter, gamm
         assert accepted > 20  # prompt lookup drafted tokens the target took, several a step
     else:
         assert accepted == 0
+
+
+def test_a_tree_keeps_drafts_its_first_branch_missed(model):
+    """Positive control for the branches: on the same prompts a tree of four keeps more drafts than the chain that
+    is its first branch (a tree that always kept its first branch would keep exactly as many)."""
+    config = GenerationConfig(max_new_tokens=40, chat=False, ignore_eos=True)
+    kept = [sum(_generate(_engine(model, drafter, 4), prompt, config).stats.accepted_tokens for prompt in PROMPTS)
+            for drafter in (NgramDrafter(), NgramDrafter(nodes=16))]
+    assert kept[1] > kept[0] + 5
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 3, 9, 17])
@@ -149,16 +184,18 @@ def test_streamed_events_join_to_the_text(model):
     assert "".join(event.text for event in events) == result.text
 
 
-def test_the_end_of_the_context_is_reached_on_the_host(model, hf_target):
+@pytest.mark.parametrize("drafter", [NgramDrafter(), NgramDrafter(nodes=16)])
+def test_the_end_of_the_context_is_reached_on_the_host(model, hf_target, drafter):
     """The tiny target's context is 128: a run of steps needs room for every token it may write, so the last
     steps go through the host, and the answer is still the target's own."""
     prompt = (PROMPTS[0] * 12)[:100]
-    engine = _engine(model, NgramDrafter(), 4)
+    engine = _engine(model, drafter, 4)
     result = _generate(engine, prompt, GenerationConfig(max_new_tokens=100, chat=False, ignore_eos=True))
     assert len(result.token_ids) == 28 and result.token_ids == reference_generate(hf_target, prompt, 28)
 
 
-def test_a_sequence_that_outgrows_its_storage_moves_to_a_bigger_one(tmp_path, graphs_everywhere):
+@pytest.mark.parametrize("drafter", [NgramDrafter(), NgramDrafter(nodes=16)])
+def test_a_sequence_that_outgrows_its_storage_moves_to_a_bigger_one(tmp_path, graphs_everywhere, drafter):
     """A cache sized for the request (200 + 42 tokens and a step's draft: the pool's 256 slots) moves to a storage of
     512 when a run of steps may write past it: new buffers, the sequence loaded into them, the same answer."""
     from conftest import make_tiny_model
@@ -167,7 +204,7 @@ def test_a_sequence_that_outgrows_its_storage_moves_to_a_bigger_one(tmp_path, gr
     folder = make_tiny_model(tmp_path / "long", seed=4, layers=2, context=1024)
     long_model, hf = load_model(folder), AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     prompt = (PROMPTS[1] * 40)[:200]
-    result = _generate(_engine(long_model, NgramDrafter(), 4), prompt, GenerationConfig(max_new_tokens=42, chat=False, ignore_eos=True))
+    result = _generate(_engine(long_model, drafter, 4), prompt, GenerationConfig(max_new_tokens=42, chat=False, ignore_eos=True))
     assert result.token_ids == reference_generate(hf, prompt, 42)
     assert {key[-1] for key in long_model.runner.step_graphs.steps} == {256, 512}  # buffers by storage capacity
 
@@ -203,7 +240,7 @@ def test_only_simple_greedy_requests_take_the_device_path(model, monkeypatch):
     assert not takes(logprobs=2)
     assert not takes(min_tokens=2)
     assert not takes(response_format={"type": "grammar", "grammar": 'root ::= ("t2" | "t3")+'})
-    assert not takes(NgramDrafter(nodes=8)) and not takes(NgramDrafter(oldest=1))
+    assert takes(NgramDrafter(nodes=8)) and not takes(NgramDrafter(oldest=1))
     assert not takes(ExpansionDrafter(model, model.vocab_size))
     monkeypatch.setenv("VERISPEC_DEVICE_STEPS", "0")
     assert not takes()
@@ -230,7 +267,7 @@ def test_one_call_replays_a_run_of_steps(model):
 
 
 @needs_cuda
-@pytest.mark.parametrize("drafter", [None, NgramDrafter()])
+@pytest.mark.parametrize("drafter", [None, NgramDrafter(), NgramDrafter(nodes=16)])
 def test_cuda_device_steps_equal_host_steps(tiny_target, drafter, monkeypatch):
     model = load_model(tiny_target, "float32", device="cuda")
     assert model.runner.step_graphs is not None and model.runner.step_graphs.capture

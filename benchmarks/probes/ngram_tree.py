@@ -5,11 +5,19 @@ Acceptance does not depend on the device, so τ measured here on a CPU, times th
 method; prints τ, the mean depth and size of a step's draft and how many outputs equal plain decoding's.
 
     .venv/bin/python benchmarks/probes/ngram_tree.py --target smollm2-135m-instruct --questions question.jsonl,humaneval
+
+With VERISPEC_CUDA_GRAPHS=everywhere the runner replays its steps (eagerly on a CPU), so greedy prompt lookup takes
+the device's steps (`engine/device_steps.py`: `ngram:nodes=N` a tree of N // γ unmerged branches); a method written
+`host:SPEC` runs through the host's steps (its merged tree) in the same process:
+
+    VERISPEC_CUDA_GRAPHS=everywhere .venv/bin/python benchmarks/probes/ngram_tree.py \
+        --methods none,ngram,host:ngram:nodes=32,ngram:nodes=32,ngram:nodes=48
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 from verispec.drafters.specs import split_specs
 from verispec.engine.build import EngineBuilder
@@ -33,7 +41,9 @@ def main() -> None:
     prompts = encoded_prompts(builder.target(), args.questions, args.per_category)
     config, plain = GenerationConfig(max_new_tokens=args.max_new_tokens), None
     for method in split_specs(args.methods):
-        engine = builder.engine(method, args.gamma, "constant")
+        host = method.startswith("host:")
+        engine = builder.engine(method.removeprefix("host:"), args.gamma, "constant")
+        os.environ["VERISPEC_DEVICE_STEPS"] = "0" if host else "1"
         results = [engine.generate(prompt, config) for prompt in prompts]
         tokens, steps = (sum(getattr(r.stats, field) for r in results) for field in ("new_tokens", "steps"))
         records = [record for r in results for record in r.stats.records]

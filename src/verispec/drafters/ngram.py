@@ -14,9 +14,9 @@ after one: BENCHMARKS.md), so each step tells the γ policy its match length (`h
 `HINT_CLASSES`, with `MATCH_PRIORS` as priors), and the policy sizes each class of step by its own measured
 acceptance: a short draft or none after a weak match, a long one after a strong match. `hints=0` turns this off.
 
-`lookup_on_device` is the same rule (a chain) over a device buffer of token ids, in tensor operations of fixed
-shapes that read nothing back to the host, so that a whole step can be captured as a CUDA graph
-(`engine/device_steps.py`).
+`lookup_on_device` is the same rule over a device buffer of token ids, in tensor operations of fixed shapes that
+read nothing back to the host, so that a whole step can be captured as a CUDA graph (`engine/device_steps.py`):
+a chain, or several distinct continuations for a token tree of that many branches.
 
 `nodes=N` drafts a token tree instead of one continuation: the continuations of every earlier match of the last
 `max_n` … `min_n` tokens (longest suffix first, latest match first), merged where they agree, up to N nodes and γ
@@ -61,27 +61,42 @@ class NgramDrafter(Drafter):
         return _NgramSession(self.max_n, self.min_n, self.oldest, self.hints, self.nodes)
 
 
-def lookup_on_device(ids: torch.Tensor, length: torch.Tensor, gamma: int, max_n: int, min_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def lookup_on_device(ids: torch.Tensor, length: torch.Tensor, gamma: int, max_n: int, min_n: int,
+                     chains: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """`_NgramSession.lookup`'s rule on the device: the sequence is ids[:length] (ids [capacity] long, length [1]
-    long, both on the device); returns the draft [γ] and the matched suffix's length n [1] (0: no match).
+    long, both on the device); returns drafts [chains, γ] and the first draft's matched suffix length n [1] (0: no
+    match).
 
-    The draft is the γ tokens after the most recent earlier occurrence of the longest suffix of n ≤ max_n tokens
-    (n ≥ min_n) that occurred before, as the host's lookup drafts them, except that it always holds γ tokens:
-    where the host's draft stops at the end of the sequence (or is empty, without a match) this one goes on with
-    whatever the buffer holds there. A draft is only a guess, so that costs acceptance, never exactness."""
+    The first draft is the γ tokens after the most recent earlier occurrence of the longest suffix of n ≤ max_n
+    tokens (n ≥ min_n) that occurred before, as the host's lookup drafts them, except that it always holds γ
+    tokens: where the host's draft stops at the end of the sequence (or is empty, without a match) this one goes on
+    with whatever the buffer holds there. Each further draft is the next match in the same order (longer suffix
+    first, then later) whose γ tokens differ from every draft before it: a token tree of `chains` branches, not
+    merged where they agree (`engine/device_steps.py`). A draft is only a guess, so what the buffer holds past the
+    sequence costs acceptance, never exactness."""
     capacity = ids.shape[0]
     ends = torch.arange(capacity, device=ids.device)  # [capacity]: where an earlier n-gram ends
     last = length - 1  # [1]: where the suffix ends
     agree = ends < last  # [capacity]: an earlier n-gram with a token after it, agreeing with the suffix so far
-    best, matched = torch.full_like(length, -1), torch.zeros_like(length)
+    matched = torch.zeros_like(ends)  # [capacity]: the longest n ≥ min_n whose n-gram ending there is the suffix's
     for n in range(1, max_n + 1):
         back = n - 1  # the n-gram's first token lies `back` before its end
         agree = agree & (ends >= back) & (ids[(ends - back).clamp(min=0)] == ids[(last - back).clamp(min=0)])
         if n >= min_n:
-            found = torch.where(agree & (last >= back), ends, -1).amax(0, keepdim=True)  # [1]: the latest such end
-            best, matched = torch.where(found >= 0, found, best), torch.where(found >= 0, n, matched)  # longer n wins
-    draft = ids[(best + 1 + torch.arange(gamma, device=ids.device)).clamp(max=capacity - 1)]  # [γ]
-    return draft, matched
+            matched = torch.where(agree & (last >= back), n, matched)
+    rank = torch.where(matched > 0, matched * capacity + ends, -1)  # [capacity]: longer suffix first, then later
+    best = rank.argmax(0, keepdim=True)  # [1] (without a match: 0, and the draft is a guess)
+    steps = torch.arange(gamma, device=ids.device)  # [γ]
+    if chains == 1:
+        return ids[(best + 1 + steps).clamp(max=capacity - 1)][None], matched[best]  # [1, γ], [1]
+    following = ids[(ends[:, None] + 1 + steps).clamp(max=capacity - 1)]  # [capacity, γ]: the tokens after each end
+    first, drafts = best, []
+    for _ in range(chains):
+        draft = following[best]  # [1, γ]
+        drafts.append(draft)
+        rank = torch.where((following == draft).all(1), -1, rank)  # a match that would draft the same is passed over
+        best = rank.argmax(0, keepdim=True)
+    return torch.cat(drafts), matched[first]  # [chains, γ], [1]
 
 
 def match_hint(matched: int) -> Hint:

@@ -5,24 +5,27 @@ drafts, verifies, commits and reads back every step while the GPU waits: a fifth
 H200 (BENCHMARKS.md, "GPU"). Here a step is device work on static buffers, and nothing of it comes back to
 the host:
 
-    draft  = lookup_on_device(ids, length, γ)                  the γ tokens after the suffix's latest match
-    logits = forward_at(cache, [ids[length−1]] + draft, start = length − 1)           [γ+1, vocab]
-    target = argmax(logits)                                     the target's token after each prefix
-    a      = how many drafts equal `target`, up to the first that does not
-    ids[length : length+γ+1] = target;  length += a + 1
+    drafts = lookup_on_device(ids, length, γ, K)               K distinct continuations of the suffix's matches
+    logits = forward(cache, [ids[length−1]] + drafts, start = length − 1)         [1+Kγ, vocab]
+    target = argmax(logits)                                     the target's token after each node
+    a      = the most drafts one branch keeps (equal to `target` up to its first miss); the first such branch wins
+    ids[length : length+γ+1] = target along that branch;  its keys and values moved after the root;  length += a + 1
 
-It is captured once per γ and cache storage and replayed up to `STEPS_PER_SYNC` times in a row; then one
-copy brings back what those steps emitted, and the host emits it as `Generation.commit` would (EOS, stop
-strings, the length limit, statistics, the γ policy). Greedy output is the target's argmax chain whatever is
-drafted, so it is plain decoding's, token for token; what a step writes past its accepted tokens (the
-rejected drafts' keys and values, the target's tokens after them) lies past the valid length, where the next
-step writes again. Steps replayed after an EOS are thrown away (at most STEPS_PER_SYNC − 1).
+With K = 1 (`ngram`) the draft is a chain; with `ngram:nodes=N` a token tree of K = N // γ branches that share only
+the root (the host merges a tree's branches where they agree: `NgramDrafter.tree`; here a branch is a fixed
+[γ] slice, so that the layout, positions and mask are the same every step). A step is captured once per γ, K
+and cache storage and replayed up to `STEPS_PER_SYNC` times in a row; then one copy brings back what those steps
+emitted, and the host emits it as `Generation.commit` would (EOS, stop strings, the length limit, statistics, the
+γ policy). Greedy output is the target's argmax chain whatever is drafted, so it is plain decoding's, token for
+token; what a step writes past its accepted tokens (the other branches' keys and values, the target's tokens
+after a miss) lies past the valid length, where the next step writes again. Steps replayed after an EOS are
+thrown away (at most STEPS_PER_SYNC − 1).
 
 Taken where a step is that simple (`DeviceSteps.of`): a runner that replays its steps (`Runner.step_graphs`),
 greedy decoding without penalties, logit bias, grammar, `min_tokens` or log-probabilities, and no drafter or
-a prompt-lookup chain (`ngram`). Everything else, and a step too near the end of the context for a run of
-replays, takes `Generation.step`'s general path (the two share the request's state between runs);
-VERISPEC_DEVICE_STEPS=0 turns this off. On a CPU the same code runs eagerly (the tests).
+prompt lookup by the latest match (`ngram`, `ngram:nodes=N`). Everything else, and a step too near the end of the
+context for a run of replays, takes `Generation.step`'s general path (the two share the request's state between
+runs); VERISPEC_DEVICE_STEPS=0 turns this off. On a CPU the same code runs eagerly (the tests).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from verispec.drafters.ngram import NgramDrafter, lookup_on_device
-from verispec.models.cuda_graphs import MAX_CHAIN
+from verispec.models.cuda_graphs import MAX_CHAIN, MAX_WIDTH
 from verispec.sampling.samplers import argmax
 from verispec.types import Origin, StepRecord, TokenEvent
 
@@ -54,7 +57,38 @@ class _Buffers:
     cache: object = None  # the cache whose storage this is (the request's, set before each run)
     holder: object = None  # the DeviceSteps whose sequence `ids` holds up to `synced` (else it is loaded again)
     synced: int = 0
-    replays: dict[int, object] = field(default_factory=dict)  # γ -> its captured step
+    replays: dict[tuple[int, int], object] = field(default_factory=dict)  # (γ, branches) -> its captured step
+
+
+@dataclass
+class _Tree:
+    """Where K branches of γ drafts lie in a step's feed [1+Kγ]: the root (the last committed token), then each
+    branch's γ nodes in a row. The same every step for one (γ, K), so a captured step reads it as constants."""
+
+    offsets: torch.Tensor  # [1+Kγ] long: each node's position after the root's (a node's depth)
+    mask: torch.Tensor  # [1+Kγ, 1+Kγ] bool: what each node attends among the step's (the root, its own branch so far)
+    parents: torch.Tensor  # [K, γ] long: the feed index of the node each draft follows (the target's token there is checked)
+    paths: torch.Tensor  # [K, γ+1] long: the root, then a branch's nodes (the target's tokens there are what it emits)
+
+    @classmethod
+    def of(cls, gamma: int, branches: int, device: torch.device) -> _Tree:
+        depth = torch.arange(gamma, device=device)  # [γ]
+        nodes = 1 + torch.arange(branches, device=device)[:, None] * gamma + depth  # [K, γ]: feed index of each node
+        root = torch.zeros(1, dtype=torch.long, device=device)  # [1]
+        branch = torch.cat([root - 1, torch.arange(branches, device=device).repeat_interleave(gamma)])  # [1+Kγ]: the root's −1
+        offsets = torch.cat([root, (depth + 1).repeat(branches)])  # [1+Kγ]
+        same_branch = (branch[:, None] == branch[None, :]) & (offsets[None, :] <= offsets[:, None])  # [1+Kγ, 1+Kγ]
+        mask = same_branch | (branch[None, :] == -1)  # every node sees the root
+        roots = root.expand(branches, 1)  # [K, 1]
+        parents = torch.cat([roots, nodes[:, :-1]], dim=1)  # [K, γ]
+        paths = torch.cat([roots, nodes], dim=1)  # [K, γ+1]
+        return cls(offsets, mask, parents, paths)
+
+
+def branches_for(nodes: int, gamma: int) -> int:
+    """The branches a step of depth γ ≥ 1 drafts: 1 for a chain (`nodes` 0), else as many whole branches of γ as
+    `nodes` holds (at least one), and no more than a captured forward's MAX_WIDTH positions take."""
+    return 1 if not nodes else max(1, min(nodes, MAX_WIDTH - 1) // gamma)
 
 
 class DeviceSteps:
@@ -70,7 +104,7 @@ class DeviceSteps:
         graphs, drafter, config = generation.target.runner.step_graphs, generation.drafter, generation.config
         simple = (generation.params.greedy and not generation.params.penalised and not generation.params.logit_bias
                   and generation.constraint is None and config.logprobs is None and config.min_tokens == 0)
-        lookup = drafter is None or (isinstance(drafter, NgramDrafter) and not drafter.nodes and not drafter.oldest)
+        lookup = drafter is None or (isinstance(drafter, NgramDrafter) and not drafter.oldest)
         if graphs is None or not simple or not lookup or os.environ.get("VERISPEC_DEVICE_STEPS", "1") == "0":
             return None
         return cls(generation, graphs, drafter)
@@ -85,11 +119,13 @@ class DeviceSteps:
         if steps < 1 or not self.graphs.replays_on(generation.cache):
             return None
         gamma = 0 if self.drafter is None else max(0, min(generation.policy.next_gamma(), remaining - 1, widest - 1))
+        branches = branches_for(self.drafter.nodes, gamma) if gamma else 1
         start = time.perf_counter()
         cache = generation.cache
-        cache.ensure(length - 1 + steps * (gamma + 1))  # one storage for the whole run (its graphs are bound to it)
+        # one storage for the whole run (its graphs are bound to it): the last step's tree may reach (K−1)γ past its chain
+        cache.ensure(length - 1 + steps * (gamma + 1) + (branches - 1) * gamma)
         buffers = self._buffers(cache)
-        replay = self._replay(buffers, gamma)
+        replay = self._replay(buffers, gamma, branches)
         for _ in range(steps):
             replay()
         # one read: the new length, the steps run, each step's accepted drafts, the tokens written
@@ -97,7 +133,7 @@ class DeviceSteps:
         new_length, ran, accepted = read[0], read[1], read[2 : 2 + read[1]]
         tokens = read[2 + STEPS_PER_SYNC :][: new_length - length]
         buffers.synced = new_length
-        return self._emit(tokens, accepted, gamma, (time.perf_counter() - start) / ran)
+        return self._emit(tokens, accepted, gamma, branches, (time.perf_counter() - start) / ran)
 
     def _buffers(self, cache) -> _Buffers:
         """The static buffers of `cache`'s storage, holding this request's sequence, its length set and its
@@ -117,35 +153,50 @@ class DeviceSteps:
         buffers.cache = cache
         return buffers
 
-    def _replay(self, buffers: _Buffers, gamma: int):
-        """The step of width γ+1 on `buffers`, captured on first use (its warm-up step undone) or, where no graph
-        may be captured, run eagerly."""
-        replay = buffers.replays.get(gamma)
+    def _replay(self, buffers: _Buffers, gamma: int, branches: int):
+        """The step of depth γ and `branches` on `buffers`, captured on first use (its warm-up step undone) or,
+        where no graph may be captured, run eagerly."""
+        replay = buffers.replays.get((gamma, branches))
         if replay is None:
-            run = lambda: self._step(buffers, gamma)  # noqa: E731
+            tree = _Tree.of(gamma, branches, buffers.ids.device) if branches > 1 else None
+            run = lambda: self._step(buffers, gamma, tree)  # noqa: E731
             before = buffers.length.clone(), buffers.count.clone()
-            replay = buffers.replays[gamma] = self.graphs.replayed(run) or run
+            replay = buffers.replays[gamma, branches] = self.graphs.replayed(run) or run
             buffers.length.copy_(before[0])  # a capture's warm-up ran one step: its writes lie past the sequence
             buffers.count.copy_(before[1])
         return replay
 
-    def _step(self, buffers: _Buffers, gamma: int) -> None:
-        """One step of width γ+1, device work only (see the module docstring)."""
-        ids, length = buffers.ids, buffers.length
+    @torch.inference_mode()  # the cache's storage holds inference tensors (a tree's step moves keys and values)
+    def _step(self, buffers: _Buffers, gamma: int, tree: _Tree | None) -> None:
+        """One step of depth γ, a chain (`tree` None) or a tree of branches, device work only (see the module
+        docstring)."""
+        ids, length, cache = buffers.ids, buffers.length, buffers.cache
         last = length - 1  # [1]: the last committed token, fed first; the cache holds the tokens before it
-        if gamma:
-            draft, _ = lookup_on_device(ids, length, gamma, self.drafter.max_n, self.drafter.min_n)  # [γ]
-            feed = torch.cat([ids[last], draft])  # [γ+1]
+        if not gamma:
+            target = argmax(self.graphs.forward_at(cache, ids[last], last))  # [1]
+            accepted = torch.zeros_like(length)  # [1]
+        elif tree is None:
+            draft, _ = lookup_on_device(ids, length, gamma, self.drafter.max_n, self.drafter.min_n)  # [1, γ]
+            target = argmax(self.graphs.forward_at(cache, torch.cat([ids[last], draft[0]]), last))  # [γ+1]: after each prefix
+            accepted = (draft[0] == target[:-1]).long().cumprod(0).sum(0, keepdim=True)  # [1]
         else:
-            feed = ids[last]  # [1]
-        target = argmax(self.graphs.forward_at(buffers.cache, feed, last))  # [γ+1]: the target's token after each prefix
-        accepted = (draft == target[:-1]).long().cumprod(0).sum(0, keepdim=True) if gamma else torch.zeros_like(length)  # [1]
+            drafts, _ = lookup_on_device(ids, length, gamma, self.drafter.max_n, self.drafter.min_n, len(tree.parents))  # [K, γ]
+            feed = torch.cat([ids[last], drafts.flatten()])  # [1+Kγ]
+            logits = self.graphs.forward_at(cache, feed, last, last + tree.offsets, tree.mask)  # [1+Kγ, vocab]
+            judged = argmax(logits)  # [1+Kγ]: the target's token after each node
+            kept = (drafts == judged[tree.parents]).long().cumprod(1).sum(1)  # [K]: drafts each branch keeps
+            best = kept.argmax(0, keepdim=True)  # [1]: the first branch that keeps the most
+            accepted, target = kept[best], judged[tree.paths[best][0]]  # [1], [γ+1]: the target's tokens along it
+            # the kept branch's keys and values go right after the root (branch 0's are there already)
+            slots = last + 1 + torch.arange(gamma, device=ids.device)  # [γ]
+            for storage in (cache.keys, cache.values):  # [layers, kv_heads, capacity, head_dim]
+                storage.index_copy_(2, slots, storage.index_select(2, slots + best * gamma))
         ids.index_copy_(0, length + torch.arange(gamma + 1, device=ids.device), target)
         buffers.accepted.index_copy_(0, buffers.count, accepted)
         buffers.count.add_(1)
         length.add_(accepted + 1)
 
-    def _emit(self, tokens: list[int], accepted: list[int], gamma: int, seconds: float) -> list[TokenEvent]:
+    def _emit(self, tokens: list[int], accepted: list[int], gamma: int, branches: int, seconds: float) -> list[TokenEvent]:
         """Commit the steps that accepted `accepted` drafts each and emitted `tokens` between them, one step at a
         time as `Generation.commit` does (the sequence, the cache's length, statistics, the γ policy, the events),
         up to the step that ends the request."""
@@ -157,7 +208,7 @@ class DeviceSteps:
             generation.cache.length = len(generation.ids) - 1  # the step wrote the slots of all but its last token
             if generation.session is not None:
                 generation.session.commit(generation.ids)
-            generation.stats.record(StepRecord(gamma, taken, 0.0, seconds, free=gamma > 0))
+            generation.stats.record(StepRecord(gamma, taken, 0.0, seconds, width=branches * gamma if branches > 1 else None, free=gamma > 0))
             generation.policy.update(gamma, taken, len(generation.ids))
             last = Origin.TARGET if gamma == 0 else Origin.BONUS if taken == gamma else Origin.RECOVERED
             events += generation._emit(emitted, [Origin.ACCEPTED] * taken + [last])

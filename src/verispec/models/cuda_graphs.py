@@ -164,10 +164,12 @@ class GraphSteps:
             return
         graph.logits, graph.replay = capture(run, graph.tokens.device, self.pool)  # logits [n, vocab], rewritten by each replay
 
-    def forward_at(self, cache, tokens: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-        """The chain `tokens` [n] (on the device) fed after the first `start` [1] slots, a device tensor: logits
-        [n, vocab] (`Transformer.forward_static`). Leaves `cache.length` to the caller."""
-        return self.runner.forward_static(cache, tokens, start, None, None)
+    def forward_at(self, cache, tokens: torch.Tensor, start: torch.Tensor, positions: torch.Tensor | None = None,
+                   tree: torch.Tensor | None = None) -> torch.Tensor:
+        """`tokens` [n] (on the device) fed after the first `start` [1] slots, a device tensor, as a chain or (positions
+        [n], tree [n, n] on the device) a token tree: logits [n, vocab] (`Transformer.forward_static`). Leaves
+        `cache.length` to the caller."""
+        return self.runner.forward_static(cache, tokens, start, positions, tree)
 
     def replayed(self, run: Callable[[], None]) -> Callable[[], None] | None:
         """`run` — device work on static tensors that reads nothing back to the host (a whole step:
