@@ -11,7 +11,7 @@ the device's steps (`engine/device_steps.py`: `ngram:nodes=N` a tree of N // γ 
 `host:SPEC` runs through the host's steps (its merged tree) in the same process:
 
     VERISPEC_CUDA_GRAPHS=everywhere .venv/bin/python benchmarks/probes/ngram_tree.py \
-        --methods none,ngram,host:ngram:nodes=32,ngram:nodes=32,ngram:nodes=48
+        --methods none,ngram,host:ngram:nodes=32,ngram:nodes=32,ngram:nodes=48,ngram:nodes=63
 """
 
 from __future__ import annotations
