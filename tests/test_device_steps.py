@@ -136,6 +136,24 @@ def test_device_steps_decode_as_the_target_alone(model, hf_target, drafter, gamm
         assert accepted == 0
 
 
+@pytest.mark.parametrize("drafter", [NgramDrafter(), NgramDrafter(nodes=16)])
+def test_a_step_without_a_match_counts_as_no_draft(model, drafter):
+    """A step whose suffix matched nothing earlier feeds a guess (the shape is fixed) but proposes nothing: its record
+    and α are the host lookup's, a step with a match proposes its γ (4, less in the run that reaches the limit)."""
+    config = GenerationConfig(max_new_tokens=40, chat=False, ignore_eos=True)
+    unmatched = 0
+    for prompt in PROMPTS:
+        result = _generate(_engine(model, drafter, 4), prompt, config)
+        made = 1  # the prefill's token (the first record's)
+        for record in result.stats.records[1:]:
+            matched = _NgramSession(3, 1).lookup(prompt + result.token_ids[:made], 4)[1]
+            if made < 39:  # the run this step is in drafts (one token left: a plain step)
+                assert (record.proposed > 0) == (matched > 0) and record.accepted <= record.proposed <= 4
+                unmatched += not matched
+            made += record.accepted + 1
+    assert unmatched > 0
+
+
 def test_a_tree_keeps_drafts_its_first_branch_missed(model):
     """Positive control for the branches: on the same prompts a tree of four keeps more drafts than the chain that
     is its first branch (a tree that always kept its first branch would keep exactly as many)."""

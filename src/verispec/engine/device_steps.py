@@ -19,7 +19,9 @@ emitted, and the host emits it as `Generation.commit` would (EOS, stop strings, 
 γ policy). Greedy output is the target's argmax chain whatever is drafted, so it is plain decoding's, token for
 token; what a step writes past its accepted tokens (the other branches' keys and values, the target's tokens
 after a miss) lies past the valid length, where the next step writes again. Steps replayed after an EOS are
-thrown away (at most STEPS_PER_SYNC − 1).
+thrown away (at most STEPS_PER_SYNC − 1). A step whose suffix matched nothing still feeds γ tokens (a fixed shape),
+but keeps none of them and counts as a step without a draft, as on the host, so that α and the γ policy see what
+prompt lookup proposed.
 
 Taken where a step is that simple (`DeviceSteps.of`): a runner that replays its steps (`Runner.step_graphs`),
 greedy decoding without penalties, logit bias, grammar, `min_tokens` or log-probabilities, and no drafter or
@@ -53,6 +55,7 @@ class _Buffers:
     ids: torch.Tensor  # [capacity + MAX_CHAIN] long: the sequence, then what the last steps wrote past it
     length: torch.Tensor  # [1] long: the sequence's length
     accepted: torch.Tensor  # [STEPS_PER_SYNC] long: each step's accepted drafts since the host last read
+    drafted: torch.Tensor  # [STEPS_PER_SYNC] long: 1 where the step's lookup matched (else it drafted a mere guess)
     count: torch.Tensor  # [1] long: steps since the host last read
     cache: object = None  # the cache whose storage this is (the request's, set before each run)
     holder: object = None  # the DeviceSteps whose sequence `ids` holds up to `synced` (else it is loaded again)
@@ -128,12 +131,14 @@ class DeviceSteps:
         replay = self._replay(buffers, gamma, branches)
         for _ in range(steps):
             replay()
-        # one read: the new length, the steps run, each step's accepted drafts, the tokens written
-        read = torch.cat([buffers.length, buffers.count, buffers.accepted, buffers.ids[length : length + steps * (gamma + 1)]]).tolist()
-        new_length, ran, accepted = read[0], read[1], read[2 : 2 + read[1]]
-        tokens = read[2 + STEPS_PER_SYNC :][: new_length - length]
+        # one read: the new length, the steps run, each step's accepted drafts and whether it drafted, the tokens written
+        read = torch.cat([buffers.length, buffers.count, buffers.accepted, buffers.drafted,
+                          buffers.ids[length : length + steps * (gamma + 1)]]).tolist()
+        new_length, ran = read[0], read[1]
+        accepted, drafted = read[2 : 2 + ran], read[2 + STEPS_PER_SYNC : 2 + STEPS_PER_SYNC + ran]
+        tokens = read[2 + 2 * STEPS_PER_SYNC :][: new_length - length]
         buffers.synced = new_length
-        return self._emit(tokens, accepted, gamma, branches, (time.perf_counter() - start) / ran)
+        return self._emit(tokens, accepted, drafted, gamma, branches, (time.perf_counter() - start) / ran)
 
     def _buffers(self, cache) -> _Buffers:
         """The static buffers of `cache`'s storage, holding this request's sequence, its length set and its
@@ -143,7 +148,7 @@ class DeviceSteps:
         device = cache.keys.device
         if buffers is None:
             zeros = lambda n: torch.zeros(n, dtype=torch.long, device=device)  # noqa: E731
-            buffers = self.graphs.steps[key] = _Buffers(zeros(cache.capacity + MAX_CHAIN), zeros(1), zeros(STEPS_PER_SYNC), zeros(1))
+            buffers = self.graphs.steps[key] = _Buffers(zeros(cache.capacity + MAX_CHAIN), zeros(1), zeros(STEPS_PER_SYNC), zeros(STEPS_PER_SYNC), zeros(1))
         ids = self.generation.ids
         if buffers.holder is not self or buffers.synced != len(ids):  # another request's, or steps taken on the host
             buffers.ids[: len(ids)].copy_(torch.tensor(ids), non_blocking=True)
@@ -174,13 +179,13 @@ class DeviceSteps:
         last = length - 1  # [1]: the last committed token, fed first; the cache holds the tokens before it
         if not gamma:
             target = argmax(self.graphs.forward_at(cache, ids[last], last))  # [1]
-            accepted = torch.zeros_like(length)  # [1]
+            accepted = matched = torch.zeros_like(length)  # [1]
         elif tree is None:
-            draft, _ = lookup_on_device(ids, length, gamma, self.drafter.max_n, self.drafter.min_n)  # [1, γ]
+            draft, matched = lookup_on_device(ids, length, gamma, self.drafter.max_n, self.drafter.min_n)  # [1, γ], [1]
             target = argmax(self.graphs.forward_at(cache, torch.cat([ids[last], draft[0]]), last))  # [γ+1]: after each prefix
             accepted = (draft[0] == target[:-1]).long().cumprod(0).sum(0, keepdim=True)  # [1]
         else:
-            drafts, _ = lookup_on_device(ids, length, gamma, self.drafter.max_n, self.drafter.min_n, len(tree.parents))  # [K, γ]
+            drafts, matched = lookup_on_device(ids, length, gamma, self.drafter.max_n, self.drafter.min_n, len(tree.parents))  # [K, γ]
             feed = torch.cat([ids[last], drafts.flatten()])  # [1+Kγ]
             logits = self.graphs.forward_at(cache, feed, last, last + tree.offsets, tree.mask)  # [1+Kγ, vocab]
             judged = argmax(logits)  # [1+Kγ]: the target's token after each node
@@ -191,26 +196,32 @@ class DeviceSteps:
             slots = last + 1 + torch.arange(gamma, device=ids.device)  # [γ]
             for storage in (cache.keys, cache.values):  # [layers, kv_heads, capacity, head_dim]
                 storage.index_copy_(2, slots, storage.index_select(2, slots + best * gamma))
+        drafted = (matched > 0).long()  # [1]: a step without a match drafted a guess, which counts as no draft
+        accepted = accepted * drafted  # its lucky tokens are not taken (fewer accepted is still the target's chain)
         ids.index_copy_(0, length + torch.arange(gamma + 1, device=ids.device), target)
         buffers.accepted.index_copy_(0, buffers.count, accepted)
+        buffers.drafted.index_copy_(0, buffers.count, drafted)
         buffers.count.add_(1)
         length.add_(accepted + 1)
 
-    def _emit(self, tokens: list[int], accepted: list[int], gamma: int, branches: int, seconds: float) -> list[TokenEvent]:
-        """Commit the steps that accepted `accepted` drafts each and emitted `tokens` between them, one step at a
-        time as `Generation.commit` does (the sequence, the cache's length, statistics, the γ policy, the events),
-        up to the step that ends the request."""
+    def _emit(self, tokens: list[int], accepted: list[int], drafted: list[int], gamma: int, branches: int,
+              seconds: float) -> list[TokenEvent]:
+        """Commit the steps that accepted `accepted` drafts each (of γ where `drafted`, else of none) and emitted
+        `tokens` between them, one step at a time as `Generation.commit` does (the sequence, the cache's length,
+        statistics, the γ policy, the events), up to the step that ends the request."""
         generation, events = self.generation, []
         generation.stats.add_phase("device steps", seconds * len(accepted))
-        for taken in accepted:
+        for taken, matched in zip(accepted, drafted):
             emitted, tokens = tokens[: taken + 1], tokens[taken + 1 :]
             generation.ids.extend(emitted)
             generation.cache.length = len(generation.ids) - 1  # the step wrote the slots of all but its last token
             if generation.session is not None:
                 generation.session.commit(generation.ids)
-            generation.stats.record(StepRecord(gamma, taken, 0.0, seconds, width=branches * gamma if branches > 1 else None, free=gamma > 0))
-            generation.policy.update(gamma, taken, len(generation.ids))
-            last = Origin.TARGET if gamma == 0 else Origin.BONUS if taken == gamma else Origin.RECOVERED
+            proposed = gamma if matched else 0
+            nodes = branches * proposed if branches > 1 else None  # a tree's
+            generation.stats.record(StepRecord(proposed, taken, 0.0, seconds, width=nodes, free=proposed > 0))
+            generation.policy.update(proposed, taken, len(generation.ids), nodes=nodes)
+            last = Origin.TARGET if proposed == 0 else Origin.BONUS if taken == proposed else Origin.RECOVERED
             events += generation._emit(emitted, [Origin.ACCEPTED] * taken + [last])
             if generation.done:
                 break
