@@ -1,0 +1,62 @@
+"""How much of a server's batched step goes to drafting when several requests decode at once.
+
+The scheduler (`serving/http/scheduler.py`, `_step`) verifies every running request in one target pass
+(`forward_ragged`), but each request drafts on its own first (`Generation.plan`): prompt lookup costs nothing, a draft
+model runs its forwards request by request. Here `--n` public prompts (Spec-Bench's first of each category) decode
+together exactly as the scheduler steps them, on the shipped target in kquant; prints, per round, the batched steps,
+the tokens, the seconds spent drafting and in the target pass, and the tokens a second of both.
+
+    .venv/bin/python benchmarks/probes/batched_drafting.py --draft hybrid:draft=smollm2-135m-instruct,window=256 --n 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from verispec import GenerationConfig, load
+from verispec.paths import cpu_summary
+
+CATEGORIES = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--draft", default="ngram")
+    parser.add_argument("--n", type=int, default=4, choices=range(1, len(CATEGORIES) + 1))
+    parser.add_argument("--questions", default="question.jsonl")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    print(cpu_summary(), "·", args.draft, "·", args.n, "requests", flush=True)
+    engine = load("qwen2.5-coder-1.5b-instruct", draft=args.draft, dtype="kquant", gamma_policy="auto")
+    questions = [json.loads(line) for line in open(args.questions)]
+    prompts = [next(q for q in questions if q["category"] == category)["turns"][0] for category in CATEGORIES[: args.n]]
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens)
+    for round_ in range(args.rounds):
+        generations = [engine.start(prompt, config) for prompt in prompts]
+        for generation in generations:
+            while not generation.prefill_step():
+                pass
+            generation.take_held()  # the first token, from the prefill: not counted below
+        drafting = target = 0.0
+        steps, before = 0, sum(len(g.output_ids) for g in generations)
+        while live := [g for g in generations if not g.done]:
+            started = time.perf_counter()
+            plans = [generation.plan() for generation in live]
+            drafted = time.perf_counter()
+            rows = engine.target.runner.forward_ragged([g.cache for g in live], [p.feed for p in plans],
+                                                       [p.positions for p in plans], [p.tree_mask for p in plans])
+            verified = time.perf_counter()
+            for generation, plan, logits in zip(live, plans, rows):
+                generation.commit(plan, logits, verified - drafted)
+            drafting, target, steps = drafting + drafted - started, target + verified - drafted, steps + 1
+        tokens = sum(len(g.output_ids) for g in generations) - before
+        print(f"round {round_}: {steps} batched steps, {tokens} tokens, drafting {drafting:.2f} s, target pass "
+              f"{target:.2f} s (drafting {drafting / (drafting + target):.0%}), {tokens / (drafting + target):.1f} tok/s",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
