@@ -66,7 +66,8 @@ class _Buffers:
 @dataclass
 class _Tree:
     """Where K branches of γ drafts lie in a step's feed [1+Kγ]: the root (the last committed token), then each
-    branch's γ nodes in a row. The same every step for one (γ, K), so a captured step reads it as constants."""
+    branch's γ nodes in a row (K = 1: a chain, its mask causal). The same every step for one (γ, K), so a captured
+    step reads it as constants."""
 
     offsets: torch.Tensor  # [1+Kγ] long: each node's position after the root's (a node's depth)
     mask: torch.Tensor  # [1+Kγ, 1+Kγ] bool: what each node attends among the step's (the root, its own branch so far)
@@ -163,8 +164,8 @@ class DeviceSteps:
         where no graph may be captured, run eagerly."""
         replay = buffers.replays.get((gamma, branches))
         if replay is None:
-            tree = _Tree.of(gamma, branches, buffers.ids.device) if branches > 1 else None
-            run = lambda: self._step(buffers, gamma, tree)  # noqa: E731
+            tree = _Tree.of(gamma, branches, buffers.ids.device) if gamma else None
+            run = lambda: self._step(buffers, tree)  # noqa: E731
             before = buffers.length.clone(), buffers.count.clone()
             replay = buffers.replays[gamma, branches] = self.graphs.replayed(run) or run
             buffers.length.copy_(before[0])  # a capture's warm-up ran one step: its writes lie past the sequence
@@ -172,33 +173,30 @@ class DeviceSteps:
         return replay
 
     @torch.inference_mode()  # the cache's storage holds inference tensors (a tree's step moves keys and values)
-    def _step(self, buffers: _Buffers, gamma: int, tree: _Tree | None) -> None:
-        """One step of depth γ, a chain (`tree` None) or a tree of branches, device work only (see the module
-        docstring)."""
+    def _step(self, buffers: _Buffers, tree: _Tree | None) -> None:
+        """One step, device work only (see the module docstring): plain decoding (`tree` None) or K ≥ 1 branches of γ
+        drafts (one branch: a chain)."""
         ids, length, cache = buffers.ids, buffers.length, buffers.cache
         last = length - 1  # [1]: the last committed token, fed first; the cache holds the tokens before it
-        if not gamma:
+        if tree is None:
             target = argmax(self.graphs.forward_at(cache, ids[last], last))  # [1]
             accepted = matched = torch.zeros_like(length)  # [1]
-        elif tree is None:
-            draft, matched = lookup_on_device(ids, length, gamma, self.drafter.max_n, self.drafter.min_n)  # [1, γ], [1]
-            target = argmax(self.graphs.forward_at(cache, torch.cat([ids[last], draft[0]]), last))  # [γ+1]: after each prefix
-            accepted = (draft[0] == target[:-1]).long().cumprod(0).sum(0, keepdim=True)  # [1]
         else:
-            drafts, matched = lookup_on_device(ids, length, gamma, self.drafter.max_n, self.drafter.min_n, len(tree.parents))  # [K, γ]
+            branches, gamma = tree.parents.shape
+            drafts, matched = lookup_on_device(ids, length, gamma, self.drafter.max_n, self.drafter.min_n, branches)  # [K, γ]
             feed = torch.cat([ids[last], drafts.flatten()])  # [1+Kγ]
             logits = self.graphs.forward_at(cache, feed, last, last + tree.offsets, tree.mask)  # [1+Kγ, vocab]
             judged = argmax(logits)  # [1+Kγ]: the target's token after each node
             kept = (drafts == judged[tree.parents]).long().cumprod(1).sum(1)  # [K]: drafts each branch keeps
             best = kept.argmax(0, keepdim=True)  # [1]: the first branch that keeps the most
             accepted, target = kept[best], judged[tree.paths[best][0]]  # [1], [γ+1]: the target's tokens along it
-            # the kept branch's keys and values go right after the root (branch 0's are there already)
-            slots = last + 1 + torch.arange(gamma, device=ids.device)  # [γ]
-            for storage in (cache.keys, cache.values):  # [layers, kv_heads, capacity, head_dim]
-                storage.index_copy_(2, slots, storage.index_select(2, slots + best * gamma))
+            if branches > 1:  # the kept branch's keys and values go right after the root (branch 0's are there already)
+                slots = last + 1 + torch.arange(gamma, device=ids.device)  # [γ]
+                for storage in (cache.keys, cache.values):  # [layers, kv_heads, capacity, head_dim]
+                    storage.index_copy_(2, slots, storage.index_select(2, slots + best * gamma))
         drafted = (matched > 0).long()  # [1]: a step without a match drafted a guess, which counts as no draft
         accepted = accepted * drafted  # its lucky tokens are not taken (fewer accepted is still the target's chain)
-        ids.index_copy_(0, length + torch.arange(gamma + 1, device=ids.device), target)
+        ids.index_copy_(0, length + torch.arange(len(target), device=ids.device), target)
         buffers.accepted.index_copy_(0, buffers.count, accepted)
         buffers.drafted.index_copy_(0, buffers.count, drafted)
         buffers.count.add_(1)

@@ -238,14 +238,19 @@ def create_app(
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", headers=exc.headers)
 
+    def unknown_model(request: Request, model: str | None) -> JSONResponse | None:
+        """The 400 for a `model` that is not the served one (None, left out, is the served one), else None."""
+        served = request.app.state.model_name
+        if model in (None, served):
+            return None
+        return error_response(400, f"model: unknown model {model!r}; this server serves {served!r} (see /v1/models)",
+                              param="model", code="model_not_found")
+
     async def serve(request: Request, body: CompletionRequest | ChatCompletionRequest, endpoint: str,
                     encode: Callable[[Engine], list[list[int]]], fmt: CompletionFormat) -> Response:
         started = time.perf_counter()
         scheduler: Scheduler = request.app.state.scheduler
-        if body.model not in (None, request.app.state.model_name):
-            response = error_response(400, f"model: unknown model {body.model!r}; this server serves {request.app.state.model_name!r} (see /v1/models)",
-                                      param="model", code="model_not_found")
-        else:
+        if (response := unknown_model(request, body.model)) is None:
             jobs: list[Job] = []
             try:
                 check_request_drafter(body.drafter, scheduler.engine.drafter_spec)
@@ -336,9 +341,8 @@ def create_app(
 
     async def on_tokenizer_thread(request: Request, model: str | None, work: Callable[[Engine], dict]) -> JSONResponse:
         """`work` on the served engine, on the tokenizer thread: its answer, or the error naming the field."""
-        if model not in (None, request.app.state.model_name):
-            return error_response(400, f"model: unknown model {model!r}; this server serves {request.app.state.model_name!r}",
-                                  param="model", code="model_not_found")
+        if (refused := unknown_model(request, model)) is not None:
+            return refused
         try:
             return JSONResponse(await asyncio.get_running_loop().run_in_executor(
                 tokenizer_thread, work, request.app.state.scheduler.engine))
