@@ -160,8 +160,8 @@ def test_a_finished_build_is_shared_by_every_torch_installation_of_its_release(m
 
 
 def test_the_compiled_decoder_stack_gives_the_same_bits_as_the_python_loop(target8, monkeypatch):
-    """An int8 runner decodes and verifies chains through `Int8Layers` (C++, one call per forward);
-    prefill, token trees and server batches run the Python loop. Both must be the same model."""
+    """An int8 runner decodes and verifies chains through `Int8Layers` (C++, one call per forward), server batches
+    of such chains too; prefill and token trees run the Python loop. Both must be the same model."""
     import copy
 
     from verispec.models.transformer import Transformer
@@ -170,9 +170,12 @@ def test_the_compiled_decoder_stack_gives_the_same_bits_as_the_python_loop(targe
     assert runner._compiled_layers() is not None
 
     def decode(feeds: list[list[int]]) -> list[torch.Tensor]:
-        cache = runner.new_cache()
+        cache, other = runner.new_cache(), runner.new_cache()
         runner.forward(cache, torch.tensor(PROMPTS[1]), logits="none")
-        return [runner.forward(cache, torch.tensor(feed)) for feed in feeds]
+        runner.forward(other, torch.tensor(PROMPTS[0]), logits="none")
+        out = [runner.forward(cache, torch.tensor(feed)) for feed in feeds]
+        out += runner.forward_ragged([other, cache], [torch.tensor([8, 2, 5]), torch.tensor([9])])  # a server batch
+        return out + [cache.keys[:, :, : cache.length], other.values[:, :, : other.length]]
 
     feeds = [[5], [7, 9, 11, 13], [17], list(range(1, 9))]  # decode steps and verification passes
     compiled = decode(feeds)

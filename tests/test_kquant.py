@@ -477,19 +477,24 @@ def test_a_file_with_other_block_types_is_a_clear_error(tmp_path):
 
 
 def test_the_compiled_decoder_stack_gives_the_same_bits_as_the_python_loop(tiny, monkeypatch):
-    """Decode steps, chain verifications, token trees and prompt pieces (more rows than a verification: the
-    element-wise work shared out over threads) run `KQuantLayers` (C++, `kernels/decoder.h`); server batches of
-    several rows the Python loop: the same model."""
+    """Decode steps, chain verifications, token trees, prompt pieces (more rows than a verification: the
+    element-wise work shared out over threads) and server batches of several rows (chains, a tree and a prompt in
+    one pass) run `KQuantLayers` (C++, `kernels/decoder.h`): the same model as the Python loop."""
     runner = tiny[0].runner
     assert runner._compiled_layers() is not None and runner.compiled
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)  # [4, 4]: two branches
 
     def decode(feeds: list[list[int]]) -> list[torch.Tensor]:
-        cache = runner.new_cache()
+        cache, other, third = runner.new_cache(), runner.new_cache(), runner.new_cache()
         runner.forward(cache, torch.tensor(PROMPTS[1]), logits="none")
+        runner.forward(other, torch.tensor(PROMPTS[0]), logits="none")
         out = [runner.forward(cache, torch.tensor(feed)) for feed in feeds]
         positions = cache.length + torch.tensor([0, 1, 1, 2])
-        return out + [runner.forward(cache, torch.tensor([3, 4, 5, 6]), positions=positions, tree_mask=tree)]
+        out.append(runner.forward(cache, torch.tensor([3, 4, 5, 6]), positions=positions, tree_mask=tree))
+        batch = runner.forward_ragged([other, cache, third], [torch.tensor([8, 2, 5]), torch.tensor([9]), torch.tensor(PROMPTS[1])])
+        positions = other.length + torch.tensor([0, 1, 1, 2])
+        batch += runner.forward_ragged([cache, other], [torch.tensor([1]), torch.tensor([3, 4, 5, 6])], [None, positions], [None, tree])
+        return out + batch + [cache.keys[:, :, : cache.length], other.values[:, :, : other.length], third.keys[:, :, : third.length]]
 
     feeds = [[5], [7, 9, 11, 13], [17], list(range(1, 9)), [i % 40 + 1 for i in range(70)]]
     compiled = decode(feeds)
@@ -497,6 +502,15 @@ def test_the_compiled_decoder_stack_gives_the_same_bits_as_the_python_loop(tiny,
         patch.setattr(Transformer, "_compiled_layers", lambda self: None)
         python = decode(feeds)
     assert all(torch.equal(a, b) for a, b in zip(compiled, python, strict=True))
+
+
+def test_a_rows_logits_do_not_depend_on_the_rest_of_the_pass(tiny):
+    """kquant's server batches (several rows through the C++ stack, chains and a tree on caches of different lengths):
+    each row's logits and keys/values are the bits it gets alone (`test_row_invariance.py`'s check)."""
+    from test_row_invariance import ragged_mismatches
+
+    assert tiny[0].runner.compiled
+    assert ragged_mismatches(tiny[0].runner) == []
 
 
 def test_a_derived_draft_shares_the_files_head_tiles(tiny):

@@ -589,18 +589,21 @@ class Transformer:
         """The decoder stack over tokens [N] (the rows' new tokens, concatenated) -> hidden [N, hidden]."""
         cos, sin = self._rope_rows(rows)
         x = self._embed(tokens)  # [N, hidden]
-        row = rows[0]  # one chain of up to 32 positions (any compiled stack), or on the exact attention any row: a token
-        # tree (the attention takes its mask) or a prompt's piece
-        exact = self._exact_attend is not None
-        one_row = len(rows) == 1 and (exact or row.n <= ROW_INVARIANT_POSITIONS and row.chain)
-        compiled = self._compiled_layers() if one_row else None
-        if compiled is not None:  # the same operations as `_layers`, in one C++ call
-            x = compiled.forward(x, row.cache.keys, row.cache.values, row.start, cos, sin, None if row.chain else row.mask)
+        compiled = self._compiled_layers() if all(self._compiled_takes(row) for row in rows) else None
+        if compiled is not None:  # the same operations as `_layers`, in one C++ call (a server's batch too)
+            x = compiled.forward(x, [row.cache.keys for row in rows], [row.cache.values for row in rows],
+                                 [row.start for row in rows], [row.n for row in rows], cos, sin,
+                                 [None if row.chain else row.mask for row in rows])
         else:
             x = self._layers(x, rows, cos, sin)
         for row in rows:
             row.cache.length = row.start + row.n
         return x
+
+    def _compiled_takes(self, row: _Row) -> bool:
+        """Whether the compiled stack attends `row` as `_attend_rows` would: on the exact attention any row (a chain,
+        a token tree — the attention takes its mask — or a prompt's piece), else a chain of up to 32 positions."""
+        return self._exact_attend is not None or (row.n <= ROW_INVARIANT_POSITIONS and row.chain)
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [N] -> their embeddings [N, hidden]."""

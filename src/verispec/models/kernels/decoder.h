@@ -1,12 +1,15 @@
 // The decoder stack of verispec's runner as one C++ call, shared by the quantized precisions' extensions
 // (`int8.cpp`, `kquant.cpp`), each with its own linear layer.
 //
-// `DecoderLayers<Linear, Attention>::forward` runs one row of n new positions (decoding and verification:
-// a chain, or a token tree where `Attention` takes a mask; kquant's prompt pieces too) through every layer with the
-// same operations, in the same order, as `Transformer._layers` and `_attend_rows` (so the same bits),
-// without the Python interpreter between them. `Linear` is any type with
-// `at::Tensor operator()(const at::Tensor& x) const` (x [n, in] -> [n, out]); `Attention` attends the
-// new positions over the cache they were just stored in (`SdpaAttention` by default: chains only).
+// `DecoderLayers<Linear, Attention>::forward` runs rows of new positions (decoding and verification: a chain,
+// or a token tree where `Attention` takes a mask; kquant's prompt pieces too; a server's batch: several rows,
+// each on its own cache) through every layer with the same operations, in the same order, as
+// `Transformer._layers` and `_attend_rows` (so the same bits), without the Python interpreter between them.
+// The linear layers take every row's positions at once ([Σn, in]: the weights read once for the batch); each
+// row stores its keys and values and attends on its own cache. `Linear` is any type with
+// `at::Tensor operator()(const at::Tensor& x) const` (x [n, in] -> [n, out]), computing each row on its own;
+// `Attention` attends a row's new positions over the cache they were just stored in (`SdpaAttention` by
+// default: chains only).
 
 #pragma once
 
@@ -56,25 +59,41 @@ class DecoderLayers {
     }
   }
 
-  // x [n, hidden] -> [n, hidden]; writes the new keys/values to slots start … start+n−1 of every layer.
-  // mask: none for a chain, else bool [n, start + n] (a token tree: what each node sees). Everything is float32.
-  at::Tensor forward(at::Tensor x, at::Tensor keys, at::Tensor values, int64_t start, at::Tensor cos, at::Tensor sin,
-                     c10::optional<at::Tensor> mask) const {
-    TORCH_CHECK(x.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat &&
-                    cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
-                "the decoder stack runs float32 activations, caches and rotary tables");
-    TORCH_CHECK(keys.stride(-1) == 1 && values.stride(-1) == 1, "the decoder stack wants caches contiguous per head row");
-    const int64_t n = x.size(0), q_size = heads_ * head_dim_;
+  // x [N, hidden] (the rows' new positions, concatenated) -> [N, hidden]. Row r holds counts[r] positions; it
+  // writes its keys/values to slots starts[r] … starts[r]+counts[r]−1 of every layer of keys[r]/values[r]
+  // [layers, kv_heads, capacity, hd]; masks[r]: none for a chain, else bool [counts[r], starts[r] + counts[r]] (a
+  // token tree: what each node sees). cos/sin [1, N, hd] at the rows' positions. Everything is float32.
+  at::Tensor forward(at::Tensor x, const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                     const std::vector<int64_t>& starts, const std::vector<int64_t>& counts, at::Tensor cos, at::Tensor sin,
+                     const std::vector<c10::optional<at::Tensor>>& masks) const {
+    const size_t rows = counts.size();
+    TORCH_CHECK(rows > 0 && keys.size() == rows && values.size() == rows && starts.size() == rows && masks.size() == rows,
+                "the decoder stack takes one cache, start, count and mask per row");
+    TORCH_CHECK(x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+                "the decoder stack runs float32 activations and rotary tables");
+    int64_t total = 0;
+    for (size_t r = 0; r < rows; ++r) {
+      TORCH_CHECK(keys[r].scalar_type() == at::kFloat && values[r].scalar_type() == at::kFloat, "the decoder stack runs float32 caches");
+      TORCH_CHECK(keys[r].stride(-1) == 1 && values[r].stride(-1) == 1, "the decoder stack wants caches contiguous per head row");
+      TORCH_CHECK(counts[r] > 0 && starts[r] >= 0 && starts[r] + counts[r] <= keys[r].size(2), "a row does not fit its cache");
+      total += counts[r];
+    }
+    TORCH_CHECK(x.size(0) == total && cos.size(1) == total && sin.size(1) == total, "x, cos and sin hold every row's positions");
+    const int64_t q_size = heads_ * head_dim_;
     x = x.contiguous();
-    cos = cos.contiguous();  // [1, n, head_dim]
+    cos = cos.contiguous();  // [1, N, head_dim]
     sin = sin.contiguous();
     for (size_t i = 0; i < layers_.size(); ++i) {
       const DecoderLayer<Linear>& layer = layers_[i];
-      at::Tensor layer_keys = keys.select(0, i), layer_values = values.select(0, i);  // [kv_heads, capacity, hd]
-      at::Tensor qkv = layer.qkv(rms_norm(x, layer.input_norm)).contiguous();  // [n, q_size + 2 kv_size]
-      at::Tensor q = rotate_and_store(qkv, layer_keys, layer_values, start, cos, sin);  // [heads, n, hd]
-      at::Tensor attn = attention_(q, layer_keys, layer_values, start, mask, scale_);  // [heads, n, hd]
-      x = add(x, layer.o(attn.transpose(0, 1).reshape({n, q_size})));
+      at::Tensor qkv = layer.qkv(rms_norm(x, layer.input_norm)).contiguous();  // [N, q_size + 2 kv_size]
+      std::vector<at::Tensor> attended;  // per row [n, q_size]
+      for (size_t r = 0, offset = 0; r < rows; offset += counts[r], ++r) {
+        at::Tensor layer_keys = keys[r].select(0, i), layer_values = values[r].select(0, i);  // [kv_heads, capacity, hd]
+        at::Tensor q = rotate_and_store(qkv, offset, counts[r], layer_keys, layer_values, starts[r], cos, sin);  // [heads, n, hd]
+        at::Tensor attn = attention_(q, layer_keys, layer_values, starts[r], masks[r], scale_);  // [heads, n, hd]
+        attended.push_back(attn.transpose(0, 1).reshape({counts[r], q_size}));
+      }
+      x = add(x, layer.o(rows == 1 ? attended[0] : at::cat(attended)));
       x = add(x, layer.down(silu_times(layer.gate_up(rms_norm(x, layer.post_norm)))));
     }
     return x;
@@ -143,15 +162,16 @@ class DecoderLayers {
     return out;
   }
 
-  // qkv [n, q_size + 2 kv_size] -> q rotated [heads, n, hd]; k rotated and v stored at slots start … start+n−1 of one
-  // layer's keys/values [kv_heads, capacity, hd]. `Transformer._rotate`: x·cos + rotate_half(x)·sin, where
-  // rotate_half(x) = (−x[half:], x[:half]), at position j of cos/sin [1, n, hd].
-  at::Tensor rotate_and_store(const at::Tensor& qkv, at::Tensor keys, at::Tensor values, int64_t start, const at::Tensor& cos,
-                              const at::Tensor& sin) const {
-    const int64_t n = qkv.size(0), width = qkv.size(1), hd = head_dim_, half = hd / 2;
+  // Rows offset … offset+n−1 of qkv [N, q_size + 2 kv_size] -> their q rotated [heads, n, hd]; k rotated and v stored at
+  // slots start … start+n−1 of one layer's keys/values [kv_heads, capacity, hd]. `Transformer._rotate`: x·cos +
+  // rotate_half(x)·sin, where rotate_half(x) = (−x[half:], x[:half]), at row offset+j of cos/sin [1, N, hd].
+  at::Tensor rotate_and_store(const at::Tensor& qkv, int64_t offset, int64_t n, at::Tensor keys, at::Tensor values, int64_t start,
+                              const at::Tensor& cos, const at::Tensor& sin) const {
+    const int64_t width = qkv.size(1), hd = head_dim_, half = hd / 2;
     const int64_t q_size = heads_ * hd, kv_size = kv_heads_ * hd;
     at::Tensor q = at::empty({heads_, n, hd}, qkv.options());
-    const float *src = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+    const float *src = qkv.data_ptr<float>() + offset * width, *cp = cos.data_ptr<float>() + offset * hd,
+                *sp = sin.data_ptr<float>() + offset * hd;
     float *qp = q.data_ptr<float>(), *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
     auto rotate = [&](const float* x, const float* c, const float* s, float* out) {
       for (int64_t d = 0; d < half; ++d) out[d] = x[d] * c[d] + (-x[d + half]) * s[d];
@@ -203,6 +223,6 @@ void bind_decoder_layers(py::module& m, const char* name, Read read) {
         return Layers(std::move(read_layers), heads, kv_heads, head_dim, eps);
       }))
       .def("forward", &Layers::forward, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("keys"),
-           py::arg("values"), py::arg("start"), py::arg("cos"), py::arg("sin"), py::arg("mask") = py::none());
+           py::arg("values"), py::arg("starts"), py::arg("counts"), py::arg("cos"), py::arg("sin"), py::arg("masks"));
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for uses for `items` long tasks", py::arg("items"));
 }
