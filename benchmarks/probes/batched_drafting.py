@@ -1,10 +1,11 @@
 """How much of a server's batched step goes to drafting when several requests decode at once.
 
 The scheduler (`serving/http/scheduler.py`, `_step`) verifies every running request in one target pass
-(`forward_ragged`), but each request drafts on its own first (`Generation.plan`): prompt lookup costs nothing, a draft
-model runs its forwards request by request. Here `--n` public prompts (Spec-Bench's first of each category) decode
-together exactly as the scheduler steps them, on the shipped target in kquant; prints, per round, the batched steps,
-the tokens, the seconds spent drafting and in the target pass, and the tokens a second of both.
+(`forward_ragged`) after the requests drafted side by side (`Generation.plan` through `draft_together`: prompt lookup
+costs nothing, a draft model's forwards are batched across requests; `--alone`: one request after the other, as
+before). Here `--n` public prompts (Spec-Bench's first of each category) decode together exactly as the scheduler
+steps them, on the shipped target in kquant; prints, per round, the batched steps, the tokens, the seconds spent
+drafting and in the target pass, and the tokens a second of both.
 
     .venv/bin/python benchmarks/probes/batched_drafting.py --draft hybrid:draft=smollm2-135m-instruct,window=256 --n 4
 """
@@ -16,6 +17,7 @@ import json
 import time
 
 from verispec import GenerationConfig, load
+from verispec.drafters.batching import draft_together
 from verispec.paths import cpu_summary
 
 CATEGORIES = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
@@ -28,8 +30,9 @@ def main() -> None:
     parser.add_argument("--questions", default="question.jsonl")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--alone", action="store_true", help="draft request by request (no shared draft passes)")
     args = parser.parse_args()
-    print(cpu_summary(), "·", args.draft, "·", args.n, "requests", flush=True)
+    print(cpu_summary(), "·", args.draft, "·", args.n, "requests", "· drafting alone" if args.alone else "", flush=True)
     engine = load("qwen2.5-coder-1.5b-instruct", draft=args.draft, dtype="kquant", gamma_policy="auto")
     questions = [json.loads(line) for line in open(args.questions)]
     prompts = [next(q for q in questions if q["category"] == category)["turns"][0] for category in CATEGORIES[: args.n]]
@@ -44,7 +47,7 @@ def main() -> None:
         steps, before = 0, sum(len(g.output_ids) for g in generations)
         while live := [g for g in generations if not g.done]:
             started = time.perf_counter()
-            plans = [generation.plan() for generation in live]
+            plans = [g.plan() for g in live] if args.alone else draft_together([g.plan for g in live])
             drafted = time.perf_counter()
             rows = engine.target.runner.forward_ragged([g.cache for g in live], [p.feed for p in plans],
                                                        [p.positions for p in plans], [p.tree_mask for p in plans])

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
+from verispec.drafters.batching import feed
 from verispec.drafters.prefix import common_prefix_length
 from verispec.errors import InvalidParameterError
 from verispec.models.prefixes import draft_prefix_store
@@ -173,8 +174,9 @@ class ModelSession(DraftSession):
         return len(self.cached) >= len(self._prompt)
 
     def _feed(self, tokens: list[int], logits: str = "last") -> torch.Tensor | None:
-        """Append `tokens` to the cache; the runner's logits for them ("last" [1, vocab], "all" [n, vocab])."""
-        out = self.runner.forward(self.cache, torch.tensor(tokens, dtype=torch.long), logits=logits)
+        """Append `tokens` to the cache; the runner's logits for them ("last" [1, vocab], "all" [n, vocab]). Among
+        other requests drafting at once (`batching.draft_together`), in one pass with their feeds."""
+        out = feed(self.runner, self.cache, torch.tensor(tokens, dtype=torch.long), logits)
         self.cached += tokens
         return out
 

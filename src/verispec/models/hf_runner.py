@@ -172,6 +172,7 @@ class HFRunner:
         return tensor_bytes([*self.model.parameters(), *self.model.buffers()])
 
     prefix_invariant = False  # HF's batched attention rounds a chunk differently from a whole prompt
+    batch_invariant = True  # `forward_ragged` runs one forward per row
 
     @property
     def exact_positions(self) -> int | None:

@@ -74,7 +74,7 @@ class Runner(Protocol):
     """A model that scores new positions after a cache, for one sequence or several at once.
 
     Besides its config and dtype a runner declares what it can do, so that callers never probe:
-    `precision`, `variant`, `supports_trees`, `prefix_invariant`, `compiled`, `step_graphs`, the exact width (`exact_positions`,
+    `precision`, `variant`, `supports_trees`, `batch_invariant`, `prefix_invariant`, `compiled`, `step_graphs`, the exact width (`exact_positions`,
     `exact_positions_after`) and its bytes (`weight_bytes`, `linear_bytes`, `cache_bytes_per_position`).
     """
 
@@ -94,6 +94,12 @@ class Runner(Protocol):
     @property
     def supports_trees(self) -> bool:
         """Whether `forward` scores a token tree (positions + tree mask); False: chains only."""
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether each row of `forward_ragged` gets the bits `forward` gives it alone, for feeds of up to
+        `exact_positions`, whatever else the pass holds: drafts may then be batched across requests
+        (`drafters/batching.py`) without changing any request's output."""
 
     @property
     def prefix_invariant(self) -> bool:
@@ -156,8 +162,8 @@ class Runner(Protocol):
 
     def forward_ragged(self, caches: list[Cache], feeds: list[torch.Tensor],
                        positions: list[torch.Tensor | None] | None = None,
-                       tree_masks: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
-        """Several sequences' feeds in one pass; per sequence its logits [n_i, vocab]."""
+                       tree_masks: list[torch.Tensor | None] | None = None, logits: str = "all") -> list[torch.Tensor]:
+        """Several sequences' feeds in one pass; per sequence its logits, [n_i, vocab] ("all") or [1, vocab] ("last")."""
 
 
 @dataclass

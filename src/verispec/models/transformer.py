@@ -551,6 +551,7 @@ class Transformer:
         feeds: list[torch.Tensor],
         positions: list[torch.Tensor | None] | None = None,
         tree_masks: list[torch.Tensor | None] | None = None,
+        logits: str = "all",
     ) -> list[torch.Tensor]:
         """Several independent rows in ONE pass: feeds[i] [n_i] is appended to caches[i].
 
@@ -558,7 +559,7 @@ class Transformer:
         weights once for the whole batch (the point on a memory-bound CPU); attention runs per row
         against that row's own cache. positions[i] [n_i] and tree_masks[i] [n_i, n_i] work as in
         `forward` (None: consecutive positions, causal mask), so a row may be a token tree.
-        Returns logits [n_i, vocab] per row.
+        Returns logits per row: [n_i, vocab] ("all") or its last position's [1, vocab] ("last").
         """
         positions, tree_masks = ragged_rows(caches, feeds, positions, tree_masks)
         rows = [
@@ -566,6 +567,9 @@ class Transformer:
             for cache, feed, pos, mask in zip(caches, feeds, positions, tree_masks)
         ]
         x = self._run(torch.cat([feed.to(self.device) for feed in feeds]), rows)  # [Σn_i, hidden]: feeds on any device
+        if logits == "last":
+            ends = torch.tensor([row.n for row in rows], device=self.device).cumsum(0) - 1  # [rows]: each row's last position
+            return list(self._logits(x[ends]).split(1))
         return list(self._logits(x).split([row.n for row in rows]))
 
     def _row(self, cache: KVCache, n: int, positions: torch.Tensor | None, tree_mask: torch.Tensor | None) -> _Row:
@@ -645,6 +649,12 @@ class Transformer:
 
     # -- declared capabilities (the runner protocol, `models/runner.py`) ---------------------------
     supports_trees = True  # a token tree is a tree mask over the same static cache
+
+    @property
+    def batch_invariant(self) -> bool:
+        """A quantized runner: its linears compute each row alone and its attention each position (float ones: not
+        promised — a draft's layers packed for one row run `F.linear`, whose kernels follow the row count)."""
+        return self.row_invariant
 
     @property
     def prefix_invariant(self) -> bool:

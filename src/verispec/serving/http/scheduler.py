@@ -6,9 +6,9 @@ Every turn of the worker:
   2. admit waiting requests, in order, up to `max_batch`, while the KV pool has room for the head
      request's prompt + initial spare (`Generation.capacities`); otherwise the head waits (no
      over-commit, no overtaking). A request whose own needs exceed the whole pool is refused (400).
-  3. decodes first: one step for every prefilled request: `plan()` each (drafts) → ONE
-     `forward_ragged` target pass over every row's feed → `commit()` each. Acceptance is ragged:
-     each row keeps its own prefix.
+  3. decodes first: one step for every prefilled request: `plan()` each (drafts; side by side, their
+     draft models' forwards batched: `drafters/batching.py`) → ONE `forward_ragged` target pass over
+     every row's feed → `commit()` each. Acceptance is ragged: each row keeps its own prefix.
   4. then ONE prefill chunk of at most `prefill_chunk` prompt tokens to the prefilling request with
      the fewest prompt tokens left (a short prompt is not held behind a long one; a prompt passed
      over STARVATION_TURNS turns in a row goes next; 0: a whole prompt at once), so a long prompt
@@ -65,6 +65,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from verispec.control.costs import prefill_seconds_per_token
+from verispec.drafters.batching import draft_together
 from verispec.engine import Engine, Generation, GenerationConfig, StepPlan
 from verispec.errors import PromptError, VerispecError
 from verispec.models.prefixes import MIN_REUSE, shared_length
@@ -506,11 +507,10 @@ class Scheduler:
         started = time.perf_counter()
         jobs: list[Job] = []
         plans: list[StepPlan] = []
-        for job in [job for job in self._active if job.generation.prefilled]:
-            try:
-                plan = job.generation.plan()
-            except Exception as error:  # noqa: BLE001
-                self._fail(job, error, "error")
+        drafting = [job for job in self._active if job.generation.prefilled]
+        for job, plan in zip(drafting, draft_together([job.generation.plan for job in drafting]) if drafting else []):
+            if isinstance(plan, BaseException):
+                self._fail(job, plan, "error")
                 continue
             if self._reserve(job, job.generation.cache.length + len(plan.feed)):
                 plans.append(plan)
