@@ -142,3 +142,13 @@ def test_a_wide_feed_runs_alone(engine, monkeypatch):
     logits = draft_together([lambda: feed(runner, caches[0], wide, "last"), lambda: feed(runner, caches[1], wide[:2], "all")])
     assert passes == [1] and logits[0].shape[0] == 1 and logits[1].shape[0] == 2
     assert caches[0].length == len(wide) and caches[1].length == 2
+
+
+def test_a_task_without_a_model_runs_on_the_calling_thread_and_threads_are_kept():
+    here = threading.current_thread()
+    before = threading.active_count()
+    for _ in range(50):
+        threads = draft_together([threading.current_thread] * 3, [False, True, True])
+        assert threads[0] is here and here not in threads[1:] and threads[1] is not threads[2]
+    assert threading.active_count() <= before + 6  # kept for the next step, not one more per call
+    assert draft_together([threading.current_thread, threading.current_thread], [True, False]) == [here, here]  # one: here

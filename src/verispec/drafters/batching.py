@@ -18,6 +18,7 @@ as without a gate. A failing batched pass is retried row by row, so only a fault
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,27 +44,31 @@ def feed(runner: Runner, cache: Cache, tokens: torch.Tensor, logits: str) -> tor
     return gate.feed(_Feed(runner, cache, tokens, logits))
 
 
-def draft_together(tasks: list[Callable[[], T]]) -> list[T | BaseException]:
+def draft_together(tasks: list[Callable[[], T]], batched: list[bool] | None = None) -> list[T | BaseException]:
     """Run `tasks` side by side, their draft forwards batched (module docstring); per task its result or the
-    exception it raised, in order. One task runs here, with no thread and no gate; several each on a thread of
-    its own (started per call, about 0.1 ms each: a pool could run out of threads with every one waiting here)."""
-    if len(tasks) == 1:
-        return [_run(tasks[0])]
-    gate, results = _Gate(len(tasks)), [None] * len(tasks)
+    exception it raised, in order. `batched[i]` False (a request whose drafter runs no model: nothing to batch) runs
+    task i here first, as does a lone task; the others each on a thread of its own (kept for the next call)."""
+    batched = batched if batched is not None else [True] * len(tasks)
+    results: list = [None] * len(tasks)
+    together = [i for i, flag in enumerate(batched) if flag]
+    for i in range(len(tasks)):
+        if not batched[i] or len(together) == 1:
+            results[i] = _run(tasks[i])
+    if len(together) < 2:
+        return results
+    gate = _Gate(len(together))
 
     def run_at(i: int) -> None:
         _local.gate = gate
         try:
             results[i] = _run(tasks[i])
         finally:
+            _local.gate = None
             gate.finished()
 
-    threads = [threading.Thread(target=run_at, args=(i,), name="verispec-draft", daemon=True) for i in range(len(tasks))]
-    for thread in threads:
-        thread.start()
+    for i in together:
+        _workers.submit(lambda i=i: run_at(i))
     gate.serve()
-    for thread in threads:
-        thread.join()
     return results
 
 
@@ -143,3 +148,30 @@ def _run(task: Callable[[], T]) -> T | BaseException:
         return task()
     except Exception as error:  # noqa: BLE001 - the caller fails that request only
         return error
+
+
+class _Workers:
+    """Threads kept for the next step (starting one costs about 75 µs). A task never waits for a free one: with none
+    idle a new one starts, so a step's tasks all run at once (a fixed pool could leave a task queued behind tasks
+    that wait at the gate for it)."""
+
+    def __init__(self):
+        self._idle: list[queue.SimpleQueue] = []
+        self._lock = threading.Lock()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(inbox,), name="verispec-draft", daemon=True).start()
+        inbox.put(job)
+
+    def _serve(self, inbox: queue.SimpleQueue) -> None:
+        while True:
+            inbox.get()()
+            with self._lock:
+                self._idle.append(inbox)
+
+
+_workers = _Workers()

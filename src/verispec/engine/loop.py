@@ -508,6 +508,12 @@ class Generation:
         draft = self.session.propose(self.ids, gamma, self.params, self.generator).to(self.device)
         return shape_of(draft).cut(gamma, most)
 
+    @property
+    def drafts_with_a_model(self) -> bool:
+        """Whether this request's drafter runs a model: its `plan` may share draft passes with other requests'
+        (`drafters/batching.py`); a model-free one has nothing to share."""
+        return self.drafter is not None and self.drafter.model is not None
+
     def plan(self) -> StepPlan:
         """Draft this step's tokens and say what the target must score (once the target's prompt is in; the rest
         of the drafter's prefill first)."""

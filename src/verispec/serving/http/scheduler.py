@@ -508,7 +508,8 @@ class Scheduler:
         jobs: list[Job] = []
         plans: list[StepPlan] = []
         drafting = [job for job in self._active if job.generation.prefilled]
-        for job, plan in zip(drafting, draft_together([job.generation.plan for job in drafting]) if drafting else []):
+        plans_drafted = draft_together([job.generation.plan for job in drafting], [job.generation.drafts_with_a_model for job in drafting])
+        for job, plan in zip(drafting, plans_drafted):
             if isinstance(plan, BaseException):
                 self._fail(job, plan, "error")
                 continue
