@@ -134,14 +134,17 @@ def test_a_failing_task_fails_alone(engine, monkeypatch):
 
 
 def test_a_wide_feed_runs_alone(engine, monkeypatch):
-    """Past the runner's exact width a feed is not batched (a prompt's piece runs the runner's own way)."""
+    """Past the runner's exact width a feed is not batched (a prompt's piece runs the runner's own way), and it runs
+    on the calling thread like every forward of the step."""
     runner = engine.drafter.model.runner
-    passes = counting_passes(runner, monkeypatch)
-    caches = [runner.new_cache(), runner.new_cache()]
+    passes, threads, forward = counting_passes(runner, monkeypatch), [], runner.forward
+    monkeypatch.setattr(runner, "forward", lambda *args, **kw: threads.append(threading.current_thread()) or forward(*args, **kw))
+    caches = [runner.new_cache() for _ in range(3)]
     wide = torch.arange(runner.exact_positions + 1) % 40 + 2
-    logits = draft_together([lambda: feed(runner, caches[0], wide, "last"), lambda: feed(runner, caches[1], wide[:2], "all")])
-    assert passes == [1] and logits[0].shape[0] == 1 and logits[1].shape[0] == 2
-    assert caches[0].length == len(wide) and caches[1].length == 2
+    logits = draft_together([lambda: feed(runner, caches[0], wide, "last"), lambda: feed(runner, caches[1], wide[:2], "all"),
+                             lambda: feed(runner, caches[2], wide[:1], "last")])
+    assert passes == [2] and threads == [threading.current_thread()]
+    assert [x.shape[0] for x in logits] == [1, 2, 1] and [c.length for c in caches] == [len(wide), 2, 1]
 
 
 def test_a_task_without_a_model_runs_on_the_calling_thread_and_threads_are_kept():

@@ -1,19 +1,20 @@
 """Several requests draft side by side, their draft models' forwards batched: one pass of k rows, not k passes.
 
-A server step verifies every running request in one target pass (`serving/http/scheduler.py`), but each request
-drafts on its own, and a draft model runs a forward per drafted token: with k requests, k passes of one row,
-where one pass of k rows costs little more on a memory-bound CPU (`benchmarks/probes/ragged_pass.py`).
+A server step verifies every running request in one target pass (`engine/together.py`), but each request drafts on
+its own, and a draft model runs a forward per drafted token: with k requests, k passes of one row, where one pass of
+k rows costs little more on a memory-bound CPU (`benchmarks/probes/ragged_pass.py`).
 
-`draft_together(tasks)` runs each task (a request's `Generation.plan`) in a thread of its own. The only place a
+`draft_together(tasks)` runs each task (a request's `Generation.plan`) on a thread of its own. The only place a
 draft model runs, `ModelSession._feed`, calls `feed` here, which on such a thread hands its tokens to the step's
-`_Gate` and waits. Once every task still running waits there, the calling thread runs ONE `forward_ragged` per
-draft runner over the waiting feeds and wakes them; they go on to their next forward or finish. The drafting
-code itself is unchanged: a session's forwards happen in its order, only in company.
+`_Gate` and waits. Once every task still running waits there, the calling thread runs the waiting feeds: ONE
+`forward_ragged` per draft runner over those it may batch, the others one by one; then it wakes the tasks, which go
+on to their next forward or finish. So every forward runs on the calling thread (never two at once), and the
+drafting code itself is unchanged: a session's forwards happen in its order, only in company.
 
-Exact: feeds are batched only on a runner that declares `batch_invariant` (a row's bits do not depend on the
-rest of the pass) and only up to its `exact_positions`, so a request drafts the same tokens with the same
-probabilities alone or among others, and its sampled output for a seed stays its own; other feeds run alone,
-as without a gate. A failing batched pass is retried row by row, so only a faulty request's task fails.
+Exact: feeds share a pass only on a runner that declares `batch_invariant` (a row's bits do not depend on the rest
+of the pass) and only up to its `exact_positions`, so a request drafts the same tokens with the same probabilities
+alone or among others, and its sampled output for a seed stays its own. A failing shared pass is retried feed by
+feed, so only a faulty request's task fails.
 """
 
 from __future__ import annotations
@@ -35,11 +36,10 @@ _local = threading.local()  # .gate: the step's gate on a task's thread
 
 
 def feed(runner: Runner, cache: Cache, tokens: torch.Tensor, logits: str) -> torch.Tensor | None:
-    """`runner.forward(cache, tokens, logits=logits)`, batched with the other tasks' feeds where this thread drafts
-    inside `draft_together` and the runner batches exactly."""
+    """`runner.forward(cache, tokens, logits=logits)`; on a thread drafting inside `draft_together`, run by the
+    calling thread with the other tasks' feeds (in one pass where the runner batches exactly)."""
     gate: _Gate | None = getattr(_local, "gate", None)
-    exact = runner.exact_positions
-    if gate is None or not runner.batch_invariant or exact is None or tokens.shape[0] > exact:
+    if gate is None:
         return runner.forward(cache, tokens, logits=logits)
     return gate.feed(_Feed(runner, cache, tokens, logits))
 
@@ -82,6 +82,12 @@ class _Feed:
     out: torch.Tensor | None = None
     error: BaseException | None = None
 
+    @property
+    def batchable(self) -> bool:
+        """Whether this feed may share a pass: a runner that batches exactly, a feed within its exact width."""
+        exact = self.runner.exact_positions
+        return self.runner.batch_invariant and exact is not None and self.tokens.shape[0] <= exact
+
 
 class _Gate:
     """Where one step's tasks meet: `running` counts the tasks neither waiting here nor finished."""
@@ -116,8 +122,12 @@ class _Gate:
                 batch, self.waiting = self.waiting, []
             if not batch:
                 return
-            for runner in {id(item.runner): item.runner for item in batch}.values():
-                _forward([item for item in batch if item.runner is runner])
+            shared = [item for item in batch if item.batchable]
+            for item in batch:
+                if not item.batchable:
+                    _forward([item])
+            for runner in {id(item.runner): item.runner for item in shared}.values():
+                _forward([item for item in shared if item.runner is runner])
             with self.changed:
                 for item in batch:
                     item.done = True
@@ -126,21 +136,24 @@ class _Gate:
 
 
 def _forward(items: list[_Feed]) -> None:
-    """One pass over `items` (feeds of one runner), each item's logits as `forward` gives them; if the pass fails,
-    each item alone (a cache moves only when its forward succeeds)."""
+    """`items` (feeds of one runner) in one pass, each item's logits as `forward` gives them; a lone item, or each
+    item if the pass fails (a cache moves only when its forward succeeds), through `forward` itself."""
     runner = items[0].runner
-    wanted = "all" if any(item.logits == "all" for item in items) else "last"
-    try:
-        rows = runner.forward_ragged([item.cache for item in items], [item.tokens for item in items], logits=wanted)
-    except Exception:  # noqa: BLE001 - find the faulty row
-        for item in items:
-            try:
-                item.out = runner.forward(item.cache, item.tokens, logits=item.logits)
-            except Exception as error:  # noqa: BLE001
-                item.error = error
-        return
-    for item, logits in zip(items, rows):
-        item.out = None if item.logits == "none" else logits[-1:] if item.logits == "last" else logits
+    if len(items) > 1:
+        wanted = "all" if any(item.logits == "all" for item in items) else "last"
+        try:
+            rows = runner.forward_ragged([item.cache for item in items], [item.tokens for item in items], logits=wanted)
+        except Exception:  # noqa: BLE001 - each item alone below: only the faulty one fails
+            rows = None
+        if rows is not None:
+            for item, logits in zip(items, rows):
+                item.out = None if item.logits == "none" else logits[-1:] if item.logits == "last" else logits
+            return
+    for item in items:
+        try:
+            item.out = runner.forward(item.cache, item.tokens, logits=item.logits)
+        except Exception as error:  # noqa: BLE001
+            item.error = error
 
 
 def _run(task: Callable[[], T]) -> T | BaseException:

@@ -6,9 +6,9 @@ Every turn of the worker:
   2. admit waiting requests, in order, up to `max_batch`, while the KV pool has room for the head
      request's prompt + initial spare (`Generation.capacities`); otherwise the head waits (no
      over-commit, no overtaking). A request whose own needs exceed the whole pool is refused (400).
-  3. decodes first: one step for every prefilled request: `plan()` each (drafts; side by side, their
-     draft models' forwards batched: `drafters/batching.py`) → ONE `forward_ragged` target pass over
-     every row's feed → `commit()` each. Acceptance is ragged: each row keeps its own prefix.
+  3. decodes first: one step for every prefilled request (`engine/together.py`): `plan()` each (drafts,
+     side by side, their draft models' forwards batched) → ONE `forward_ragged` target pass over every
+     row's feed → `commit()` each. Acceptance is ragged: each row keeps its own prefix.
   4. then ONE prefill chunk of at most `prefill_chunk` prompt tokens to the prefilling request with
      the fewest prompt tokens left (a short prompt is not held behind a long one; a prompt passed
      over STARVATION_TURNS turns in a row goes next; 0: a whole prompt at once), so a long prompt
@@ -65,8 +65,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from verispec.control.costs import prefill_seconds_per_token
-from verispec.drafters.batching import draft_together
 from verispec.engine import Engine, Generation, GenerationConfig, StepPlan
+from verispec.engine.together import draft_plans, verify_together
 from verispec.errors import PromptError, VerispecError
 from verispec.models.prefixes import MIN_REUSE, shared_length
 from verispec.models.runner import Cache
@@ -508,8 +508,7 @@ class Scheduler:
         jobs: list[Job] = []
         plans: list[StepPlan] = []
         drafting = [job for job in self._active if job.generation.prefilled]
-        plans_drafted = draft_together([job.generation.plan for job in drafting], [job.generation.drafts_with_a_model for job in drafting])
-        for job, plan in zip(drafting, plans_drafted):
+        for job, plan in zip(drafting, draft_plans([job.generation for job in drafting])):
             if isinstance(plan, BaseException):
                 self._fail(job, plan, "error")
                 continue
@@ -519,7 +518,7 @@ class Scheduler:
         if not jobs:
             return ()
         target_started = time.perf_counter()
-        rows = self._verify_forward(jobs, plans)
+        rows = verify_together(self.engine.target.runner, [job.generation for job in jobs], plans)
         target_seconds = time.perf_counter() - target_started
         for job, plan, logits in zip(jobs, plans, rows):
             if isinstance(logits, BaseException):
@@ -557,24 +556,6 @@ class Scheduler:
         self.metrics.record_finished(generation.finish_reason)
         job.push(JobUpdate("finished", finish_reason=generation.finish_reason, stats=generation.stats,
                            prompt_logprobs=generation.prompt_logprobs))
-
-    def _verify_forward(self, jobs: list[Job], plans: list[StepPlan]) -> list[torch.Tensor | BaseException]:
-        """One target pass for every row: [γ_i+1, vocab] logits each. If the batched pass fails, retry
-        row by row so that only the faulty request fails (cache lengths move only on success)."""
-        runner = self.engine.target.runner
-        caches = [job.generation.cache for job in jobs]
-        try:
-            return runner.forward_ragged(
-                caches, [plan.feed for plan in plans], [plan.positions for plan in plans], [plan.tree_mask for plan in plans]
-            )
-        except Exception:  # noqa: BLE001
-            rows: list[torch.Tensor | BaseException] = []
-            for cache, plan in zip(caches, plans):
-                try:
-                    rows.append(runner.forward(cache, plan.feed, plan.positions, plan.tree_mask, logits="all"))
-                except Exception as error:  # noqa: BLE001
-                    rows.append(error)
-            return rows
 
     def _commit(self, job: Job, plan: StepPlan, logits: torch.Tensor, target_seconds: float) -> None:
         generation = job.generation

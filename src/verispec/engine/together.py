@@ -1,0 +1,91 @@
+"""Several requests stepped together: their drafts side by side, ONE target pass for all, each its own commit.
+
+What the server's scheduler does each turn for its decoding requests (`serving/http/scheduler.py`), and what
+`Engine.generate_batch` does for a list of prompts. On a memory-bound CPU a target pass of k requests' rows costs
+little more than one request's (`benchmarks/probes/ragged_pass.py`), so k requests decode nearly k times as fast
+together as one after the other. Each request's output is what it gets alone: every runner's `forward_ragged`
+computes a row the same whatever else the pass holds, drafts are batched only where that holds too
+(`drafters/batching.py`), and each request samples with its own generator.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from verispec.drafters.batching import draft_together
+from verispec.engine.loop import Engine, Generation, GenerationConfig, StepPlan
+from verispec.models.runner import Runner
+from verispec.types import GenerationResult, TokenEvent
+
+__all__ = ["draft_plans", "generate_together", "step_together", "verify_together"]
+
+
+def draft_plans(generations: list[Generation]) -> list[StepPlan | BaseException]:
+    """Each generation's `plan()` (its drafts), side by side: per generation its plan or the exception it raised."""
+    return draft_together([g.plan for g in generations], [g.drafts_with_a_model for g in generations])
+
+
+def verify_together(runner: Runner, generations: list[Generation], plans: list[StepPlan]) -> list[torch.Tensor | BaseException]:
+    """One target pass for every generation's plan: [n_i+1, vocab] logits each. If the pass fails, each row alone, so
+    that only the faulty request fails (a cache moves only when its forward succeeds)."""
+    caches = [g.cache for g in generations]
+    try:
+        return runner.forward_ragged(caches, [p.feed for p in plans], [p.positions for p in plans], [p.tree_mask for p in plans])
+    except Exception:  # noqa: BLE001 - each alone below
+        rows: list[torch.Tensor | BaseException] = []
+        for cache, plan in zip(caches, plans):
+            try:
+                rows.append(runner.forward(cache, plan.feed, plan.positions, plan.tree_mask, logits="all"))
+            except Exception as error:  # noqa: BLE001
+                rows.append(error)
+        return rows
+
+
+def step_together(generations: list[Generation]) -> list[list[TokenEvent] | BaseException]:
+    """One step of every generation (each prefilled, not done): draft, verify in one pass, commit. Per generation the
+    events it emitted, or the exception that ended its step (the others go on)."""
+    outcomes: list[list[TokenEvent] | BaseException] = list(draft_plans(generations))
+    ready = [i for i, plan in enumerate(outcomes) if not isinstance(plan, BaseException)]
+    if not ready:
+        return outcomes
+    started = time.perf_counter()
+    rows = verify_together(generations[0].target.runner, [generations[i] for i in ready], [outcomes[i] for i in ready])
+    seconds = time.perf_counter() - started
+    for i, logits in zip(ready, rows):
+        if isinstance(logits, BaseException):
+            outcomes[i] = logits
+            continue
+        try:
+            outcomes[i] = generations[i].commit(outcomes[i], logits, seconds)
+        except Exception as error:  # noqa: BLE001
+            outcomes[i] = error
+    return outcomes
+
+
+def generate_together(engine: Engine, prompt_ids: list[list[int]], configs: list[GenerationConfig],
+                      max_batch: int) -> list[GenerationResult]:
+    """`Engine.generate_batch` after its checks: the requests, up to `max_batch` at once, stepped together until each
+    is done (a waiting one starts, prefilled whole, as another finishes); their `GenerationResult`s in order. The
+    first exception of any request ends the call (every request's caches released)."""
+    results: list[GenerationResult | None] = [None] * len(prompt_ids)
+    waiting, running = list(range(len(prompt_ids)))[::-1], {}  # waiting: the next request last
+    try:
+        while waiting or running:
+            while waiting and len(running) < max_batch:
+                i = waiting.pop()
+                generation = running[i] = Generation(engine, prompt_ids[i], configs[i])  # the target's prefill
+                while not generation.prefill_step():  # the draft's own
+                    pass
+                generation.take_held()  # the first token's events: a result needs none
+            live = [i for i, generation in running.items() if not generation.done]
+            for outcome in step_together([running[i] for i in live]):
+                if isinstance(outcome, BaseException):
+                    raise outcome
+            for i in [i for i, generation in running.items() if generation.done]:
+                results[i] = running.pop(i).result()
+    finally:
+        for generation in running.values():
+            generation.close()
+    return results
