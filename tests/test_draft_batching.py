@@ -155,3 +155,21 @@ def test_a_task_without_a_model_runs_on_the_calling_thread_and_threads_are_kept(
         assert threads[0] is here and here not in threads[1:] and threads[1] is not threads[2]
     assert threading.active_count() <= before + 6  # kept for the next step, not one more per call
     assert draft_together([threading.current_thread, threading.current_thread], [True, False]) == [here, here]  # one: here
+
+
+def test_only_drafters_that_draft_through_feed_share_passes(engine):
+    """The online drafter's head records each pass's last row (its training data: another request's, in a shared
+    pass), tree expansion and TriForce run forwards of their own: their plans run alone. A model drafter and hybrid
+    over it share; prompt lookup runs no model."""
+    from verispec.drafters import NgramDrafter
+    from verispec.drafters.hybrid import HybridDrafter
+    from verispec.drafters.online import OnlineDrafter
+    from verispec.drafters.tree import ExpansionDrafter
+
+    model = engine.drafter
+    assert model.batches_drafts and HybridDrafter(model).batches_drafts
+    assert not OnlineDrafter(model.model, model.target_vocab_size).batches_drafts
+    assert not ExpansionDrafter(model.model, model.target_vocab_size).batches_drafts
+    flags = [Engine(engine.target, drafter).start(PROMPTS[0], CONFIGS[0]).batches_drafts
+             for drafter in (model, NgramDrafter(), OnlineDrafter(model.model, model.target_vocab_size), None)]
+    assert flags == [True, False, False, False]

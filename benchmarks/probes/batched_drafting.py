@@ -59,7 +59,7 @@ def run(engine: Engine, prompts: list[str], config: GenerationConfig, alone: boo
     steps, before = 0, sum(len(g.output_ids) for g in generations)
     while live := [g for g in generations if not g.done]:
         started = time.perf_counter()
-        plans = [g.plan() for g in live] if alone else draft_together([g.plan for g in live], [g.drafts_with_a_model for g in live])
+        plans = [g.plan() for g in live] if alone else draft_together([g.plan for g in live], [g.batches_drafts for g in live])
         drafted = time.perf_counter()
         rows = engine.target.runner.forward_ragged([g.cache for g in live], [p.feed for p in plans],
                                                    [p.positions for p in plans], [p.tree_mask for p in plans])

@@ -92,6 +92,10 @@ class Drafter(ABC):
     name: str = "drafter"
     model: LoadedModel | None = None  # the draft model whose forward passes are the drafting cost (None: model-free, c = 0)
     drafts_trees: bool = False  # whether a draft may be a token tree (the target verifies it with a tree mask)
+    # whether its sessions run their model only through `ModelSession._feed`, whose forwards requests stepped together
+    # share (`batching.py`); otherwise (a session's own forwards, the online head that records each pass) its plan runs
+    # alone, on the calling thread
+    batches_drafts: bool = False
 
     def check_target(self, target: LoadedModel) -> None:
         """Refuse a target that cannot verify this drafter's drafts (token trees on a runner that scores

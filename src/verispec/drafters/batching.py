@@ -4,12 +4,13 @@ A server step verifies every running request in one target pass (`engine/togethe
 its own, and a draft model runs a forward per drafted token: with k requests, k passes of one row, where one pass of
 k rows costs little more on a memory-bound CPU (`benchmarks/probes/ragged_pass.py`).
 
-`draft_together(tasks)` runs each task (a request's `Generation.plan`) on a thread of its own. The only place a
-draft model runs, `ModelSession._feed`, calls `feed` here, which on such a thread hands its tokens to the step's
-`_Gate` and waits. Once every task still running waits there, the calling thread runs the waiting feeds: ONE
-`forward_ragged` per draft runner over those it may batch, the others one by one; then it wakes the tasks, which go
-on to their next forward or finish. So every forward runs on the calling thread (never two at once), and the
-drafting code itself is unchanged: a session's forwards happen in its order, only in company.
+`draft_together(tasks)` runs each task (a request's `Generation.plan`, where its drafter declares `batches_drafts`:
+its model runs only through `ModelSession._feed`) on a thread of its own. `_feed` calls `feed` here, which on such a
+thread hands its tokens to the step's `_Gate` and waits. Once every task still running waits there, the calling
+thread runs the waiting feeds: ONE `forward_ragged` per draft runner over those it may batch, the others one by
+one; then it wakes the tasks, which go on to their next forward or finish. So every forward runs on the calling
+thread (never two at once), and the drafting code itself is unchanged: a session's forwards happen in its order,
+only in company.
 
 Exact: feeds share a pass only on a runner that declares `batch_invariant` (a row's bits do not depend on the rest
 of the pass) and only up to its `exact_positions`, so a request drafts the same tokens with the same probabilities

@@ -168,6 +168,8 @@ def retokenize(target_tokenizer, draft_tokenizer, target_ids: list[int], context
 class CrossVocabDrafter(Drafter):
     """A draft model whose tokenizer differs from the target's (see the module docstring)."""
 
+    batches_drafts = True  # its session drafts through `_feed`
+
     def __init__(self, draft: LoadedModel, target: LoadedModel, window: int | None = None):
         self.model, self.target, self.window = draft, target, window  # window: as DraftModelDrafter's, in draft ids
         self.name = f"model:{draft.name}"

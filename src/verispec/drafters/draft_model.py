@@ -61,6 +61,8 @@ def sample_chain(
 class DraftModelDrafter(Drafter):
     """window: the draft reads at most the last `window` prompt tokens (`base.window_cut`; None: all)."""
 
+    batches_drafts = True  # a chain of `_feed` calls
+
     def __init__(self, model: LoadedModel, target_vocab_size: int, window: int | None = None):
         self.model, self.window = model, window
         self.name = f"model:{model.name}"

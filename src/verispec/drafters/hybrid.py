@@ -53,6 +53,7 @@ class HybridDrafter(Drafter):
             model_drafter = copy.copy(model_drafter)
             model_drafter.window = window
         self.model_drafter, self.model = model_drafter, model_drafter.model
+        self.batches_drafts = model_drafter.batches_drafts  # prompt lookup runs no model
         self.ngram_drafter = NgramDrafter(max_n=max(max_n, min_match))
         self.min_match, self.min_rate = min_match, min_rate / 100
         self.name = f"hybrid:min_match={min_match},min_rate={min_rate},draft={self.model.name}" + (f",window={window}" if window else "")

@@ -539,10 +539,10 @@ class Generation:
         return shape_of(draft).cut(gamma, most)
 
     @property
-    def drafts_with_a_model(self) -> bool:
-        """Whether this request's drafter runs a model: its `plan` may share draft passes with other requests'
-        (`drafters/batching.py`); a model-free one has nothing to share."""
-        return self.drafter is not None and self.drafter.model is not None
+    def batches_drafts(self) -> bool:
+        """Whether this request's `plan` may share its draft model's passes with other requests' (`drafters/batching.py`):
+        a drafter that runs a model and declares `batches_drafts`; a model-free one has nothing to share."""
+        return self.drafter is not None and self.drafter.model is not None and self.drafter.batches_drafts
 
     def plan(self) -> StepPlan:
         """Draft this step's tokens and say what the target must score (once the target's prompt is in; the rest

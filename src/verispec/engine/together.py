@@ -24,7 +24,7 @@ __all__ = ["draft_plans", "generate_together", "step_together", "verify_together
 
 def draft_plans(generations: list[Generation]) -> list[StepPlan | BaseException]:
     """Each generation's `plan()` (its drafts), side by side: per generation its plan or the exception it raised."""
-    return draft_together([g.plan for g in generations], [g.drafts_with_a_model for g in generations])
+    return draft_together([g.plan for g in generations], [g.batches_drafts for g in generations])
 
 
 def verify_together(runner: Runner, generations: list[Generation], plans: list[StepPlan]) -> list[torch.Tensor | BaseException]:
