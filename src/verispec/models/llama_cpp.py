@@ -380,13 +380,13 @@ class LlamaCppRunner:
     prefix_invariant = False  # ggml's kernels round a batch of rows differently from fewer
     step_graphs = None  # each step goes through llama.cpp's own graph, from the host
     compiled = False  # ggml is what runs: no Python-level decoder stack to tell apart
+    linear_bytes = None  # ggml's quantized blocks: only the file's size is known
+    cache_bytes_per_position = None  # llama.cpp sizes its KV cells itself
 
     @property
     def batch_invariant(self) -> bool:
         """Exact: `forward_ragged` passes each request alone (a wide runner's shared passes round by the batch)."""
         return self.exact
-    linear_bytes = None  # ggml's quantized blocks: only the file's size is known
-    cache_bytes_per_position = None  # llama.cpp sizes its KV cells itself
 
     @property
     def weight_bytes(self) -> int:
