@@ -410,6 +410,26 @@ def test_greedy_speculative_equals_greedy_plain(tiny, tiny_draft48, kind, gamma)
         assert engine.generate(prompt, GenerationConfig(max_new_tokens=20)).token_ids == expected
 
 
+def test_requests_stepped_together_get_what_they_get_alone(tiny, tmp_path, monkeypatch):
+    """kquant through `Engine.generate_batch` (the server's step): four requests, greedy and seeded sampled, with a kquant
+    draft of another file; the draft's forwards and the target's verifications share passes of several rows (the C++
+    stack), and every request's tokens are those it gets alone."""
+    model = tiny[0]
+    config, _ = write_tiny_gguf(tmp_path / "draft.gguf", "llama", vocab=48, seed=9)
+    draft = kquant_model(tmp_path / "draft.gguf", config, model.tokenizer)
+    engine = Engine(model, DraftModelDrafter(draft, model.vocab_size), gamma=3, gamma_policy="constant")
+    prompts = [*PROMPTS, [7, 7, 7, 2]]
+    configs = [GenerationConfig(max_new_tokens=12, ignore_eos=True, seed=i,
+                                sampling=SamplingParams(temperature=1.0 if i % 2 else 0.0)) for i in range(len(prompts))]
+    alone = [engine.generate(prompt, c).token_ids for prompt, c in zip(prompts, configs)]
+    shared = {"draft": [], "target": []}
+    for name, runner in (("draft", draft.runner), ("target", model.runner)):
+        monkeypatch.setattr(runner, "forward_ragged", lambda caches, *rest, ragged=runner.forward_ragged, seen=shared[name], **kw:
+                            seen.append(len(caches)) or ragged(caches, *rest, **kw))
+    assert [r.token_ids for r in engine.generate_batch(prompts, configs, max_batch=4)] == alone
+    assert max(shared["draft"]) > 1 and max(shared["target"]) == 4
+
+
 # --- sampling: equal in distribution to the kquant target ----------------------------------------
 
 PROMPT, LENGTH, GAMMA, SAMPLES = [3, 7], 3, 2, 1_000  # 64 sequences; bias TV ≥ 0.16 found with 90 % power
