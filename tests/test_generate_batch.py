@@ -40,9 +40,11 @@ def test_each_result_is_what_the_prompt_gets_alone(models, drafter, monkeypatch)
     made = {"none": None, "ngram": NgramDrafter(max_n=3), "model": DraftModelDrafter(draft, target.vocab_size)}[drafter]
     engine = Engine(target, made, gamma=3, gamma_policy="constant")
     alone = [engine.generate(prompt, config) for prompt, config in zip(PROMPTS, CONFIGS)]
-    passes = passes_of(target.runner, monkeypatch)
-    together = engine.generate_batch(PROMPTS, CONFIGS, max_batch=2)
+    passes, finished = passes_of(target.runner, monkeypatch), []
+    together = engine.generate_batch(PROMPTS, CONFIGS, max_batch=2, on_result=lambda i, result: finished.append((i, result)))
     assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert sorted(i for i, _ in finished) == list(range(5)) and all(together[i] is result for i, result in finished)
+    assert [i for i, _ in finished][:2] == [0, 1]  # as they finish: the two shortest first
     assert [r.text for r in together] == [r.text for r in alone] and [r.finish_reason for r in together] == ["length"] * 5
     assert max(passes) == 2  # shared target passes
     same = engine.generate_batch(PROMPTS[:2], CONFIGS[0])  # one config for every prompt

@@ -47,7 +47,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -294,13 +294,15 @@ class Engine:
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int]],
                        config: GenerationConfig | Sequence[GenerationConfig] | None = None,
-                       max_batch: int = DEFAULT_BATCH) -> list[GenerationResult]:
+                       max_batch: int = DEFAULT_BATCH,
+                       on_result: Callable[[int, GenerationResult], None] | None = None) -> list[GenerationResult]:
         """Generate for every prompt, up to `max_batch` requests at a time stepped together (`engine/together.py`:
         their drafts side by side, one target pass for all; a waiting request starts as another finishes), and return
         the results in order. Several times the throughput of one `generate` after another on a CPU, and each result
         is what `generate` gives that prompt alone (greedy: the same tokens; a seeded sampled request: the same draws).
 
-        config: one for every prompt, one per prompt, or None (defaults). Every prompt and setting is checked before
+        config: one for every prompt, one per prompt, or None (defaults). on_result(i, result): called as prompt i
+        finishes (a long batch can keep its results as they come). Every prompt and setting is checked before
         any decoding (errors as `start`); InvalidParameterError for no prompts, more than MAX_BATCH_PROMPTS, a list of
         configs of another length or a `max_batch` outside 1…MAX_BATCH."""
         from verispec.engine.together import generate_together
@@ -318,7 +320,7 @@ class Engine:
         for c in configs:
             self.prepare(c.drafter, c.gamma_policy)
         prompt_ids = [self.prompt_ids(prompt, c.chat, c.suffix) for prompt, c in zip(prompts, configs)]
-        return generate_together(self, prompt_ids, configs, max_batch)
+        return generate_together(self, prompt_ids, configs, max_batch, on_result)
 
 
 @dataclass

@@ -11,6 +11,7 @@ computes a row the same whatever else the pass holds, drafts are batched only wh
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -64,11 +65,12 @@ def step_together(generations: list[Generation]) -> list[list[TokenEvent] | Base
     return outcomes
 
 
-def generate_together(engine: Engine, prompt_ids: list[list[int]], configs: list[GenerationConfig],
-                      max_batch: int) -> list[GenerationResult]:
+def generate_together(engine: Engine, prompt_ids: list[list[int]], configs: list[GenerationConfig], max_batch: int,
+                      on_result: Callable[[int, GenerationResult], None] | None = None) -> list[GenerationResult]:
     """`Engine.generate_batch` after its checks: the requests, up to `max_batch` at once, stepped together until each
-    is done (a waiting one starts, prefilled whole, as another finishes); their `GenerationResult`s in order. The
-    first exception of any request ends the call (every request's caches released)."""
+    is done (a waiting one starts, prefilled whole, as another finishes); their `GenerationResult`s in order, each
+    also given to `on_result(i, result)` as it finishes. The first exception of any request (or of `on_result`) ends
+    the call (every request's caches released)."""
     results: list[GenerationResult | None] = [None] * len(prompt_ids)
     waiting, running = list(range(len(prompt_ids)))[::-1], {}  # waiting: the next request last
     try:
@@ -85,6 +87,8 @@ def generate_together(engine: Engine, prompt_ids: list[list[int]], configs: list
                     raise outcome
             for i in [i for i, generation in running.items() if generation.done]:
                 results[i] = running.pop(i).result()
+                if on_result is not None:
+                    on_result(i, results[i])
     finally:
         for generation in running.values():
             generation.close()
