@@ -24,7 +24,7 @@ def test_measure_runs_on_cpu_with_tiny_shapes(tmp_path):
     measure = _script(SCRIPT)
     out = tmp_path / "out.jsonl"
     assert measure.main(["--device", "cpu", "--tiny", "--max-n", "2", "--prompts", "1", "--new-tokens", "4",
-                         "--workdir", str(tmp_path), "--out", str(out)]) == 0
+                         "--batch", "3", "--workdir", str(tmp_path), "--out", str(out)]) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert records[0]["kind"] == "env" and records[0]["device"] == "cpu"
     costs = [r for r in records if r["kind"] == "cost"]
@@ -34,6 +34,9 @@ def test_measure_runs_on_cpu_with_tiny_shapes(tmp_path):
         ("hf", "plain"), ("hf", "assisted"), ("hf", "prompt_lookup")}
     assert all(r["tokens"] == 4 for r in speeds.values())
     assert all(r["same_as_plain"] == 1 for (system, method), r in speeds.items() if system == "verispec" and method != "none")
+    batches = {r["method"]: r for r in records if r["kind"] == "batch"}
+    assert set(batches) == {"none", "ngram", "model", "tree", "hybrid"} and all(r["tokens"] == 12 for r in batches.values())
+    assert batches["none"]["same_as_alone"] == 3  # three requests of the one prompt, stepped together
     predicted = {r["method"]: r for r in records if r["kind"] == "predicted"}
     assert set(predicted) == {"model", "ngram"} and len(predicted["model"]["speedups_by_gamma"]) == 8
     assert not [r for r in records if r["kind"] == "error"]

@@ -14,7 +14,8 @@ on one device, in one run:
    every verispec method timed on its second pass over the prompts, after a cold one that captured its
    graphs, each pass with a fresh drafter (`verispec_speed`); plain timed again at the end (drift); with
    --host-steps each replayed one twice in turns, its whole steps on the device (`engine/device_steps.py`,
-   the default) and through the host (VERISPEC_DEVICE_STEPS=0), `device_steps` in its record;
+   the default) and through the host (VERISPEC_DEVICE_STEPS=0), `device_steps` in its record; with --batch K,…
+   `Engine.generate_batch` of K requests stepped together (a server's regime), plain's results against alone;
 3. the speedups over replayed plain decoding that the theory predicts from the measured graph curves,
    the draft's c and acceptance measured on the real models on a CPU (--alpha): random weights agree
    with nothing, so measured speculative tok/s here show the cost of a step, not its gain.
@@ -214,6 +215,26 @@ def verispec_speed(builder: EngineBuilder, method: str, prompts: list[list[int]]
              "alpha": run["accepted"] / run["judged"] if run["judged"] else None}, run["outputs"])
 
 
+def batch_speed(builder: EngineBuilder, entry: str, prompts: list[list[int]], new_tokens: int, gamma: int,
+                device: torch.device, stop: bool, requests: int, alone: list[list[int]] | None) -> dict:
+    """tok/s of `Engine.generate_batch` over `requests` requests (the prompts repeated) stepped together (a server's
+    regime: one target pass for all, launched eagerly), after a warm-up batch of two; `same_as_alone`: results whose
+    tokens are those of the prompt decoded alone (`alone`, plain decoding's outputs; None: not compared)."""
+    method, gamma, policy = method_and_policy(entry, gamma)
+    engine = fresh_engine(builder, method, gamma, policy, stop)
+    config = GenerationConfig(max_new_tokens=new_tokens, chat=False)
+    batch = [prompts[i % len(prompts)] for i in range(requests)]
+    engine.generate_batch(batch[:2], config, max_batch=2)
+    synchronize(device)
+    start = time.perf_counter()
+    results = engine.generate_batch(batch, config, max_batch=requests)
+    synchronize(device)
+    seconds, tokens = time.perf_counter() - start, sum(len(r.token_ids) for r in results)
+    same = None if alone is None else sum(r.token_ids == alone[i % len(alone)] for i, r in enumerate(results))
+    return {"kind": "batch", "system": "verispec", "method": method, "gamma": gamma, "policy": policy, "requests": requests,
+            "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "same_as_alone": same}
+
+
 def host_profile(builder: EngineBuilder, entry: str, prompts: list[list[int]], new_tokens: int, gamma: int,
                  device: torch.device, stop: bool, top: int) -> dict:
     """Where the host's time goes in one pass of `entry` (a --methods entry) over the prompts (after an
@@ -303,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-steps", action="store_true",
                         help="time each replayed method also with its steps through the host (VERISPEC_DEVICE_STEPS=0), in turns")
     parser.add_argument("--profile", default="", help="--methods entries whose host time is profiled too (cProfile, top 30)")
+    parser.add_argument("--batch", default="", help="requests stepped together (e.g. 4,16): `Engine.generate_batch` tok/s of "
+                                                    "plain and each --methods entry at each count")
     parser.add_argument("--hf-methods", default=None,
                         help="Hugging Face generate() modes (default plain,assisted,prompt_lookup; assisted needs a draft; none: no HF run)")
     parser.add_argument("--real", type=Path, default=None,
@@ -417,6 +440,10 @@ def main(argv: list[str] | None = None) -> int:
         for entry in split_specs(args.profile):
             attempt(f"profile {entry}", lambda entry=entry: emit(host_profile(builder, entry, prompts, new_tokens, args.gamma,
                                                                               device, stop, top=30)))
+        for requests in [int(k) for k in args.batch.split(",") if k]:
+            for entry in split_specs(methods):
+                attempt(f"batch {requests} {entry}", lambda entry=entry, requests=requests: emit(batch_speed(
+                    builder, entry, prompts, new_tokens, args.gamma, device, stop, requests, reference if entry == "none" else None)))
         if reference is not None:  # plain again after the methods: how far the machine drifted meanwhile
             attempt("plain again", lambda: emit({**verispec_speed(builder, "none", prompts, new_tokens, args.gamma, device,
                                                                    stop)[0], "gamma": 0, "again": True}))

@@ -32,6 +32,11 @@ def _speed(record: dict) -> str:
             f"{same}  = cold {record.get('same_as_cold', '-')}{'  (again)' if record.get('again') else ''}")
 
 
+def _batch(record: dict) -> str:
+    same = f" = alone {record['same_as_alone']}/{record['requests']}" if record.get("same_as_alone") is not None else ""
+    return f"  batch of {record['requests']:>3} {record['method']:<33} {record['tok_s']:8.1f} tok/s{same}"
+
+
 def _linear(record: dict) -> str:
     rows = record.get("rows_kernel_seconds")
     kernel = f"  rows {rows * 1e6:7.1f} µs same bits {record['rows_kernel_same_bits']}" if rows else ""
@@ -59,6 +64,8 @@ def main(paths: list[str]) -> int:
                 print(_cost(record))
             elif kind == "speed":
                 print(_speed(record))
+            elif kind == "batch":
+                print(_batch(record))
             elif kind == "linear" and record["m"] in ROWS:
                 print(_linear(record))
             elif kind == "step_kernels":
