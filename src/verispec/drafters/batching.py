@@ -47,8 +47,9 @@ def feed(runner: Runner, cache: Cache, tokens: torch.Tensor, logits: str) -> tor
 
 def draft_together(tasks: list[Callable[[], T]], batched: list[bool] | None = None) -> list[T | BaseException]:
     """Run `tasks` side by side, their draft forwards batched (module docstring); per task its result or the
-    exception it raised, in order. `batched[i]` False (a request whose drafter runs no model: nothing to batch) runs
-    task i here first, as does a lone task; the others each on a thread of its own (kept for the next call)."""
+    exception it raised, in order. `batched[i]` False (`Generation.batches_drafts`: a drafter that runs no model, or
+    runs it outside `_feed`) runs task i here first, as does a lone task; the others each on a thread of its own (kept
+    for the next call)."""
     batched = batched if batched is not None else [True] * len(tasks)
     results: list = [None] * len(tasks)
     together = [i for i, flag in enumerate(batched) if flag]
