@@ -166,8 +166,15 @@ def test_only_drafters_that_draft_through_feed_share_passes(engine):
     from verispec.drafters.online import OnlineDrafter
     from verispec.drafters.tree import ExpansionDrafter
 
+    from verispec.drafters.cascade import HorizontalCascadeDrafter, VerticalCascadeDrafter
+
     model = engine.drafter
     assert model.batches_drafts and HybridDrafter(model).batches_drafts
+    vocab, online = model.target_vocab_size, OnlineDrafter(model.model, model.target_vocab_size)
+    assert VerticalCascadeDrafter(model.model, NgramDrafter(), vocab).batches_drafts
+    assert not VerticalCascadeDrafter(model.model, online, vocab).batches_drafts
+    assert HorizontalCascadeDrafter(model, NgramDrafter(), 2, vocab).batches_drafts
+    assert not HorizontalCascadeDrafter(online, NgramDrafter(), 2, vocab).batches_drafts
     assert not OnlineDrafter(model.model, model.target_vocab_size).batches_drafts
     assert not ExpansionDrafter(model.model, model.target_vocab_size).batches_drafts
     flags = [Engine(engine.target, drafter).start(PROMPTS[0], CONFIGS[0]).batches_drafts

@@ -13,6 +13,7 @@ import pytest
 
 from verispec import Engine, GenerationConfig, SamplingParams
 from verispec.drafters import DraftModelDrafter, NgramDrafter
+from verispec.drafters.cascade import VerticalCascadeDrafter
 from verispec.errors import InvalidParameterError, PromptError
 from verispec.models.loading import load_model
 
@@ -34,10 +35,11 @@ def passes_of(runner, monkeypatch) -> list[int]:
     return rows
 
 
-@pytest.mark.parametrize("drafter", ["none", "ngram", "model"])
+@pytest.mark.parametrize("drafter", ["none", "ngram", "model", "cascade"])
 def test_each_result_is_what_the_prompt_gets_alone(models, drafter, monkeypatch):
     target, draft = models
-    made = {"none": None, "ngram": NgramDrafter(max_n=3), "model": DraftModelDrafter(draft, target.vocab_size)}[drafter]
+    made = {"none": None, "ngram": NgramDrafter(max_n=3), "model": DraftModelDrafter(draft, target.vocab_size),
+            "cascade": VerticalCascadeDrafter(draft, NgramDrafter(max_n=3), target.vocab_size)}[drafter]
     engine = Engine(target, made, gamma=3, gamma_policy="constant")
     alone = [engine.generate(prompt, config) for prompt, config in zip(PROMPTS, CONFIGS)]
     passes, finished = passes_of(target.runner, monkeypatch), []

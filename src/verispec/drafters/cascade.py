@@ -57,6 +57,7 @@ class VerticalCascadeDrafter(Drafter):
             raise InvalidParameterError(f"inner_gamma must be ≥ 1, got {inner_gamma}")
         self.model = model  # the engine times this model for c (an upper bound: the inner level saves some)
         self.inner, self.inner_gamma = inner, inner_gamma
+        self.batches_drafts = inner.model is None or inner.batches_drafts  # its own model runs through `_feed`
         self.target_vocab_size = target_vocab_size
         self.name = f"cascade:{model.name}<{inner.name}"
 
@@ -133,6 +134,7 @@ class HorizontalCascadeDrafter(Drafter):
         self.strong, self.weak, self.strong_positions = strong, weak, strong_positions
         self.target_vocab_size = target_vocab_size
         self.model = strong.model  # c of the strong drafter, for the engine's cost model
+        self.batches_drafts = all(d.model is None or d.batches_drafts for d in (strong, weak))
         self.name = f"cascade:{strong.name}[:{strong_positions}]+{weak.name}"
 
     def start(self, prompt_ids: list[int]) -> DraftSession:
