@@ -302,9 +302,10 @@ class Engine:
         is what `generate` gives that prompt alone (greedy: the same tokens; a seeded sampled request: the same draws).
 
         config: one for every prompt, one per prompt, or None (defaults). on_result(i, result): called as prompt i
-        finishes (a long batch can keep its results as they come). Every prompt and setting is checked before
-        any decoding (errors as `start`); InvalidParameterError for no prompts, more than MAX_BATCH_PROMPTS, a list of
-        configs of another length or a `max_batch` outside 1…MAX_BATCH."""
+        finishes (a long batch can keep its results as they come). Every prompt and drafter is checked before any
+        decoding (errors as `start`; what a request checks as it starts, such as logit-bias ids, when it starts);
+        InvalidParameterError for no prompts, more than MAX_BATCH_PROMPTS, a list of configs of another length or a
+        `max_batch` outside 1…MAX_BATCH."""
         from verispec.engine.together import generate_together
 
         if isinstance(prompts, str) or any(not isinstance(prompt, (str, Sequence)) for prompt in prompts):

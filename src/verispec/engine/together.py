@@ -11,6 +11,7 @@ computes a row the same whatever else the pass holds, drafts are batched only wh
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -72,11 +73,11 @@ def generate_together(engine: Engine, prompt_ids: list[list[int]], configs: list
     also given to `on_result(i, result)` as it finishes. The first exception of any request (or of `on_result`) ends
     the call (every request's caches released)."""
     results: list[GenerationResult | None] = [None] * len(prompt_ids)
-    waiting, running = list(range(len(prompt_ids)))[::-1], {}  # waiting: the next request last
+    waiting, running = deque(range(len(prompt_ids))), {}
     try:
         while waiting or running:
             while waiting and len(running) < max_batch:
-                i = waiting.pop()
+                i = waiting.popleft()
                 generation = running[i] = Generation(engine, prompt_ids[i], configs[i])  # the target's prefill
                 while not generation.prefill_step():  # the draft's own
                     pass
