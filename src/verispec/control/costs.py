@@ -11,7 +11,9 @@ static cache is timed after placeholder slots (`Runner.placeholder_cache`) rathe
 that context, a curve stops at the width the runner verifies exactly, and a plan comparing backends times
 the long context only for the one it keeps (`calibrated(long=)`). They are not re-measured during a
 generation on purpose: γ then depends only on acceptance (and the context), so a seed reproduces an
-output exactly. A model-free drafter (n-gram) counts as free (c = 0).
+output exactly. A model-free drafter (n-gram) counts as free (c = 0). Requests stepped together share one pass of
+all their positions (`control/batch.py`): what a row adds and T(n) at wider passes are measured the first time a
+batch is priced (`measure_batch_costs`, a few seconds once per machine), then kept with the rest.
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ from verispec.paths import cpu_key, read_table, store_in_table
 from verispec.progress import status
 from verispec.types import StepRecord
 
-__all__ = ["CostModel", "LONG_CONTEXT", "SHORT_CONTEXT", "interleaved_token_seconds", "measure_verify_curve",
-           "prefill_seconds_per_token"]
+__all__ = ["BATCH_ROWS", "BATCH_WIDTHS", "CostModel", "LONG_CONTEXT", "SHORT_CONTEXT", "interleaved_token_seconds",
+           "measure_batch_costs", "measure_verify_curve", "prefill_seconds_per_token"]
 
 COSTS_TABLE = "verify_costs.json"  # measured seconds, per runner key (`_runner_key`), in the cache directory
 SHORT_CONTEXT, LONG_CONTEXT = 64, 1024  # cached tokens before the two measured verification curves
+# a batch's pass (`pass_cost`): what a row adds, timed with BATCH_ROWS rows, and T(n) at these widths past the curve
+BATCH_ROWS, BATCH_WIDTHS = 8, (16, 17, 24, 32, 48, 64)
 
 
 def _best_seconds(runner: Runner, cache, positions: int, logits: str, repeats: int) -> float:
@@ -88,6 +92,32 @@ def measure_verify_curve(runner: Runner, max_positions: int, context: int = SHOR
             break
     cache.release()
     return times
+
+
+def measure_batch_costs(runner: Runner, rows: int = BATCH_ROWS, widths: Sequence[int] = BATCH_WIDTHS,
+                        context: int = SHORT_CONTEXT, repeats: int = 3) -> list[float]:
+    """[ρ, T(w)/T(1) for each of `widths`] after `context` cached tokens: ρ what a row more adds to one pass, in T(1)
+    (`rows` rows of one position in one `forward_ragged` against one row of `rows` positions: each row attends its
+    own cache), and one row's pass at widths past the verification curve (AMX's tiles of 16 rows make it a staircase).
+    Each ratio is the median of `repeats` pairs timed together, as in `measure_verify_curve`."""
+    cache = _context_cache(runner, context, max(widths) + 1)
+    caches = [_context_cache(runner, context, 2) for _ in range(rows)]
+    ratios: list[list[float]] = [[] for _ in range(len(widths) + 1)]
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runner.forward_ragged(caches, [torch.zeros(1, dtype=torch.long)] * rows, logits="all")
+        synchronize(runner.device)
+        ragged = time.perf_counter() - start
+        for row in caches:
+            row.truncate(context)
+        one, chain = _best_seconds(runner, cache, 1, "all", 1), _best_seconds(runner, cache, rows, "all", 1)
+        ratios[0].append(max(ragged - chain, 0.0) / (rows - 1) / one)
+        for i, width in enumerate(widths, 1):
+            one = _best_seconds(runner, cache, 1, "all", 1)
+            ratios[i].append(_best_seconds(runner, cache, width, "all", 1) / one)
+    for held in [cache, *caches]:
+        held.release()
+    return [statistics.median(pairs) for pairs in ratios]
 
 
 def interleaved_token_seconds(runners: Sequence[Runner], rounds: int = 7,
@@ -160,9 +190,12 @@ def prefill_seconds_per_token(model: LoadedModel, chunk: int = 64) -> float:
 
 class CostModel:
     def __init__(self, target_seconds: list[float] | None = None, draft_token_seconds: float | None = None,
-                 draft_catch_up: float = 1.0, long_target_seconds: list[float] | None = None):
+                 draft_catch_up: float = 1.0, long_target_seconds: list[float] | None = None,
+                 batch: Callable[[], list[float]] | None = None):
         self.target_seconds = target_seconds  # index n-1 -> T(n) after SHORT_CONTEXT cached tokens
         self.long_target_seconds = long_target_seconds  # the same after LONG_CONTEXT (None: unmeasured)
+        # `measure_batch_costs`' [ρ, T(w)/T(1) at BATCH_WIDTHS], measured (or read) the first time a batch is priced
+        self._batch, self._batch_costs = batch, None
         self.draft_token_seconds = draft_token_seconds
         self.draft_catch_up = draft_catch_up  # the draft model's T_d(2)/T_d(1) (`theory.draft_step_cost`); 1 model-free
 
@@ -179,11 +212,12 @@ class CostModel:
         long_seconds = None  # after LONG_CONTEXT tokens, where the target holds them
         if long and target.context_length > LONG_CONTEXT + max_positions:
             long_seconds = _cached_curve(target.runner, str(target.folder), max_positions, LONG_CONTEXT)
+        batch = lambda: _cached_batch_costs(target.runner, str(target.folder))  # noqa: E731 - only when batches run
         if draft is None:
-            return cls(target_seconds, 0.0, long_target_seconds=long_seconds)
+            return cls(target_seconds, 0.0, long_target_seconds=long_seconds, batch=batch)
         draft_curve = _cached_curve(draft.runner, str(draft.folder), 2)
         c = _cached_cost_ratio(target, draft)
-        return cls(target_seconds, c * target_seconds[0], draft_curve[1] / draft_curve[0], long_seconds)
+        return cls(target_seconds, c * target_seconds[0], draft_curve[1] / draft_curve[0], long_seconds, batch)
 
     def verify_cost(self, gamma: int, context: int | None = None) -> float:
         """T(γ+1) / T(1) for a step after `context` cached tokens (None: SHORT_CONTEXT): between the two
@@ -196,6 +230,25 @@ class CostModel:
             return short
         slope = (_ratio(self.long_target_seconds, gamma) - short) / (LONG_CONTEXT - SHORT_CONTEXT)
         return max(1.0, short + slope * (max(context, SHORT_CONTEXT) - SHORT_CONTEXT))
+
+    def pass_cost(self, positions: int, rows: int = 1, context: int | None = None) -> float:
+        """T/T(1) of one pass over `positions` positions of `rows` requests (a batch's, `control/batch.py`): the
+        curve's ratio (past it, the batch widths' measured ratios, linearly between them and beyond the last), plus ρ
+        a row after the first. Without batch costs: past the curve extrapolated from its second half, no ρ."""
+        measured = len(self.target_seconds or ())
+        if measured < 4:
+            return self.verify_cost(positions - 1, context)
+        if self._batch is not None and self._batch_costs is None:
+            self._batch_costs = self._batch()
+        end = self.verify_cost(measured - 1, context)
+        points = [(measured // 2, self.verify_cost(measured // 2 - 1, context)), (measured, end)]
+        row = 0.0
+        if self._batch_costs is not None:  # the wide points measured after SHORT_CONTEXT, lifted as the curve's end is
+            row = self._batch_costs[0]
+            lift = end - self.verify_cost(measured - 1)
+            points += [(w, ratio + lift) for w, ratio in zip(BATCH_WIDTHS, self._batch_costs[1:]) if w > measured]
+        cost = self.verify_cost(positions - 1, context) if positions <= measured else _along(points, positions)
+        return cost + row * (rows - 1)
 
     def speedup_of_steps(self, steps: Sequence[StepRecord], context: int) -> float | None:
         """The speedup over plain decoding that this model predicts for the steps a generation took (after
@@ -222,6 +275,21 @@ class CostModel:
         if self.draft_token_seconds is None or not self.target_seconds:
             return None
         return self.draft_token_seconds / self.target_seconds[0]
+
+
+def _along(points: list[tuple[int, float]], x: int) -> float:
+    """The piecewise-linear line through `points` (x ascending) at `x` ≥ the first; past the last, its last piece's slope."""
+    for i in range(1, len(points)):
+        (x0, y0), (x1, y1) = points[i - 1], points[i]
+        if x <= x1 or i == len(points) - 1:
+            return y0 + (y1 - y0) / (x1 - x0) * (x - x0)
+    return points[-1][1]
+
+
+def _cached_batch_costs(runner: Runner, folder: str) -> list[float]:
+    key = _runner_key(runner, folder) + f"|batch{BATCH_ROWS}|" + ",".join(map(str, BATCH_WIDTHS))
+    what = f"{Path(folder).name} on {runner.precision}: a batch's pass, {BATCH_ROWS} rows and {max(BATCH_WIDTHS)} positions"
+    return _cached(key, len(BATCH_WIDTHS) + 1, lambda: measure_batch_costs(runner), what)
 
 
 def _ratio(curve: list[float], gamma: int) -> float:

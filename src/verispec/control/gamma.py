@@ -23,8 +23,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from verispec.control.theory import expected_speedup, optimal_gamma
+from verispec.control.batch import Outlook
 from verispec.control.costs import CostModel
+from verispec.control.theory import expected_speedup, optimal_gamma
 from verispec.errors import InvalidParameterError
 from verispec.types import AcceptanceStats, Hint
 
@@ -43,6 +44,11 @@ class GammaPolicy(ABC):
         """Told after each step how many of `proposed` draft tokens were accepted (a tree's: along its deepest
         path), how many tokens the sequence holds now (the context the next step attends; None: unknown), the
         step's hint and, for a token tree, how many nodes it held."""
+
+    def outlook(self, gamma: int, hint: Hint | None = None) -> Outlook:
+        """The next step (`gamma` drafts, of the class `hint`) for sizing it among others (`control/batch.py`).
+        Default: its γ stays (a policy that measures no costs)."""
+        return Outlook(gamma)
 
 
 class ConstantGamma(GammaPolicy):
@@ -127,6 +133,14 @@ class AnalyticGamma(GammaPolicy):
         if steps is not self.overall:
             steps.seen.add(proposed, accepted)
         self._retune(steps, context)
+
+    def outlook(self, gamma: int, hint: Hint | None = None) -> Outlook:
+        """Its class's α and the costs it is priced at; γ stays while the class is paused (a probe, a plain step)
+        or before costs are known."""
+        steps, c = self._steps(hint), self.costs.draft_cost_ratio()
+        if c is None or steps.gamma == 0 or gamma == 0:
+            return Outlook(gamma)
+        return Outlook(gamma, self._alpha(steps), 0.0 if steps.free else c, self.positions(gamma) / gamma, fixed=False)
 
     def positions(self, gamma: int) -> int:
         """The draft positions a step of depth γ verifies: γ for a chain, γ times the nodes per depth of the

@@ -48,11 +48,13 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 
 from verispec.control import CostModel, make_gamma_policy
+from verispec.control.batch import Outlook
 from verispec.control.gamma import check_gamma_policy
 from verispec.control.plan import Plan
 from verispec.drafters.base import Drafter
@@ -67,7 +69,7 @@ from verispec.sampling.processors import MAX_TOP_LOGPROBS, SamplingParams, Score
 from verispec.tokentree import depths
 from verispec.types import Draft, GenerationResult, GenerationStats, Hint, Origin, StepRecord, TokenEvent, TokenLogprobs
 
-__all__ = ["Engine", "Generation", "GenerationConfig", "StepPlan", "MAX_STOP_TOKEN_IDS"]
+__all__ = ["Engine", "Generation", "GenerationConfig", "Proposal", "StepPlan", "MAX_STOP_TOKEN_IDS"]
 
 
 @dataclass(frozen=True)
@@ -344,6 +346,16 @@ class StepPlan:
         return self.shape.draft
 
 
+class Proposal(NamedTuple):
+    """A request's next step before it drafts (`Generation.propose`): the session's class for it, its γ as the
+    request's policy sizes it alone with what sizing it among others needs (`control/batch.py`), and the seconds
+    finding them took (counted as drafting)."""
+
+    hint: Hint | None
+    outlook: Outlook
+    seconds: float
+
+
 class _Laps:
     """A step's seconds, phase by phase, into `GenerationStats.phases`: the draft and the target's forward
     as measured by their callers, then each `mark(phase)` adds the time since the previous mark."""
@@ -547,9 +559,9 @@ class Generation:
         a drafter that runs a model and declares `batches_drafts`; a model-free one has nothing to share."""
         return self.drafter is not None and self.drafter.model is not None and self.drafter.batches_drafts
 
-    def plan(self) -> StepPlan:
-        """Draft this step's tokens and say what the target must score (once the target's prompt is in; the rest
-        of the drafter's prefill first)."""
+    def propose(self) -> Proposal:
+        """This step's class and γ alone (once the target's prompt is in; the rest of the drafter's prefill first).
+        A sampled request's γ is fixed: its draws depend on it, and it must draw alone what it draws among others."""
         if not self._session_opened:
             raise VerispecError("plan() needs the whole prompt prefilled: call prefill_step() until it returns True")
         self.prefill_step()
@@ -559,10 +571,21 @@ class Generation:
         if self.session is not None:  # the policy's γ for this class of step, or what the session's free source may take
             hint = self.session.hint(self.ids)
             gamma = min(self.session.budget(self.ids, self.policy.next_gamma(hint), self.engine.max_gamma), remaining - 1)
+        outlook = self.policy.outlook(gamma, hint)
+        outlook = replace(outlook, fixed=outlook.fixed or self.params.temperature > 0)
+        return Proposal(hint, outlook, time.perf_counter() - start)
+
+    def plan(self, proposal: Proposal | None = None, gamma: int | None = None) -> StepPlan:
+        """Draft this step's tokens and say what the target must score: `proposal` (default: `propose()` now) at
+        `gamma` drafts (default: its own γ; `control/batch.size_together` may give fewer)."""
+        proposal = proposal if proposal is not None else self.propose()
+        gamma = proposal.outlook.gamma if gamma is None else gamma
+        start = time.perf_counter()
         shape = self._draft(gamma)
         last = torch.tensor(self.ids[-1:], device=self.device)
         feed = torch.cat([last, shape.draft.tokens]) if len(shape.draft) else last  # [n+1] on the device
-        return StepPlan(shape, feed, time.perf_counter() - start, *shape.layout(len(self.ids) - 1), hint=hint)
+        draft_seconds = proposal.seconds + time.perf_counter() - start
+        return StepPlan(shape, feed, draft_seconds, *shape.layout(len(self.ids) - 1), hint=proposal.hint)
 
     def step(self) -> list[TokenEvent]:
         """One draft + verify step: the drafter proposes, the target scores the proposal in one forward,

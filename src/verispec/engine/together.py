@@ -5,19 +5,24 @@ What the server's scheduler does each turn for its decoding requests (`serving/h
 little more than one request's (`benchmarks/probes/ragged_pass.py`), so k requests decode nearly k times as fast
 together as one after the other. Each request's output is what it gets alone: every runner's `forward_ragged`
 computes a row the same whatever else the pass holds, drafts are batched only where that holds too
-(`drafters/batching.py`), and each request samples with its own generator.
+(`drafters/batching.py`), and each request samples with its own generator. A greedy request may draft fewer tokens
+than alone where the shared pass's width costs the batch more than they gain (`control/batch.py`): its tokens are
+the same whatever its γ; a sampled request's γ never moves, since its draws depend on it.
 """
 
 from __future__ import annotations
 
+import functools
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable
 
 import torch
 
+from verispec.control.batch import size_together
 from verispec.drafters.batching import draft_together
-from verispec.engine.loop import Engine, Generation, GenerationConfig, StepPlan
+from verispec.engine.loop import Engine, Generation, GenerationConfig, Proposal, StepPlan
 from verispec.models.runner import Runner
 from verispec.types import GenerationResult, TokenEvent
 
@@ -25,8 +30,40 @@ __all__ = ["draft_plans", "generate_together", "step_together", "verify_together
 
 
 def draft_plans(generations: list[Generation]) -> list[StepPlan | BaseException]:
-    """Each generation's `plan()` (its drafts), side by side: per generation its plan or the exception it raised."""
-    return draft_together([g.plan for g in generations], [g.batches_drafts for g in generations])
+    """Each generation's plan (its drafts), side by side, at the γ that serves the batch best (`control/batch.py`:
+    a greedy request's γ cut where the shared pass's width costs more than its drafts gain): per generation its plan
+    or the exception it raised."""
+    proposals: list[Proposal | BaseException] = []
+    for generation in generations:
+        try:
+            proposals.append(generation.propose())
+        except Exception as error:  # noqa: BLE001 - this request's alone
+            proposals.append(error)
+    ready = [i for i, p in enumerate(proposals) if not isinstance(p, BaseException)]
+    outlooks = [proposals[i].outlook for i in ready]
+    try:
+        sized = size_together(outlooks, _pass_cost(generations, proposals, ready))
+    except Exception as error:  # noqa: BLE001 - pricing the batch (measuring its costs) failed: each at its own γ
+        warnings.warn(f"requests stepped together at their own γ: {error}", RuntimeWarning, stacklevel=2)
+        sized = [outlook.gamma for outlook in outlooks]
+    gammas = dict(zip(ready, sized))
+    tasks = [functools.partial(_failed, p) if isinstance(p, BaseException) else functools.partial(g.plan, p, gammas[i])
+             for i, (g, p) in enumerate(zip(generations, proposals))]
+    return draft_together(tasks, [g.batches_drafts and i in gammas for i, g in enumerate(generations)])
+
+
+def _pass_cost(generations: list[Generation], proposals: list, ready: list[int]) -> Callable[[int], float]:
+    """T(n)/T(1) of the target pass over n positions of the batch's rows after their mean context, on the measured
+    costs of the first request whose policy prices costs (1: none does, and every γ stays)."""
+    costs = next((generations[i].policy.costs for i in ready if not proposals[i].outlook.fixed), None)
+    if costs is None:
+        return lambda positions: 1.0
+    context = sum(len(generations[i].ids) for i in ready) // max(len(ready), 1)
+    return lambda positions: costs.pass_cost(positions, len(ready), context)
+
+
+def _failed(error: BaseException) -> StepPlan:
+    raise error
 
 
 def verify_together(runner: Runner, generations: list[Generation], plans: list[StepPlan]) -> list[torch.Tensor | BaseException]:

@@ -1,0 +1,87 @@
+"""γ for requests stepped together: each request's γ, cut where the batch's tokens per second gain by it.
+
+Alone, a request's γ policy prices a step of γ drafts at γ·c + T(γ+1)/T(1). Stepped together (`engine/together.py`:
+the server's batch, `Engine.generate_batch`), k requests share ONE target pass over all their positions, so a draft
+position costs what it adds to that pass — on a curve that rises with the pass's width, more than it cost alone
+(8 requests each verifying γ+1 = 6 positions make a pass of 48). `size_together` starts from each request's own γ
+and cuts, one draft token at a time, the one whose removal raises the batch's expected tokens per unit of time most,
+until no cut does: the batch's goodput Σ E[tokens_i] / (drafting + T(Σ n_i)/T(1)), E[tokens] = (1 − α^(γ+1))/(1 − α).
+
+Each draft token is priced at its c, as alone: requests draft side by side and share a draft model's passes
+(`drafters/batching.py`), but few rows meet in a pass (1.9 on average over 4 hybrid requests) and a batch of 8 spent
+about T(1) a step drafting (BENCHMARKS.md, "AMX"). The target's pass is priced on its measured costs
+(`CostModel.pass_cost`: the curve, its wide points and what a row adds). γ only ever falls, never below 0, and only
+for requests whose output γ cannot change (`Outlook.fixed` False: greedy, an analytic policy, not a probe); a lone
+request is never resized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from verispec.control.theory import expected_tokens
+
+__all__ = ["Outlook", "size_together"]
+
+
+@dataclass(frozen=True)
+class Outlook:
+    """One request's next step as its own γ policy sizes it, and what sizing it among others needs."""
+
+    gamma: int  # its γ alone (0: a plain step)
+    alpha: float = 0.0  # its step class's acceptance estimate
+    c: float = 0.0  # seconds a draft token / T(1); 0 where its proposals cost no forward (prompt lookup)
+    width: float = 1.0  # positions verified per depth (a token tree's nodes per depth; 1 for a chain)
+    fixed: bool = True  # its γ must stay (sampled: γ changes the draws; a constant policy; a probe)
+
+
+class _Batch:
+    """The step's expected tokens and its time in T(1) at the current γs, updated a cut at a time."""
+
+    def __init__(self, outlooks: Sequence[Outlook], gammas: list[int], pass_cost: Callable[[int], float]):
+        self.outlooks, self.gammas, self.pass_cost = outlooks, gammas, pass_cost
+        self.tokens = sum(self._tokens(o, g) for o, g in zip(outlooks, gammas))
+        self.positions = sum(self._positions(o, g) for o, g in zip(outlooks, gammas))
+        self.drafting = sum(g * o.c for o, g in zip(outlooks, gammas))
+
+    @staticmethod
+    def _tokens(o: Outlook, g: int) -> float:
+        return expected_tokens(o.alpha, g) if g else 1.0
+
+    @staticmethod
+    def _positions(o: Outlook, g: int) -> int:
+        return round(g * o.width) + 1
+
+    def goodput(self, i: int | None = None) -> float:
+        """Expected tokens per unit of time (T(1)) of the step at the current γs (with request i drafting one fewer)."""
+        tokens, positions, drafting = self.tokens, self.positions, self.drafting
+        if i is not None:
+            o, g = self.outlooks[i], self.gammas[i]
+            tokens += self._tokens(o, g - 1) - self._tokens(o, g)
+            positions += self._positions(o, g - 1) - self._positions(o, g)
+            drafting -= o.c
+        return tokens / (drafting + self.pass_cost(positions))
+
+    def cut(self, i: int) -> None:
+        o, g = self.outlooks[i], self.gammas[i]
+        self.tokens += self._tokens(o, g - 1) - self._tokens(o, g)
+        self.positions += self._positions(o, g - 1) - self._positions(o, g)
+        self.drafting -= o.c
+        self.gammas[i] = g - 1
+
+
+def size_together(outlooks: Sequence[Outlook], pass_cost: Callable[[int], float]) -> list[int]:
+    """Each request's γ for a step taken together (module docstring): its own, or less where the batch gains;
+    `pass_cost(n)`: T(n)/T(1) of one target pass over n positions."""
+    gammas = [o.gamma for o in outlooks]
+    if len(outlooks) < 2 or all(o.fixed for o in outlooks):
+        return gammas
+    batch = _Batch(outlooks, gammas, pass_cost)
+    best = batch.goodput()
+    while True:
+        cuts = [(batch.goodput(i), i) for i, o in enumerate(outlooks) if not o.fixed and gammas[i] > 0]
+        if not cuts or (top := max(cuts))[0] <= best:
+            return gammas
+        best = top[0]
+        batch.cut(top[1])

@@ -1,0 +1,123 @@
+"""γ for requests stepped together (`control/batch.py`): cuts only where the batch's expected tokens per second gain,
+never for a request whose draws depend on γ (sampled) or whose policy prices nothing, never alone; and through
+`Engine.generate_batch`, a batch that cuts greedy requests' drafts still gives every request what it gets alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from verispec import Engine, GenerationConfig, SamplingParams
+from verispec.control import CostModel
+from verispec.control.batch import Outlook, size_together
+from verispec.drafters import DraftModelDrafter, NgramDrafter
+from verispec.models.loading import load_model
+
+
+def flat_then_steep(knee: int, slope: float):
+    """T(n)/T(1): 1 up to `knee` positions, then `slope` more a position."""
+    return lambda positions: 1.0 + max(0, positions - knee) * slope
+
+
+def test_a_lone_request_and_fixed_requests_keep_their_gamma():
+    steep = flat_then_steep(1, 1.0)  # every position costs a whole T(1): no draft pays
+    assert size_together([Outlook(6, 0.3, fixed=False)], steep) == [6]
+    assert size_together([Outlook(6, 0.3), Outlook(5, 0.3)], steep) == [6, 5]  # fixed: sampled, constant, probes
+    assert size_together([Outlook(6, 0.3), Outlook(5, 0.3, fixed=False)], steep) == [6, 0]
+
+
+def test_a_flat_pass_keeps_every_gamma_and_a_steep_one_cuts_the_least_accepted_first():
+    outlooks = [Outlook(4, 0.9, fixed=False), Outlook(4, 0.3, fixed=False), Outlook(4, 0.6, fixed=False)]
+    assert size_together(outlooks, flat_then_steep(64, 0.1)) == [4, 4, 4]
+    cut = size_together(outlooks, flat_then_steep(6, 0.05))
+    assert cut[1] < cut[2] <= cut[0] and cut != [4, 4, 4] and all(0 <= g <= 4 for g in cut)
+
+
+def test_cuts_raise_the_batch_goodput_and_stop_where_no_cut_does():
+    from verispec.control.batch import _Batch
+
+    outlooks = [Outlook(g, a, c, fixed=False) for g, a, c in [(6, 0.8, 0.0), (3, 0.5, 0.15), (5, 0.4, 0.15), (2, 0.7, 0.3)]]
+    pass_cost = flat_then_steep(4, 0.08)
+    start = _Batch(outlooks, [o.gamma for o in outlooks], pass_cost).goodput()
+    sized = size_together(outlooks, pass_cost)
+    end = _Batch(outlooks, list(sized), pass_cost)
+    assert end.goodput() > start
+    for i, g in enumerate(sized):  # a local optimum: no further single cut gains
+        assert g == 0 or end.goodput(i) <= end.goodput()
+
+
+def test_drafting_and_tree_widths_are_priced():
+    from verispec.control.batch import _Batch
+
+    batch = _Batch([Outlook(2, 0.5, 0.2, fixed=False), Outlook(3, 0.5, 0.0, 4.0, fixed=False)], [2, 3], lambda n: float(n))
+    assert batch.drafting == pytest.approx(0.4) and batch.positions == 3 + 13  # a tree of 4 nodes a depth: 12 + 1
+    assert batch.goodput(1) == pytest.approx(_Batch(batch.outlooks, [2, 2], lambda n: float(n)).goodput())
+
+
+def test_the_pass_cost_extrapolates_past_the_measured_curve():
+    costs = CostModel([1.0, 1.0, 1.0, 1.0, 1.2, 1.4, 1.6, 1.8])  # T(n) for n = 1…8
+    assert costs.pass_cost(8) == pytest.approx(1.8) and costs.pass_cost(3) == 1.0
+    assert costs.pass_cost(12) == pytest.approx(1.8 + 4 * 0.2)  # no batch costs: the second half's slope, (1.8 − 1.0) / 4
+    assert CostModel().pass_cost(40) == 1.0
+
+
+PROMPTS = [[5, 9, 2, 7, 5, 9, 2, 7], [22, 3, 3, 3, 8, 2, 30, 42, 5], [40, 41, 40, 41], [20, 21, 22, 20, 21, 22, 20]]
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+def test_a_batch_that_cuts_greedy_drafts_gives_each_request_what_it_gets_alone(tiny_target, tiny_draft, drafter, monkeypatch):
+    target = load_model(tiny_target, "int8")
+    target.eos_ids = frozenset()
+    made = NgramDrafter(max_n=3) if drafter == "ngram" else DraftModelDrafter(load_model(tiny_draft, "int8"), target.vocab_size)
+    engine = Engine(target, made, gamma=4, gamma_policy="analytic")
+    # verification flat up to 6 positions, then steep: alone γ up to 5 pays; four requests' pass of 24 does not
+    costs = CostModel([1.0] * 6 + [1.0 + 0.3 * k for k in range(1, 7)], 0.0 if drafter == "ngram" else 0.05, 1.1)
+    monkeypatch.setattr(engine, "costs_for", lambda *args, **kwargs: costs)
+    configs = [GenerationConfig(max_new_tokens=24) if i % 2 == 0 else
+               GenerationConfig(max_new_tokens=24, sampling=SamplingParams(temperature=1.0), seed=3 + i) for i in range(4)]
+    alone = [engine.generate(prompt, config) for prompt, config in zip(PROMPTS, configs)]
+    together = engine.generate_batch(PROMPTS, configs, max_batch=4)
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    proposed = lambda result: [record.proposed for record in result.stats.records]  # noqa: E731
+    for i in (1, 3):  # sampled: γ fixed, the same steps as alone
+        assert proposed(together[i]) == proposed(alone[i])
+    # the positive control: the greedy requests drafted less among the others than alone
+    assert sum(sum(proposed(together[i])) for i in (0, 2)) < sum(sum(proposed(alone[i])) for i in (0, 2))
+
+
+def test_a_batch_pass_is_priced_on_the_measured_wide_points_and_rows():
+    from verispec.control.costs import BATCH_WIDTHS
+
+    measured = [0.05] + [1.6 + 0.1 * i for i in range(len(BATCH_WIDTHS))]  # ρ, then T(w)/T(1) at BATCH_WIDTHS
+    calls = []
+    costs = CostModel([1.0, 1.0, 1.0, 1.0, 1.2, 1.4, 1.6, 1.8], batch=lambda: calls.append(1) or measured)
+    assert costs.pass_cost(BATCH_WIDTHS[0]) == pytest.approx(1.6) and costs.pass_cost(BATCH_WIDTHS[1], rows=3) == pytest.approx(1.7 + 0.1)
+    halfway = (BATCH_WIDTHS[2] + BATCH_WIDTHS[3]) // 2
+    want = 1.8 + (1.9 - 1.8) * (halfway - BATCH_WIDTHS[2]) / (BATCH_WIDTHS[3] - BATCH_WIDTHS[2])
+    assert costs.pass_cost(halfway) == pytest.approx(want)
+    assert costs.pass_cost(12) == pytest.approx(1.8 + (1.6 - 1.8) * 4 / (BATCH_WIDTHS[0] - 8))  # between the curve's end and 16
+    assert costs.pass_cost(2 * BATCH_WIDTHS[-1]) > measured[-1] and calls == [1]  # measured once, past the last extrapolated
+
+
+def test_batch_costs_are_measured_on_a_real_runner(tiny_target):
+    from verispec.control.costs import measure_batch_costs
+
+    runner = load_model(tiny_target, "int8").runner
+    row, *wide = measure_batch_costs(runner, rows=3, widths=(4, 8), repeats=1)
+    assert row >= 0.0 and len(wide) == 2 and all(ratio > 0.5 for ratio in wide)
+
+
+def test_a_batch_whose_pricing_fails_steps_at_its_own_gamma(tiny_target, monkeypatch):
+    import verispec.engine.together as together
+
+    target = load_model(tiny_target, "int8")
+    target.eos_ids = frozenset()
+    engine = Engine(target, NgramDrafter(max_n=3), gamma=4, gamma_policy="analytic")
+    monkeypatch.setattr(engine, "costs_for", lambda *args, **kwargs: CostModel([1.0] * 8, 0.0))
+    config = GenerationConfig(max_new_tokens=12)
+    alone = [engine.generate(prompt, config).token_ids for prompt in PROMPTS]
+
+    def broken(outlooks, pass_cost):
+        raise RuntimeError("no batch costs")
+    monkeypatch.setattr(together, "size_together", broken)
+    with pytest.warns(RuntimeWarning, match="own γ: no batch costs"):
+        assert [r.token_ids for r in engine.generate_batch(PROMPTS, config, max_batch=4)] == alone
