@@ -51,6 +51,8 @@ def main() -> None:
     prompts = []
     for category in dict.fromkeys(q["category"] for q in questions):
         prompts += [q["turns"][0] for q in questions if q["category"] == category][: args.per_category]
+    # a warm-up batch (it also measures the batch's pass costs the first time: `CostModel.pass_cost`), not timed
+    engine.generate_batch(prompts[:2], GenerationConfig(max_new_tokens=16), max_batch=2)
     for round_ in range(args.rounds):
         alone = None
         if not args.no_alone:
