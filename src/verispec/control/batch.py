@@ -7,12 +7,11 @@ position costs what it adds to that pass — on a curve that rises with the pass
 and cuts, one draft token at a time, the one whose removal raises the batch's expected tokens per unit of time most,
 until no cut does: the batch's goodput Σ E[tokens_i] / (drafting + T(Σ n_i)/T(1)), E[tokens] = (1 − α^(γ+1))/(1 − α).
 
-Each draft token is priced at its c, as alone: requests draft side by side and share a draft model's passes
-(`drafters/batching.py`), but few rows meet in a pass (1.9 on average over 4 hybrid requests) and a batch of 8 spent
-about T(1) a step drafting (BENCHMARKS.md, "AMX"). The target's pass is priced on its measured costs
-(`CostModel.pass_cost`: the curve, its wide points and what a row adds). γ only ever falls, never below 0, and only
-for requests whose output γ cannot change (`Outlook.fixed` False: greedy, an analytic policy, not a probe); a lone
-request is never resized.
+Each draft token is priced at its c, as alone: requests draft side by side and share a draft model's pass only
+where they meet in one (`drafters/batching.py`), which no step can count on, so no saving is assumed. The target's
+pass is priced on its measured costs (`CostModel.pass_cost`: the curve, its wide points and what a row adds). γ only
+ever falls, never below 0, and only for requests whose output γ cannot change (`Outlook.fixed` False: greedy, an
+analytic policy, not a probe); a lone request is never resized.
 """
 
 from __future__ import annotations
