@@ -97,6 +97,14 @@ def test_a_batch_pass_is_priced_on_the_measured_wide_points_and_rows():
     assert costs.pass_cost(12) == pytest.approx(1.8 + (1.6 - 1.8) * 4 / (BATCH_WIDTHS[0] - 8))  # between the curve's end and 16
     assert costs.pass_cost(2 * BATCH_WIDTHS[-1]) > measured[-1] and calls == [1]  # measured once, past the last extrapolated
 
+    def broken():
+        calls.append(2)
+        raise RuntimeError("no second cache")
+    failing = CostModel([1.0, 1.0, 1.0, 1.0, 1.2, 1.4, 1.6, 1.8], batch=broken)
+    with pytest.raises(RuntimeError):
+        failing.pass_cost(20)
+    assert failing.pass_cost(12) == pytest.approx(2.6) and calls == [1, 2]  # not tried again: the curve's second half
+
 
 def test_batch_costs_are_measured_on_a_real_runner(tiny_target):
     from verispec.control.costs import measure_batch_costs

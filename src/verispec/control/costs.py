@@ -238,8 +238,9 @@ class CostModel:
         measured = len(self.target_seconds or ())
         if measured < 4:
             return self.verify_cost(positions - 1, context)
-        if self._batch is not None and self._batch_costs is None:
-            self._batch_costs = self._batch()
+        if self._batch is not None:  # once: a measurement that fails is not tried again (the curve extrapolates)
+            measure, self._batch = self._batch, None
+            self._batch_costs = measure()
         end = self.verify_cost(measured - 1, context)
         points = [(measured // 2, self.verify_cost(measured // 2 - 1, context)), (measured, end)]
         row = 0.0
