@@ -129,3 +129,17 @@ def test_a_batch_whose_pricing_fails_steps_at_its_own_gamma(tiny_target, monkeyp
     monkeypatch.setattr(together, "size_together", broken)
     with pytest.warns(RuntimeWarning, match="own γ: no batch costs"):
         assert [r.token_ids for r in engine.generate_batch(PROMPTS, config, max_batch=4)] == alone
+
+
+def test_a_server_measures_its_batch_costs_at_start(tiny_target, monkeypatch):
+    from server_helpers import MODEL, LocalServer, tiny_engine
+
+    from verispec.serving.http import create_app
+
+    for max_batch, want in [(4, [1]), (1, [])]:  # one request at a time: never a batch, nothing to measure
+        measured = []
+        costs = CostModel([1.0] * 8, 0.0, batch=lambda measured=measured: measured.append(1) or [0.0] + [2.0] * 6)
+        engine = tiny_engine(tiny_target)
+        monkeypatch.setattr(engine, "costs_for", lambda *args, costs=costs, **kwargs: costs)
+        with LocalServer(create_app(engine, model_name=MODEL, max_batch=max_batch)):
+            assert measured == want  # at start, before any request

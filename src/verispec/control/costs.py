@@ -231,6 +231,13 @@ class CostModel:
         slope = (_ratio(self.long_target_seconds, gamma) - short) / (LONG_CONTEXT - SHORT_CONTEXT)
         return max(1.0, short + slope * (max(context, SHORT_CONTEXT) - SHORT_CONTEXT))
 
+    def prepare_batches(self) -> None:
+        """Measure (or read) what a batch's pass costs, if not yet: a server does at its start, not in its first step
+        taken together. Once: a measurement that fails is not tried again (`pass_cost` extrapolates the curve)."""
+        if self._batch is not None:
+            measure, self._batch = self._batch, None
+            self._batch_costs = measure()
+
     def pass_cost(self, positions: int, rows: int = 1, context: int | None = None) -> float:
         """T/T(1) of one pass over `positions` positions of `rows` requests (a batch's, `control/batch.py`): the
         curve's ratio (past it, the batch widths' measured ratios, linearly between them and beyond the last), plus ρ
@@ -238,9 +245,7 @@ class CostModel:
         measured = len(self.target_seconds or ())
         if measured < 4:
             return self.verify_cost(positions - 1, context)
-        if self._batch is not None:  # once: a measurement that fails is not tried again (the curve extrapolates)
-            measure, self._batch = self._batch, None
-            self._batch_costs = measure()
+        self.prepare_batches()
         end = self.verify_cost(measured - 1, context)
         points = [(measured // 2, self.verify_cost(measured // 2 - 1, context)), (measured, end)]
         row = 0.0

@@ -38,6 +38,7 @@ import asyncio
 import dataclasses
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -191,6 +192,11 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = engine_or_loader if isinstance(engine_or_loader, Engine) else engine_or_loader()
         engine.prepare()  # every measurement the engine's own drafter needs: now, not inside the first request
+        if limits.max_batch > 1:  # and what a batch's pass costs (`control/batch.py`), not inside the first batch
+            try:
+                engine.costs_for(engine.drafter, engine.gamma_policy).prepare_batches()
+            except Exception as error:  # noqa: BLE001 - batches then priced on the curve alone
+                warnings.warn(f"a batch's pass costs could not be measured: {error}", RuntimeWarning, stacklevel=1)
         app.state.model_name = model_name or engine.target.name
         app.state.created = int(time.time())
         app.state.scheduler = Scheduler(engine, metrics, limits.max_batch, limits.max_queue, limits.request_timeout,
