@@ -143,3 +143,17 @@ def test_a_server_measures_its_batch_costs_at_start(tiny_target, monkeypatch):
         monkeypatch.setattr(engine, "costs_for", lambda *args, costs=costs, **kwargs: costs)
         with LocalServer(create_app(engine, model_name=MODEL, max_batch=max_batch)):
             assert measured == want  # at start, before any request
+
+
+def test_an_analytic_policy_offers_its_class_alpha_and_cost_and_holds_a_paused_class():
+    from verispec.control.gamma import AnalyticGamma, ConstantGamma
+    from verispec.types import Hint
+
+    policy = AnalyticGamma(CostModel([1.0] * 8, 0.2), gamma=3, may_pause=True)
+    drafted, looked_up = policy.outlook(3), policy.outlook(3, Hint(key=2, prior=0.9, free=True))
+    assert not drafted.fixed and drafted.c == pytest.approx(0.2) and drafted.alpha == pytest.approx(0.7)
+    assert not looked_up.fixed and looked_up.c == 0.0 and looked_up.alpha == pytest.approx(0.9)
+    for _ in range(40):  # every draft rejected: the class pauses, its steps (plain or a probe) keep their γ
+        policy.update(3, 0)
+    assert policy.overall.gamma == 0 and policy.outlook(1).fixed
+    assert ConstantGamma(4).outlook(4).fixed and AnalyticGamma(CostModel()).outlook(4).fixed  # nothing priced
