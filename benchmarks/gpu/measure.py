@@ -15,7 +15,7 @@ on one device, in one run:
    graphs, each pass with a fresh drafter (`verispec_speed`); plain timed again at the end (drift); with
    --host-steps each replayed one twice in turns, its whole steps on the device (`engine/device_steps.py`,
    the default) and through the host (VERISPEC_DEVICE_STEPS=0), `device_steps` in its record; with --batch K,…
-   `Engine.generate_batch` of K requests stepped together (a server's regime), plain's results against alone;
+   `Engine.generate_batch` of K requests stepped together (a server's regime), each against plain alone;
 3. the speedups over replayed plain decoding that the theory predicts from the measured graph curves,
    the draft's c and acceptance measured on the real models on a CPU (--alpha): random weights agree
    with nothing, so measured speculative tok/s here show the cost of a step, not its gain.
@@ -218,8 +218,9 @@ def verispec_speed(builder: EngineBuilder, method: str, prompts: list[list[int]]
 def batch_speed(builder: EngineBuilder, entry: str, prompts: list[list[int]], new_tokens: int, gamma: int,
                 device: torch.device, stop: bool, requests: int, alone: list[list[int]] | None) -> dict:
     """tok/s of `Engine.generate_batch` over `requests` requests (the prompts repeated) stepped together (a server's
-    regime: one target pass for all, launched eagerly), after a warm-up batch of two; `same_as_alone`: results whose
-    tokens are those of the prompt decoded alone (`alone`, plain decoding's outputs; None: not compared)."""
+    regime: one target pass for all, launched eagerly; a greedy request's γ sized for the batch, `control/batch.py`),
+    after a warm-up batch of two; `same_as_alone`: results whose tokens are those of the prompt decoded plain alone
+    (`alone`; None: not compared) — for a speculative method also whether it kept plain's tokens under load."""
     method, gamma, policy = method_and_policy(entry, gamma)
     engine = fresh_engine(builder, method, gamma, policy, stop)
     config = GenerationConfig(max_new_tokens=new_tokens, chat=False)
@@ -443,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         for requests in [int(k) for k in args.batch.split(",") if k]:
             for entry in split_specs(methods):
                 attempt(f"batch {requests} {entry}", lambda entry=entry, requests=requests: emit(batch_speed(
-                    builder, entry, prompts, new_tokens, args.gamma, device, stop, requests, reference if entry == "none" else None)))
+                    builder, entry, prompts, new_tokens, args.gamma, device, stop, requests, reference)))
         if reference is not None:  # plain again after the methods: how far the machine drifted meanwhile
             attempt("plain again", lambda: emit({**verispec_speed(builder, "none", prompts, new_tokens, args.gamma, device,
                                                                    stop)[0], "gamma": 0, "again": True}))
