@@ -46,28 +46,26 @@ class _Batch:
 
     @staticmethod
     def _tokens(o: Outlook, g: int) -> float:
-        return expected_tokens(o.alpha, g) if g else 1.0
+        return expected_tokens(o.alpha, g)  # 1 at γ 0: a plain step
 
     @staticmethod
     def _positions(o: Outlook, g: int) -> int:
         return round(g * o.width) + 1
 
+    def _cut(self, i: int) -> tuple[float, int, float]:
+        """What request i drafting one token fewer changes: (tokens, positions, drafting)."""
+        o, g = self.outlooks[i], self.gammas[i]
+        return self._tokens(o, g - 1) - self._tokens(o, g), self._positions(o, g - 1) - self._positions(o, g), -o.c
+
     def goodput(self, i: int | None = None) -> float:
         """Expected tokens per unit of time (T(1)) of the step at the current γs (with request i drafting one fewer)."""
-        tokens, positions, drafting = self.tokens, self.positions, self.drafting
-        if i is not None:
-            o, g = self.outlooks[i], self.gammas[i]
-            tokens += self._tokens(o, g - 1) - self._tokens(o, g)
-            positions += self._positions(o, g - 1) - self._positions(o, g)
-            drafting -= o.c
-        return tokens / (drafting + self.pass_cost(positions))
+        tokens, positions, drafting = self._cut(i) if i is not None else (0.0, 0, 0.0)
+        return (self.tokens + tokens) / (self.drafting + drafting + self.pass_cost(self.positions + positions))
 
     def cut(self, i: int) -> None:
-        o, g = self.outlooks[i], self.gammas[i]
-        self.tokens += self._tokens(o, g - 1) - self._tokens(o, g)
-        self.positions += self._positions(o, g - 1) - self._positions(o, g)
-        self.drafting -= o.c
-        self.gammas[i] = g - 1
+        tokens, positions, drafting = self._cut(i)
+        self.tokens, self.positions, self.drafting = self.tokens + tokens, self.positions + positions, self.drafting + drafting
+        self.gammas[i] -= 1
 
 
 def size_together(outlooks: Sequence[Outlook], pass_cost: Callable[[int], float]) -> list[int]:

@@ -563,7 +563,7 @@ class Generation:
         """This step's class and γ alone (once the target's prompt is in; the rest of the drafter's prefill first).
         A sampled request's γ is fixed: its draws depend on it, and it must draw alone what it draws among others."""
         if not self._session_opened:
-            raise VerispecError("plan() needs the whole prompt prefilled: call prefill_step() until it returns True")
+            raise VerispecError("a step needs the whole prompt prefilled: call prefill_step() until it returns True")
         self.prefill_step()
         remaining = self.max_new - len(self.output_ids)
         gamma, hint = 0, None

@@ -58,7 +58,7 @@ def _pass_cost(generations: list[Generation], proposals: list, ready: list[int])
     costs = next((generations[i].policy.costs for i in ready if not proposals[i].outlook.fixed), None)
     if costs is None:
         return lambda positions: 1.0
-    context = sum(len(generations[i].ids) for i in ready) // max(len(ready), 1)
+    context = sum(len(generations[i].ids) for i in ready) // len(ready)  # ready is not empty: a request priced costs
     return lambda positions: costs.pass_cost(positions, len(ready), context)
 
 

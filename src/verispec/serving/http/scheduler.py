@@ -8,8 +8,8 @@ Every turn of the worker:
      over-commit, no overtaking). A request whose own needs exceed the whole pool is refused (400).
   3. decodes first: one step for every prefilled request (`engine/together.py`): `plan()` each (drafts,
      side by side, their draft models' forwards batched; greedy requests' γ cut where the batch gains:
-     `control/batch.py`) → ONE `forward_ragged` target pass over every
-     row's feed → `commit()` each. Acceptance is ragged: each row keeps its own prefix.
+     `control/batch.py`) → ONE `forward_ragged` target pass over every row's feed → `commit()` each.
+     Acceptance is ragged: each row keeps its own prefix.
   4. then ONE prefill chunk of at most `prefill_chunk` prompt tokens to the prefilling request with
      the fewest prompt tokens left (a short prompt is not held behind a long one; a prompt passed
      over STARVATION_TURNS turns in a row goes next; 0: a whole prompt at once), so a long prompt
