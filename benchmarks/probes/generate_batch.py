@@ -4,21 +4,27 @@
 Throughput of a script with many prompts: k requests stepped together share the target's pass (and the draft's), so
 they decode faster than one after the other; each result must still be what `generate` gives that prompt alone.
 `--variants` adds other settings to each batch size, in turns: `unsized` (each request at its own γ, as alone: no
-`control/batch.size_together`), `none` (plain decoding), `gamma=G` (a constant γ of G).
+`control/batch.size_together`), `none` (plain decoding), `gamma=G` (a constant γ of G). `--ledger` holds each batch's
+steps against the prices γ was sized by: the shared passes' seconds against `CostModel.pass_cost` by width, the
+drafting against γ·c, and what neither holds (verification, commits, per-request work on the host).
 
     .venv/bin/python benchmarks/probes/generate_batch.py --per-category 1 --max-batch 4,8
     .venv/bin/python benchmarks/probes/generate_batch.py --max-batch 8 --rounds 3 --no-alone --variants plan,unsized,none,gamma=1
+    .venv/bin/python benchmarks/probes/generate_batch.py --max-batch 8 --no-alone --variants plan,none --ledger
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import statistics
 import time
 from unittest import mock
 
 import verispec.engine.together as together
 from verispec import GenerationConfig, load
+from verispec.control.costs import interleaved_token_seconds
 from verispec.paths import cpu_summary
 
 
@@ -34,6 +40,70 @@ def variant(name: str, max_new_tokens: int):
     return GenerationConfig(max_new_tokens=max_new_tokens, **settings), together.size_together
 
 
+class Ledger:
+    """Each step taken together, timed in its parts (drafting, the shared pass, the rest) and priced as
+    `control/batch.py` prices it: the pass at `CostModel.pass_cost(positions, rows, context)`, a drafted token at c
+    (0 where the step's class is free), in T(1). Installed by patching `engine/together.py`'s step functions."""
+
+    BUCKETS = (1, 9, 17, 25, 33, 49, 65)  # pass widths (positions) reported apart: a bucket from each to the next
+
+    def __init__(self, costs):
+        self.costs, self.steps = costs, []  # per step: positions, rows, predicted pass, predicted drafting, seconds ×3
+
+    @contextlib.contextmanager
+    def installed(self):
+        draft_plans, verify_together, step_together = together.draft_plans, together.verify_together, together.step_together
+        step = {}
+
+        def timed_draft_plans(generations):
+            start = time.perf_counter()
+            plans = draft_plans(generations)
+            step["draft"] = time.perf_counter() - start
+            return plans
+
+        def timed_verify_together(runner, generations, plans):
+            start = time.perf_counter()
+            rows = verify_together(runner, generations, plans)
+            step["pass"] = time.perf_counter() - start
+            step["positions"] = sum(len(p.feed) for p in plans)
+            step["rows"], step["context"] = len(plans), sum(len(g.ids) for g in generations) // len(plans)
+            step["predicted pass"] = self.costs.pass_cost(step["positions"], len(plans), step["context"])
+            c = self.costs.draft_cost_ratio() or 0.0
+            step["predicted draft"] = sum((len(p.feed) - 1) * (0.0 if p.hint is not None and p.hint.free else c) for p in plans)
+            return rows
+
+        def timed_step_together(generations):
+            step.clear()
+            start = time.perf_counter()
+            outcomes = step_together(generations)
+            if "pass" in step:
+                self.steps.append({**step, "step": time.perf_counter() - start})
+            return outcomes
+
+        with (mock.patch.object(together, "draft_plans", timed_draft_plans),
+              mock.patch.object(together, "verify_together", timed_verify_together),
+              mock.patch.object(together, "step_together", timed_step_together)):
+            yield self
+
+    def report(self, one: float) -> str:
+        """Measured against predicted, `one` the target's T(1) in seconds timed now: per bucket of pass widths the
+        passes' seconds against their predicted T/T(1) × `one`; then a step's parts."""
+        lines = []
+        for low, high in zip(self.BUCKETS, self.BUCKETS[1:] + (10**9,)):
+            passes = [s for s in self.steps if low <= s["positions"] < high]
+            if passes:
+                measured, predicted = sum(s["pass"] for s in passes), sum(s["predicted pass"] for s in passes) * one
+                lines.append(f"    passes of {low}–{min(high - 1, max(s['positions'] for s in passes))} positions: {len(passes)},"
+                             f" {sum(s['rows'] for s in passes) / len(passes):.1f} rows, measured {measured:.2f} s,"
+                             f" predicted {predicted:.2f} s ({measured / predicted:.2f}×)")
+        total = {part: sum(s[part] for s in self.steps) for part in ("step", "draft", "pass", "predicted pass", "predicted draft")}
+        rest = total["step"] - total["draft"] - total["pass"]
+        lines.append(f"    {len(self.steps)} steps {total['step']:.2f} s: drafting {total['draft']:.2f} s (predicted"
+                     f" {total['predicted draft'] * one:.2f}), pass {total['pass']:.2f} s (predicted"
+                     f" {total['predicted pass'] * one:.2f}), the rest {rest:.2f} s ({rest / len(self.steps) * 1e3:.1f} ms a step)")
+        return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--questions", default="question.jsonl")
@@ -43,6 +113,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--variants", default="plan", help="comma list: plan, unsized, none, gamma=G")
     parser.add_argument("--no-alone", action="store_true", help="skip one `generate` after another (and the comparison)")
+    parser.add_argument("--ledger", action="store_true",
+                        help="each batch's steps in parts, measured against `control/batch.py`'s prices")
     args = parser.parse_args()
     variants = {name: variant(name, args.max_new_tokens) for name in args.variants.split(",")}
     engine = load()
@@ -63,7 +135,8 @@ def main() -> None:
             print(f"round {round_} · {len(prompts)} prompts one after another: {tokens / seconds:.1f} tok/s ({seconds:.1f} s)", flush=True)
         for k in map(int, args.max_batch.split(",")):
             for name, (config, sizing) in variants.items():
-                with mock.patch.object(together, "size_together", sizing):
+                ledger = Ledger(engine.costs)
+                with mock.patch.object(together, "size_together", sizing), ledger.installed():
                     started = time.perf_counter()
                     results = engine.generate_batch(prompts, config, max_batch=k)
                     seconds = time.perf_counter() - started
@@ -74,6 +147,11 @@ def main() -> None:
                 if alone is not None and name == next(iter(variants)):
                     line += f", {sum(a.token_ids == b.token_ids for a, b in zip(alone, results))}/{len(prompts)} the same tokens as alone"
                 print(line, flush=True)
+                if args.ledger and ledger.steps:
+                    context = int(statistics.median(s["context"] for s in ledger.steps))
+                    one = interleaved_token_seconds([engine.target.runner], context=context)[0]
+                    print(f"    T(1) after {context} tokens, timed now: {one * 1e3:.1f} ms", flush=True)
+                    print(ledger.report(one), flush=True)
 
 
 if __name__ == "__main__":
