@@ -236,6 +236,26 @@ def test_the_long_curve_is_measured_and_cached_beside_the_short_one(tiny_target,
     assert CostModel.calibrated(load_model(tiny_target), 3).long_target_seconds is None  # a 128-token context
 
 
+def test_a_measured_curve_is_fitted_non_decreasing_before_it_prices_a_step(tiny_target, tmp_path, monkeypatch):
+    """A dip in a measured T(n) is noise (more positions are no less work): the points after T(1) are pooled into
+    the nearest non-decreasing curve, T(1) kept as measured, a monotone curve left as it is; a calibrated cost
+    model reads the cached curve fitted, and the dip no longer prices a deeper γ below a shallower one."""
+    from verispec.control import costs as costs_module
+    from verispec.control.costs import monotone_curve
+    from verispec.models.loading import load_model
+
+    assert monotone_curve([1.0, 1.2, 1.3, 1.1, 1.4]) == pytest.approx([1.0, 1.2, 1.2, 1.2, 1.4])
+    assert monotone_curve([1.0, 0.8, 1.1]) == pytest.approx([1.0, 1.0, 1.1])  # never below T(1)
+    assert monotone_curve(FLAT) == FLAT and monotone_curve([2.0]) == [2.0] and monotone_curve([]) == []
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    dip = [1.0, 1.2, 1.3, 1.1, 1.4]
+    monkeypatch.setattr(costs_module, "measure_verify_curve", lambda runner, n, context=SHORT_CONTEXT: dip[:n])
+    for _ in range(2):  # measured, then read back from the cache: fitted both times
+        costs = CostModel.calibrated(load_model(tiny_target), 5, long=False)
+        assert costs.target_seconds == pytest.approx([1.0, 1.2, 1.2, 1.2, 1.4])
+        assert costs.verify_cost(3) >= costs.verify_cost(2)
+
+
 def test_a_drafts_cost_ratio_is_its_forward_and_the_targets_timed_in_turns(tiny_target, tiny_draft, tmp_path, monkeypatch):
     """c comes from the two single-token forwards timed alternately (`interleaved_token_seconds`), not from two
     curves measured apart (a shared CPU's drift moved it by a third): whatever the curves say, c is the turns'

@@ -9,7 +9,8 @@ context grows (kquant's T(5)/T(1): 1.22 after 64 tokens, 1.64 after 700); `verif
 the ratio linearly in the context a step attends. To keep a first run short, a runner with its own
 static cache is timed after placeholder slots (`Runner.placeholder_cache`) rather than a real prefill of
 that context, a curve stops at the width the runner verifies exactly, and a plan comparing backends times
-the long context only for the one it keeps (`calibrated(long=)`). They are not re-measured during a
+the long context only for the one it keeps (`calibrated(long=)`). A curve is read fitted non-decreasing
+(`monotone_curve`): a dip in it is the machine's noise, not a cheaper width. They are not re-measured during a
 generation on purpose: γ then depends only on acceptance (and the context), so a seed reproduces an
 output exactly. A model-free drafter (n-gram) counts as free (c = 0). Requests stepped together share one pass of
 all their positions (`control/batch.py`): what a row adds and T(n) at wider passes are measured the first time a
@@ -32,7 +33,7 @@ from verispec.progress import status
 from verispec.types import StepRecord
 
 __all__ = ["BATCH_ROWS", "BATCH_WIDTHS", "CostModel", "LONG_CONTEXT", "SHORT_CONTEXT", "interleaved_token_seconds",
-           "measure_batch_costs", "measure_verify_curve", "prefill_seconds_per_token"]
+           "measure_batch_costs", "measure_verify_curve", "monotone_curve", "prefill_seconds_per_token"]
 
 COSTS_TABLE = "verify_costs.json"  # measured seconds, per runner key (`_runner_key`), in the cache directory
 SHORT_CONTEXT, LONG_CONTEXT = 64, 1024  # cached tokens before the two measured verification curves
@@ -155,10 +156,28 @@ def _runner_key(runner: Runner, folder: str) -> str:
 
 
 def _cached_curve(runner: Runner, folder: str, max_positions: int, context: int = SHORT_CONTEXT) -> list[float]:
+    """T(1…max_positions) as measured (cached), fitted non-decreasing (`monotone_curve`)."""
     # "paired": measured by `measure_verify_curve`'s pairs (a curve of separate bests, stored before, is measured again)
     key = _runner_key(runner, folder) + "|paired" + ("" if context == SHORT_CONTEXT else f"|context={context}")
     what = f"{Path(folder).name} on {runner.precision}: T(1…{max_positions}) after {context} tokens"  # the spinner's
-    return _cached(key, max_positions, lambda: measure_verify_curve(runner, max_positions, context), what)
+    return monotone_curve(_cached(key, max_positions, lambda: measure_verify_curve(runner, max_positions, context), what))
+
+
+def monotone_curve(times: Sequence[float]) -> list[float]:
+    """The non-decreasing curve nearest `times` in least squares (pool adjacent violators), never below T(1).
+
+    A forward over more positions does no less work, so a measured dip (T(6) below T(4)) is noise; read as it is,
+    it prices γ 5 below γ 3 and steers the γ policy into the dip. T(1), the best of many forwards, is kept as
+    measured: the points after it are pooled, then held at least at T(1)."""
+    blocks: list[list[float]] = []  # [sum, count] of each pooled run of points
+    for t in times[1:]:
+        blocks.append([t, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    fitted = [max(total / count, times[0]) for total, count in blocks for _ in range(int(count))]
+    return list(times[:1]) + fitted
 
 
 def _cached_cost_ratio(target: LoadedModel, draft: LoadedModel) -> float:
