@@ -16,6 +16,7 @@ analytic policy, not a probe); a lone request is never resized.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -74,7 +75,7 @@ def size_together(outlooks: Sequence[Outlook], pass_cost: Callable[[int], float]
     gammas = [o.gamma for o in outlooks]
     if len(outlooks) < 2 or all(o.fixed for o in outlooks):
         return gammas
-    batch = _Batch(outlooks, gammas, pass_cost)
+    batch = _Batch(outlooks, gammas, functools.cache(pass_cost))  # each cut asks every request's: a few widths, many times
     best = batch.goodput()
     while True:
         cuts = [(batch.goodput(i), i) for i, o in enumerate(outlooks) if not o.fixed and gammas[i] > 0]
