@@ -68,12 +68,18 @@ def test_the_factory_picks_the_cross_vocabulary_drafter(pair):
     assert pairs == {WORDS.index(w): j for j, w in enumerate(DRAFT_WORDS) if w in WORDS}  # eos, unknown as specials
 
 
-def test_hybrid_takes_a_draft_of_another_tokenizer(pair):
+@pytest.mark.parametrize("cut", ["", ",vocab=8"])
+def test_hybrid_takes_a_draft_of_another_tokenizer(pair, cut):
     """`hybrid:draft=NAME`: prompt lookup where its match is long, else a draft model through the text; greedy
-    output stays the target's, sampled output is distributed as the target's (the draft takes part in both)."""
+    output stays the target's, sampled output is distributed as the target's (the draft takes part in both).
+    `vocab=N`: the draft's head scores only its ids < N (the others' logits −inf), and both still hold."""
     target, _, hf, _, draft_dir = pair
-    drafter = make_drafter(f"hybrid:draft={draft_dir},min_match=3", target)
+    drafter = make_drafter(f"hybrid:draft={draft_dir},min_match=3{cut}", target)
     assert isinstance(drafter.model_drafter, CrossVocabDrafter) and drafter.name.endswith(f"draft={drafter.model.name}")
+    runner = drafter.model.runner
+    cache = runner.new_cache(4)
+    logits = runner.forward(cache, torch.tensor([2, 3]), logits="all")  # [2, draft vocab]
+    assert bool(torch.isinf(logits[:, 8:]).all()) == bool(cut) and not torch.isinf(logits[:, :8]).any()
     engine = Engine(target, drafter, gamma=3, gamma_policy="constant")
     for prompt in PROMPTS:
         expected = reference_generate(hf, prompt, 16, eos_ids=target.eos_ids)
@@ -84,6 +90,8 @@ def test_hybrid_takes_a_draft_of_another_tokenizer(pair):
     assert engine.generate(PROMPT, GenerationConfig(max_new_tokens=24, sampling=params, seed=1)).stats.proposed_tokens > 0
     with pytest.raises(InvalidParameterError, match="unknown ngram drafter option 'draft'"):
         make_drafter(f"ngram:draft={draft_dir}", target)
+    with pytest.raises(InvalidParameterError, match=r"vocab must be in \[1, 12\]"):
+        make_drafter(f"hybrid:draft={draft_dir},vocab=13", target)
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 6])

@@ -89,14 +89,16 @@ def test_a_draft_model_is_measured_only_where_its_least_cost_could_win():
 
 def test_a_shipped_target_fetches_no_draft_model_that_could_not_win(tiny_target, tiny_draft, monkeypatch):
     """With a shipped pair's sizes (`least_cost_ratio`), a draft as large as its target is never loaded, neither as
-    the draft model nor as `hybrid`'s draft (`hybrid_draft_for`): the plan lists their bounds; a draft a thousandth
-    of its size is loaded and measured for both (the control)."""
+    the draft model nor as `hybrid`'s draft (`hybrid_draft_for`, its head cut to `hybrid_draft_vocab` ids on
+    verispec's own runner, whole on llama.cpp's): the plan lists their bounds; a draft a thousandth of its size is
+    loaded and measured for both (the control)."""
     import verispec.engine.build as build
     from verispec.models import registry
 
-    hybrid = f"hybrid:draft={tiny_draft},window={build.HYBRID_WINDOW}"
+    hybrid = f"hybrid:draft={tiny_draft},window={build.HYBRID_WINDOW},vocab=24"
     for draft_weights, measured in ((10**9, False), (10**6, True)):
-        shipped = {str(tiny_target): registry.ShippedModel("t", (), "file", "t", hybrid_draft=str(tiny_draft), step_weights=10**9),
+        shipped = {str(tiny_target): registry.ShippedModel("t", (), "file", "t", hybrid_draft=str(tiny_draft),
+                                                           hybrid_draft_vocab=24, step_weights=10**9),
                    str(tiny_draft): registry.ShippedModel("d", (), "file", "d", step_weights=draft_weights)}
         monkeypatch.setattr(build, "SHIPPED_MODELS", shipped)
         monkeypatch.setattr(registry, "SHIPPED_MODELS", shipped)
@@ -107,6 +109,7 @@ def test_a_shipped_target_fetches_no_draft_model_that_could_not_win(tiny_target,
         assert (str(tiny_draft) in builder.models.names) == measured
         if not measured:
             assert "model ≤" in plan.summary() and f"{hybrid} ≤" in plan.summary() and "(not measured)" in plan.summary()
+    assert hybrid.removesuffix(",vocab=24") in builder._draft_candidates(own_runner=False)  # a llama.cpp draft's head stays whole
 
 
 def test_the_auto_policy_pauses_when_speculation_loses_and_probes_to_resume():

@@ -14,7 +14,7 @@ Specs (`KIND` alone uses the defaults; options are `name=integer`, comma-separat
                                 n-gram table) merged into one tree, for a device where width costs little (a GPU)
   stand[:max_n=4,min_n=2,k=2,depth=5,wide=1]   STAND: n-gram table of the target's own distributions
   hybrid[:min_match=2,min_rate=0,max_n=4,window=0]    n-gram when its match is long enough, else the draft model
-                                (window=W: it reads the prompt's last W tokens);
+                                (window=W: it reads the prompt's last W tokens; vocab=N: its head scores ids < N);
                                 `draft=NAME`: another draft model, of the target's tokenizer or not (through the text)
   online[:rank=8,buffer_size=64,steps=40,eval_requests=2,replay=4,holdout=25,support=64]   the draft model, distilled toward the
                                 target between requests from its misses (`verispec.drafters.online`);
@@ -38,7 +38,7 @@ does before it queues a request):
   online: rank 1…64 · buffer_size, support 1…1024 · steps 1…500 · eval_requests 1…64 · replay 1…16 ·
           holdout 0…90 · self_layers 1…256
   triforce: budget, recent 1…8192 · chunk 1…1024 · sinks 0…256 · window 1…8192 (triforce, hybrid)
-  self/model: layers 1…256 · vocab 1…1048576
+  self/model: layers 1…256 · vocab 1…1048576 (vocab: hybrid too)
   and in order: min_n ≤ max_n, wide ≤ depth, chunk ≤ budget
 """
 
@@ -88,8 +88,9 @@ def make_drafter(
         return StandDrafter(vocab, **options)
     if kind == "lookup":  # model-free: nothing to load
         return MergeDrafter.lookup(vocab, **options)
-    if kind == "hybrid":  # its draft model may be of another tokenizer (`draft=NAME`)
-        return HybridDrafter(model_drafter(spec.name, target, dtype, load), **options)
+    if kind == "hybrid":  # its draft model may be of another tokenizer (`draft=NAME`), its head cut (`vocab=N`)
+        draft_vocab = options.pop("vocab", None)
+        return HybridDrafter(model_drafter(spec.name, target, dtype, load, draft_vocab), **options)
     self_layers = options.pop("self_layers", None)  # online: distil the target's own first layers (a self-speculative draft)
     model = derive_model(target, layers=self_layers) if self_layers is not None else draft_model(None, target, dtype, load)
     if kind == "triforce":

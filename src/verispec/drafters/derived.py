@@ -57,10 +57,13 @@ def draft_model(
     return draft
 
 
-def model_drafter(name: str | None, target: LoadedModel, dtype: str | None, load: ModelLoader) -> Drafter:
+def model_drafter(name: str | None, target: LoadedModel, dtype: str | None, load: ModelLoader,
+                  vocab: int | None = None) -> Drafter:
     """A plain draft model: in the target's token ids when it shares its tokenizer, else through the
-    committed text and the shared vocabulary (`cross_vocab`)."""
+    committed text and the shared vocabulary (`cross_vocab`); `vocab`: its head cut to ids < vocab (`derive_model`)."""
     draft = draft_model(name, target, dtype, load, same_tokenizer=False)
+    if vocab is not None:
+        draft = derive_model(draft, vocab=vocab)
     if tokenizer_problems(target, draft):
         return CrossVocabDrafter(draft, target)
     return DraftModelDrafter(draft, target.vocab_size)

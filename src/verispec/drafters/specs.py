@@ -73,6 +73,7 @@ KIND_OPTIONS: dict[str, dict[str, int | None]] = {
     "self": dict.fromkeys(VARIANT_OPTIONS), "model": dict.fromkeys(VARIANT_OPTIONS),
 }
 KIND_OPTIONS["online"]["self_layers"] = None  # distil the target's own first layers instead of the draft model
+KIND_OPTIONS["hybrid"]["vocab"] = None  # its draft model's head scores only ids < vocab (`models/variants.reduced_vocab`)
 NAMED_DRAFT = ("hybrid",)  # kinds that take `draft=NAME` (any model, of the target's tokenizer or not) besides their options
 
 

@@ -22,9 +22,9 @@ from verispec.engine.spec import AUTO, EngineSpec
 from verispec.models.device import resolve_device
 from verispec.models.kernels import build_key
 from verispec.models.linear import VERIFY_ROWS
-from verispec.models.loading import ModelCache, parse_precision
+from verispec.models.loading import ModelCache, parse_precision, runs_own_runner
 from verispec.models.registry import (SHIPPED_MODELS, default_draft_for, gguf_file, gguf_tokenizer_folder,
-                                      hybrid_draft_for, least_cost_ratio)
+                                      hybrid_draft_for, hybrid_draft_vocab, least_cost_ratio)
 from verispec.models.runner import LoadedModel
 from verispec.paths import cpu_key, read_table, store_in_table
 
@@ -32,9 +32,9 @@ __all__ = ["EngineBuilder", "auto_backends", "auto_precision", "backend_choices"
 
 BACKEND_CHOICES = "backend_choices.json"
 # how backends are compared (2: T(1) timed in turns, prefill weighed; 3: `hybrid` among the candidates; 4: its draft
-# reads a long prompt's end, HYBRID_WINDOW; 5: curves from paired timings, `costs.measure_verify_curve`): a choice
-# made by another rule is made again
-CHOICE_RULE = 5
+# reads a long prompt's end, HYBRID_WINDOW; 5: curves from paired timings, `costs.measure_verify_curve`; 6: its draft's
+# head cut, `registry.hybrid_draft_vocab`): a choice made by another rule is made again
+CHOICE_RULE = 6
 # the plan's `hybrid` draft reads a long prompt's first tokens and its last HYBRID_WINDOW (`base.window_cut`): prompt
 # lookup copies from the rest, and the draft's prefill and its steps' attention stay short (BENCHMARKS.md, "AMX":
 # summaries and RAG +2 % and +8 % over the draft reading it all)
@@ -144,7 +144,7 @@ class EngineBuilder:
                                max_gamma, catch_ups={spec: cost.draft_catch_up for spec, cost in costs.items()})
 
         plan, bounds = planned(), {}
-        for spec, draft in self._draft_candidates().items():
+        for spec, draft in self._draft_candidates(own_runner=runs_own_runner(target)).items():
             least_c = least_cost_ratio(self.target_spec, draft)
             rival = max((speedup for speedup, _ in plan.predicted.values()), default=0.0)
             kind = spec.split(":")[0]
@@ -158,15 +158,17 @@ class EngineBuilder:
                 bounds[spec] = bound
         return dataclasses.replace(plan, bounds=bounds)
 
-    def _draft_candidates(self) -> dict[str, str]:
+    def _draft_candidates(self, own_runner: bool) -> dict[str, str]:
         """The plan's candidates that run a draft model, for a shipped target: spec → the shipped draft it loads
         (`model`: the default draft; `hybrid:draft=NAME,window=HYBRID_WINDOW`: the target's `hybrid_draft_for`, where it
-        has one)."""
+        has one, its head cut to `hybrid_draft_vocab` ids where the target runs on verispec's own runner, `own_runner`:
+        drafts load in the target's precision, and llama.cpp's keep their head whole)."""
         if self.target_spec not in SHIPPED_MODELS:
             return {}
         drafts = {"model": self.models.default_draft or default_draft_for(self.target_spec)}
         if hybrid := hybrid_draft_for(self.target_spec):
-            drafts[f"hybrid:draft={hybrid},window={HYBRID_WINDOW}"] = hybrid
+            vocab = hybrid_draft_vocab(self.target_spec) if own_runner else None
+            drafts[f"hybrid:draft={hybrid},window={HYBRID_WINDOW}" + (f",vocab={vocab}" if vocab else "")] = hybrid
         return drafts
 
     def _candidate_costs(self, spec: str, gamma: int, precision: str | None) -> CostModel:

@@ -69,7 +69,7 @@ from verispec.paths import cache_dir
 from verispec.progress import status
 
 __all__ = [
-    "ModelCache", "ModelLoader", "require_own_runner", "load_model", "load_tokenizer", "resolve_folder", "check_compatible",
+    "ModelCache", "ModelLoader", "require_own_runner", "runs_own_runner", "load_model", "load_tokenizer", "resolve_folder", "check_compatible",
     "tokenizer_problems", "parse_dtype", "parse_precision", "precisions_for", "Precision", "PRECISIONS",
 ]
 
@@ -155,10 +155,15 @@ def resolve_folder(spec: str | Path) -> Path:
     )
 
 
+def runs_own_runner(model: LoadedModel) -> bool:
+    """Whether `model` runs on verispec's own runner (`models/transformer.py`), not llama.cpp or Hugging Face."""
+    return isinstance(model.runner, Transformer)
+
+
 def require_own_runner(model: LoadedModel, what: str) -> None:
     """Refuse, with a clear error, a feature that reads the torch runner's weights or cache layout
     (derived drafts, online distillation, TriForce, beam search) on another backend."""
-    if not isinstance(model.runner, Transformer):
+    if not runs_own_runner(model):
         raise InvalidParameterError(
             f"{what} needs verispec's own runner (precision float32, bfloat16 or int8 on a qwen2/llama model); "
             f"{model.name} runs in {model.precision}"

@@ -21,7 +21,7 @@ from verispec.errors import ModelNotFoundError
 from verispec.paths import cache_dir
 from verispec.progress import byte_progress, status
 
-__all__ = ["ShippedModel", "SHIPPED_MODELS", "default_draft_for", "hybrid_draft_for", "least_cost_ratio", "gguf_file", "gguf_path", "gguf_tokenizer_folder", "prepare_shipped_model", "shipped_model"]
+__all__ = ["ShippedModel", "SHIPPED_MODELS", "default_draft_for", "hybrid_draft_for", "hybrid_draft_vocab", "least_cost_ratio", "gguf_file", "gguf_path", "gguf_tokenizer_folder", "prepare_shipped_model", "shipped_model"]
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -40,7 +40,8 @@ class ShippedModel:
     `draft`: the shipped model that drafts for this one when a drafter spec names none (a smaller
     model, of another family when its own has none); empty: the default draft, DEFAULT_DRAFT.
     `hybrid_draft`: a far smaller shipped model (of another family: it drafts through the text) that the plan
-    also weighs as `hybrid`'s draft beside prompt lookup; empty: none.
+    also weighs as `hybrid`'s draft beside prompt lookup; empty: none. `hybrid_draft_vocab`: where that draft runs on
+    verispec's own runner, its head scores only its ids below this (`hybrid:…,vocab=N`; 0: all of them).
     `step_weights`: the weights a decoding step reads: every tensor, the output head included, but not a
     token-embedding table it only reads a row of (a head tied to it counts once); from the GGUF file's tensor
     shapes (tests/test_real_pair.py checks them); 0: not known. What `least_cost_ratio` compares before any file is fetched.
@@ -56,6 +57,7 @@ class ShippedModel:
     no_deps: bool = False
     draft: str = ""
     hybrid_draft: str = ""
+    hybrid_draft_vocab: int = 0
     step_weights: int = 0
 
     def modules(self) -> list[str]:
@@ -75,6 +77,7 @@ SHIPPED_MODELS: dict[str, ShippedModel] = {
             parts=22,
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             hybrid_draft="smollm2-135m-instruct",  # c ≈ 0.1 where the 0.5B costs 0.34–0.55 (BENCHMARKS.md)
+            hybrid_draft_vocab=24_576,  # half of SmolLM2's 49,152 ids, the earlier (more frequent) BPE merges: BENCHMARKS.md
             step_weights=1_543_714_304,
         ),
         ShippedModel(
@@ -125,6 +128,13 @@ def hybrid_draft_for(target: str) -> str | None:
     """The shipped model the plan weighs as `hybrid`'s draft for the target named `target` (`ShippedModel.hybrid_draft`)."""
     shipped = SHIPPED_MODELS.get(target)
     return shipped.hybrid_draft if shipped is not None and shipped.hybrid_draft else None
+
+
+def hybrid_draft_vocab(target: str) -> int | None:
+    """The ids the head of the target's `hybrid_draft_for` scores on verispec's own runner (`ShippedModel.hybrid_draft_vocab`);
+    None: all of them."""
+    shipped = SHIPPED_MODELS.get(target)
+    return shipped.hybrid_draft_vocab if shipped is not None and shipped.hybrid_draft_vocab else None
 
 
 def default_draft_for(target: str) -> str:
