@@ -161,8 +161,8 @@ class EngineBuilder:
     def _draft_candidates(self, own_runner: bool) -> dict[str, str]:
         """The plan's candidates that run a draft model, for a shipped target: spec → the shipped draft it loads
         (`model`: the default draft; `hybrid:draft=NAME,window=HYBRID_WINDOW`: the target's `hybrid_draft_for`, where it
-        has one, its head cut to `hybrid_draft_vocab` ids where the target runs on verispec's own runner, `own_runner`:
-        drafts load in the target's precision, and llama.cpp's keep their head whole)."""
+        has one, its head cut to `hybrid_draft_vocab` ids when `own_runner`: drafts load in the target's precision, and
+        only verispec's own runner cuts a head; llama.cpp's stays whole)."""
         if self.target_spec not in SHIPPED_MODELS:
             return {}
         drafts = {"model": self.models.default_draft or default_draft_for(self.target_spec)}
