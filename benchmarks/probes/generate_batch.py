@@ -4,7 +4,8 @@
 Throughput of a script with many prompts: k requests stepped together share the target's pass (and the draft's), so
 they decode faster than one after the other; each result must still be what `generate` gives that prompt alone.
 `--variants` adds other settings to each batch size, in turns: `unsized` (each request at its own γ, as alone: no
-`control/batch.size_together`), `none` (plain decoding), `gamma=G` (a constant γ of G). `--ledger` holds each batch's
+`control/batch.size_together`), `none` (plain decoding), `gamma=G` (a constant γ of G), `drafter=SPEC` (another
+drafter, its γ sized as the plan's). `--ledger` holds each batch's
 steps against the prices γ was sized by: the shared passes' seconds against `CostModel.pass_cost` by width, the
 drafting against γ·c, and what neither holds (verification, commits, per-request work on the host).
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import statistics
 import time
 from unittest import mock
@@ -35,8 +37,10 @@ def variant(name: str, max_new_tokens: int):
     settings = {"plan": {}, "none": {"drafter": "none"}}.get(name)
     if settings is None and name.startswith("gamma="):
         settings = {"gamma": int(name.removeprefix("gamma=")), "gamma_policy": "constant"}
+    if settings is None and name.startswith("drafter="):
+        settings = {"drafter": name.removeprefix("drafter=")}
     if settings is None:
-        raise SystemExit(f"unknown variant {name!r}: plan, unsized, none or gamma=G")
+        raise SystemExit(f"unknown variant {name!r}: plan, unsized, none, gamma=G or drafter=SPEC")
     return GenerationConfig(max_new_tokens=max_new_tokens, **settings), together.size_together
 
 
@@ -48,7 +52,7 @@ class Ledger:
     BUCKETS = (1, 9, 17, 25, 33, 49, 65)  # pass widths (positions) reported apart: a bucket from each to the next
 
     def __init__(self, costs):
-        self.costs, self.steps = costs, []  # per step: positions, rows, predicted pass, predicted drafting, seconds ×3
+        self.costs, self.steps = costs, []  # the plan's (where a step's policy prices none); per step: sizes, prices, seconds
 
     @contextlib.contextmanager
     def installed(self):
@@ -67,8 +71,9 @@ class Ledger:
             step["pass"] = time.perf_counter() - start
             step["positions"] = sum(len(p.feed) for p in plans)
             step["rows"], step["context"] = len(plans), sum(len(g.ids) for g in generations) // len(plans)
-            step["predicted pass"] = self.costs.pass_cost(step["positions"], len(plans), step["context"])
-            c = self.costs.draft_cost_ratio() or 0.0
+            costs = getattr(generations[0].policy, "costs", None) or self.costs  # a `drafter=` variant's own c
+            step["predicted pass"] = costs.pass_cost(step["positions"], len(plans), step["context"])
+            c = costs.draft_cost_ratio() or 0.0
             step["predicted draft"] = sum((len(p.feed) - 1) * (0.0 if p.hint is not None and p.hint.free else c) for p in plans)
             return rows
 
@@ -111,12 +116,13 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--max-batch", default="4,8", help="comma list of requests stepped at once")
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--variants", default="plan", help="comma list: plan, unsized, none, gamma=G")
+    parser.add_argument("--variants", default="plan", help="comma list: plan, unsized, none, gamma=G, drafter=SPEC")
     parser.add_argument("--no-alone", action="store_true", help="skip one `generate` after another (and the comparison)")
     parser.add_argument("--ledger", action="store_true",
                         help="each batch's steps in parts, measured against `control/batch.py`'s prices")
     args = parser.parse_args()
-    variants = {name: variant(name, args.max_new_tokens) for name in args.variants.split(",")}
+    names = re.split(r",(?=plan\b|unsized\b|none\b|gamma=|drafter=)", args.variants)  # a drafter spec holds commas
+    variants = {name: variant(name, args.max_new_tokens) for name in names}
     engine = load()
     print(cpu_summary(), "·", engine.plan.summary() if engine.plan is not None else "", flush=True)
     questions = [json.loads(line) for line in open(args.questions)]
