@@ -161,3 +161,27 @@ def test_an_analytic_policy_offers_its_class_alpha_and_cost_and_holds_a_paused_c
         policy.update(3, 0)
     assert policy.overall.gamma == 0 and policy.outlook(1).fixed
     assert ConstantGamma(4).outlook(4).fixed and AnalyticGamma(CostModel()).outlook(4).fixed  # nothing priced
+
+
+def test_steps_that_run_no_draft_model_plan_on_the_calling_thread(tiny_target, tiny_draft, monkeypatch):
+    """A request whose step drafts nothing (γ cut to 0) or drafts by prompt lookup (`Hint.free`) plans inline, not
+    on a thread of its own waiting to batch draft forwards it will not make; a draft model's step goes to a thread."""
+    import verispec.engine.together as together
+    from verispec.engine.loop import Proposal
+    from verispec.types import Hint
+
+    target, draft = load_model(tiny_target, "int8"), load_model(tiny_draft, "int8")
+    engine = Engine(target, DraftModelDrafter(draft, target.vocab_size), gamma=3, gamma_policy="constant")
+    generations = [engine.start(prompt, GenerationConfig(max_new_tokens=8)) for prompt in PROMPTS[:3]]
+    for generation in generations:
+        while not generation.prefill_step():
+            pass
+    propose = generations[2].propose
+    monkeypatch.setattr(generations[2], "propose", lambda: Proposal(Hint(1, 0.5, free=True), *propose()[1:]))
+    monkeypatch.setattr(together, "size_together", lambda outlooks, pass_cost: [0] + [o.gamma for o in outlooks[1:]])
+    flags = []
+    monkeypatch.setattr(together, "draft_together", lambda tasks, batched: flags.append(batched) or [task() for task in tasks])
+    plans = together.draft_plans(generations)
+    assert flags == [[False, True, False]] and len(plans[0].draft) == 0 and len(plans[1].draft) > 0
+    for generation in generations:
+        generation.close()

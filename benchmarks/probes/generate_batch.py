@@ -71,7 +71,8 @@ class Ledger:
             step["pass"] = time.perf_counter() - start
             step["positions"] = sum(len(p.feed) for p in plans)
             step["rows"], step["context"] = len(plans), sum(len(g.ids) for g in generations) // len(plans)
-            costs = getattr(generations[0].policy, "costs", None) or self.costs  # a `drafter=` variant's own c
+            costs = getattr(generations[0].policy, "costs", None)  # a `drafter=` variant's own c
+            costs = costs if costs is not None and costs.target_seconds else self.costs  # plain decoding measures none
             step["predicted pass"] = costs.pass_cost(step["positions"], len(plans), step["context"])
             c = costs.draft_cost_ratio() or 0.0
             step["predicted draft"] = sum((len(p.feed) - 1) * (0.0 if p.hint is not None and p.hint.free else c) for p in plans)

@@ -49,7 +49,14 @@ def draft_plans(generations: list[Generation]) -> list[StepPlan | BaseException]
     gammas = dict(zip(ready, sized))
     tasks = [functools.partial(_failed, p) if isinstance(p, BaseException) else functools.partial(g.plan, p, gammas[i])
              for i, (g, p) in enumerate(zip(generations, proposals))]
-    return draft_together(tasks, [g.batches_drafts and i in gammas for i, g in enumerate(generations)])
+    return draft_together(tasks, [g.batches_drafts and gammas.get(i, 0) > 0 and not _free(proposals[i])
+                                  for i, g in enumerate(generations)])
+
+
+def _free(proposal: Proposal) -> bool:
+    """Whether the step drafts without a draft model's forward (`Hint.free`: prompt lookup): its plan runs on the
+    calling thread, not on one of its own waiting to batch forwards it will not make."""
+    return proposal.hint is not None and proposal.hint.free
 
 
 def _pass_cost(generations: list[Generation], proposals: list, ready: list[int]) -> Callable[[int], float]:
