@@ -27,6 +27,7 @@ from unittest import mock
 import verispec.engine.together as together
 from verispec import GenerationConfig, load
 from verispec.control.costs import interleaved_token_seconds
+from verispec.engine.loop import Generation
 from verispec.paths import cpu_summary
 
 
@@ -53,6 +54,7 @@ class Ledger:
 
     def __init__(self, costs):
         self.costs, self.steps = costs, []  # the plan's (where a step's policy prices none); per step: sizes, prices, seconds
+        self.prefill = {"target": 0.0, "draft": 0.0}  # seconds of the requests' prefills, outside the steps
 
     @contextlib.contextmanager
     def installed(self):
@@ -86,7 +88,17 @@ class Ledger:
                 self.steps.append({**step, "step": time.perf_counter() - start})
             return outcomes
 
-        with (mock.patch.object(together, "draft_plans", timed_draft_plans),
+        prefill_step = Generation.prefill_step
+
+        def timed_prefill_step(generation, *args, **kwargs):
+            part = "draft" if generation._session_opened else "target"  # the target's prompt first, then the draft's
+            start = time.perf_counter()
+            done = prefill_step(generation, *args, **kwargs)
+            self.prefill[part] += time.perf_counter() - start
+            return done
+
+        with (mock.patch.object(Generation, "prefill_step", timed_prefill_step),
+              mock.patch.object(together, "draft_plans", timed_draft_plans),
               mock.patch.object(together, "verify_together", timed_verify_together),
               mock.patch.object(together, "step_together", timed_step_together)):
             yield self
@@ -107,6 +119,7 @@ class Ledger:
         lines.append(f"    {len(self.steps)} steps {total['step']:.2f} s: drafting {total['draft']:.2f} s (predicted"
                      f" {total['predicted draft'] * one:.2f}), pass {total['pass']:.2f} s (predicted"
                      f" {total['predicted pass'] * one:.2f}), the rest {rest:.2f} s ({rest / len(self.steps) * 1e3:.1f} ms a step)")
+        lines.append(f"    prefills outside the steps: the target's {self.prefill['target']:.2f} s, the draft's {self.prefill['draft']:.2f} s")
         return "\n".join(lines)
 
 
