@@ -165,7 +165,7 @@ def require_own_runner(model: LoadedModel, what: str) -> None:
     (derived drafts, online distillation, TriForce, beam search) on another backend."""
     if not runs_own_runner(model):
         raise InvalidParameterError(
-            f"{what} needs verispec's own runner (precision float32, bfloat16 or int8 on a qwen2/llama model); "
+            f"{what} needs verispec's own runner (precision float32, bfloat16, float16, int8 or kquant on a qwen2/llama model); "
             f"{model.name} runs in {model.precision}"
         )
 
