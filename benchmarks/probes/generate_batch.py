@@ -48,7 +48,8 @@ def variant(name: str, max_new_tokens: int):
 class Ledger:
     """Each step taken together, timed in its parts (drafting, the shared pass, the rest) and priced as
     `control/batch.py` prices it: the pass at `CostModel.pass_cost(positions, rows, context)`, a drafted token at c
-    (0 where the step's class is free), in T(1). Installed by patching `engine/together.py`'s step functions."""
+    (0 where the step's class is free), in T(1); and the requests' prefills (the target's, then the draft model's).
+    Installed by patching `engine/together.py`'s step functions and `Generation.prefill_step`."""
 
     BUCKETS = (1, 9, 17, 25, 33, 49, 65)  # pass widths (positions) reported apart: a bucket from each to the next
 
