@@ -169,15 +169,13 @@ def monotone_curve(times: Sequence[float]) -> list[float]:
     A forward over more positions does no less work, so a measured dip (T(6) below T(4)) is noise; read as it is,
     it prices γ 5 below γ 3 and steers the γ policy into the dip. T(1), the best of many forwards, is kept as
     measured: the points after it are pooled, then held at least at T(1)."""
-    blocks: list[list[float]] = []  # [sum, count] of each pooled run of points
-    for t in times[1:]:
-        blocks.append([t, 1])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            total, count = blocks.pop()
-            blocks[-1][0] += total
-            blocks[-1][1] += count
-    fitted = [max(total / count, times[0]) for total, count in blocks for _ in range(int(count))]
-    return list(times[:1]) + fitted
+    blocks: list[tuple[float, int]] = []  # (sum, count) of each pooled run of points, their means ascending
+    for total, count in ((t, 1) for t in times[1:]):
+        while blocks and blocks[-1][0] / blocks[-1][1] > total / count:
+            earlier, n = blocks.pop()
+            total, count = total + earlier, count + n
+        blocks.append((total, count))
+    return list(times[:1]) + [max(total / count, times[0]) for total, count in blocks for _ in range(count)]
 
 
 def _cached_cost_ratio(target: LoadedModel, draft: LoadedModel) -> float:

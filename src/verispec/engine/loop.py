@@ -572,7 +572,7 @@ class Generation:
             hint = self.session.hint(self.ids)
             gamma = min(self.session.budget(self.ids, self.policy.next_gamma(hint), self.engine.max_gamma), remaining - 1)
         outlook = self.policy.outlook(gamma, hint)
-        outlook = replace(outlook, fixed=outlook.fixed or self.params.temperature > 0)
+        outlook = replace(outlook, fixed=outlook.fixed or not self.params.greedy)
         return Proposal(hint, outlook, time.perf_counter() - start)
 
     def plan(self, proposal: Proposal | None = None, gamma: int | None = None) -> StepPlan:
