@@ -70,7 +70,7 @@ def main() -> None:
     config = GenerationConfig(max_new_tokens=args.max_new_tokens)
     for engine in engines.values():  # untimed warm-up
         engine.generate("Say hello.", GenerationConfig(max_new_tokens=8))
-    totals = {vocab: {"tokens": 0, "seconds": 0.0, "proposed": 0, "accepted": 0, "steps": 0} for vocab in engines}
+    totals = {vocab: {"tokens": 0, "seconds": 0.0, "proposed": 0, "accepted": 0, "steps": 0, "priced": 0.0} for vocab in engines}
     same = 0
     for i, prompt in enumerate(prompts):
         order = list(engines)[i % len(engines):] + list(engines)[: i % len(engines)]
@@ -84,14 +84,19 @@ def main() -> None:
             total["proposed"] += result.stats.acceptance.proposed
             total["accepted"] += result.stats.acceptance.accepted
             total["steps"] += result.stats.steps
+            # the cost model's price of the steps as taken (in T(1)): tokens / its predicted speedup over plain
+            total["priced"] += len(result.token_ids) / engines[vocab].costs.speedup_of_steps(result.stats.records,
+                                                                                              result.stats.prompt_tokens)
             outputs.add(tuple(result.token_ids))
         same += len(outputs) == 1
-    whole = totals[next(iter(engines))]
+    first = totals[next(iter(engines))]
     for vocab, total in totals.items():
         rate = total["tokens"] / total["seconds"]
-        print(f"vocab={vocab or 'all'}: {rate:.2f} tok/s ({rate / (whole['tokens'] / whole['seconds']):.3f}× the first),"
-              f" τ {total['tokens'] / total['steps']:.2f}, α {total['accepted'] / max(total['proposed'], 1):.3f}"
-              f" ({total['accepted']} of {total['proposed']})", flush=True)
+        measured = rate / (first["tokens"] / first["seconds"])
+        predicted = (total["tokens"] / total["priced"]) / (first["tokens"] / first["priced"])
+        print(f"vocab={vocab or 'all'}: {rate:.2f} tok/s ({measured:.3f}× the first; predicted from its steps and c"
+              f" {predicted:.3f}×, measured / predicted {measured / predicted:.3f}), τ {total['tokens'] / total['steps']:.2f},"
+              f" α {total['accepted'] / max(total['proposed'], 1):.3f} ({total['accepted']} of {total['proposed']})", flush=True)
     print(f"{same}/{len(prompts)} prompts: every variant the same tokens", flush=True)
 
 
