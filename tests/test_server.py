@@ -9,6 +9,7 @@ the slot; a timeout is a 504; a generation that crashes fails alone. Schemathesi
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 
@@ -460,3 +461,25 @@ def test_loadtest_is_bounded_and_reports(server):
     for row in rows:
         assert row["requests"] == 6 and row["failures"] == 0 and row["garbled"] == 0 and row["tokens_per_second"] > 0
         assert row["p50_latency_s"] <= row["p99_latency_s"] and row["mean_accepted_length"] > 1
+    # public prompts, request i the i-th (cycling): each prompt's answers compared among themselves
+    row = asyncio.run(run_level(server.url, MODEL, 2, 4, {"max_tokens": 8, "temperature": 0}, prompts=[PROMPTS[3], PROMPTS[1]]))
+    assert row["failures"] == 0 and row["garbled"] == 0 and row["mean_accepted_length"] > 1
+
+
+def test_loadtest_measures_any_openai_server(monkeypatch):
+    """Another server (llama.cpp's) reports no `usage.steps`: no τ, and answers of one prompt that differ are garbled."""
+    import functools
+
+    from verispec.tools.bench import loadtest
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        prompt = json.loads(request.content)["messages"][0]["content"]
+        text = {"a": "one", "b": "two"}[prompt] + ("!" if json.loads(request.content)["seed"] == 3 else "")
+        return httpx.Response(200, json={"choices": [{"message": {"content": text}}],
+                                         "usage": {"prompt_tokens": 5, "completion_tokens": 4}})
+
+    monkeypatch.setattr(loadtest.httpx, "AsyncClient",
+                        functools.partial(httpx.AsyncClient, transport=httpx.MockTransport(answer)))
+    row = asyncio.run(loadtest.run_level("http://test", "m", 2, 6, {"max_tokens": 4, "temperature": 0}, chat=True, prompts=["a", "b"]))
+    assert row["failures"] == 0 and row["mean_accepted_length"] is None and row["tokens_per_second"] > 0
+    assert row["garbled"] == 1  # request 3 (prompt "b") differs from b's other two answers

@@ -8,8 +8,10 @@ long prompt holds up short requests.
 
 levels (default): for each client count, exactly `--requests` completions are sent (by that many
 concurrent clients) and the run stops by itself. Reports requests/s, generated tokens/s, p50/p99
-latency, and τ. Under greedy decoding (the default) every response to the one prompt must be the same
-text, batched or not: `garbled` counts the responses that differ from the most common one.
+latency, and τ. Under greedy decoding (the default) every response to one prompt must be the same
+text, batched or not: `garbled` counts the responses that differ from the most common one of their prompt.
+`--questions` sends public prompts (request i the i-th, cycling) instead of `--prompt`; any OpenAI-compatible
+server can be measured this way (`benchmarks/probes/against_llama_server.py`: llama.cpp's own server).
 
 soak: `--clients` clients send requests for `--minutes`, each cycling through a mix of short
 completions, long ones (a prompt of about `--long-tokens` tokens), streams abandoned after a few
@@ -39,6 +41,7 @@ import json
 import statistics
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -60,46 +63,54 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def run_level(url: str, model: str, clients: int, requests: int, body: dict, chat: bool = False) -> dict:
+async def run_level(url: str, model: str, clients: int, requests: int, body: dict, chat: bool = False,
+                    prompts: Sequence[str] | None = None) -> dict:
     """Send `requests` completions with `clients` concurrent workers; return the level's summary.
 
-    chat: send body["prompt"] as one user message to /v1/chat/completions (the model's chat template)."""
-    if chat:
-        body = {key: value for key, value in body.items() if key != "prompt"} | {"messages": [{"role": "user", "content": body["prompt"]}]}
+    chat: send each prompt as one user message to /v1/chat/completions (the model's chat template). prompts:
+    request i sends prompts[i % len(prompts)] (default: body["prompt"] each time). Any OpenAI-compatible server
+    answers: τ (`usage.steps`, verispec's own) is None where the server reports no steps."""
+    prompts = list(prompts) if prompts else [body["prompt"]]
     endpoint = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {key: value for key, value in body.items() if key != "prompt"}
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(requests):
         queue.put_nowait(i)
-    latencies, tokens, steps, failures, texts = [], 0, 0, 0, []
+    latencies, tokens, steps, failures, prompt_tokens = [], 0, 0, 0, 0
+    texts: dict[int, list[str]] = {}  # per prompt, its answers' texts
 
     async def worker(http: httpx.AsyncClient) -> None:
-        nonlocal tokens, steps, failures
+        nonlocal tokens, steps, failures, prompt_tokens
         while not queue.empty():
             i = queue.get_nowait()
+            prompt = prompts[i % len(prompts)]
+            words = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
             started = time.perf_counter()
-            response = await http.post(endpoint, json={**body, "model": model, "seed": i})
+            response = await http.post(endpoint, json={**body, **words, "model": model, "seed": i})
             latencies.append(time.perf_counter() - started)
             if response.status_code != 200:
                 failures += 1
                 continue
             answer = response.json()
             choice = answer["choices"][0]
-            texts.append(choice["message"]["content"] if chat else choice["text"])
+            texts.setdefault(i % len(prompts), []).append(choice["message"]["content"] if chat else choice["text"])
             usage = answer["usage"]
-            tokens += usage["completion_tokens"]
-            steps += usage["steps"]
+            tokens, prompt_tokens = tokens + usage["completion_tokens"], prompt_tokens + usage["prompt_tokens"]
+            steps = None if steps is None or "steps" not in usage else steps + usage["steps"]
 
     started = time.perf_counter()
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
         await asyncio.gather(*(worker(http) for _ in range(clients)))
     seconds = time.perf_counter() - started
-    garbled = len(texts) - max(texts.count(t) for t in set(texts)) if texts and body.get("temperature", 0) == 0 else 0
+    # greedy: each prompt's answers are one text, batched or not
+    garbled = sum(len(group) - max(group.count(t) for t in set(group)) for group in texts.values()) if body.get("temperature", 0) == 0 else 0
     return {
         "clients": clients, "requests": requests, "failures": failures, "garbled": garbled, "seconds": round(seconds, 3),
         "requests_per_second": round(requests / seconds, 3), "tokens_per_second": round(tokens / seconds, 2),
         "p50_latency_s": round(percentile(latencies, 0.5), 3), "p99_latency_s": round(percentile(latencies, 0.99), 3),
         "mean_latency_s": round(statistics.mean(latencies), 3),
-        "mean_accepted_length": round(tokens / steps, 3) if steps else 0.0,
+        "mean_accepted_length": round(tokens / steps, 3) if steps else None,
+        "mean_prompt_tokens": round(prompt_tokens / (requests - failures), 1) if requests > failures else None,
     }
 
 
@@ -314,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--chat", action="store_true", help="levels: send the prompt as a user message to /v1/chat/completions")
+    parser.add_argument("--questions", default=None,
+                        help="levels: public prompts instead of --prompt, request i the i-th (cycling): sources as for "
+                             "`verispec bench` (own, humaneval, JSONL files)")
+    parser.add_argument("--per-category", type=int, default=1, help="levels, with --questions: prompts per category")
     parser.add_argument("--json", action="store_true", help="JSON objects instead of a table")
     args = parser.parse_args(argv)
     from verispec.paths import cpu_summary
@@ -339,13 +354,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.json:
         print(f"{'clients':>7} {'req/s':>8} {'tok/s':>8} {'p50 s':>8} {'p99 s':>8} {'τ':>6} {'failed':>6} {'garbled':>7}")
+    prompts = None
+    if args.questions:
+        from verispec.tools.bench.questions import load_sources, select
+        prompts = [p.text for p in select(load_sources(args.questions), None, args.per_category)]
     for clients in (int(c) for c in args.clients.split(",")):
-        row = asyncio.run(run_level(args.url, model, clients, args.requests, body, args.chat))
+        row = asyncio.run(run_level(args.url, model, clients, args.requests, body, args.chat, prompts))
+        tau = f"{row['mean_accepted_length']:.2f}" if row["mean_accepted_length"] else "–"  # another server reports no steps
         if args.json:
             print(json.dumps(row))
         else:
             print(f"{row['clients']:>7} {row['requests_per_second']:>8.2f} {row['tokens_per_second']:>8.1f} "
-                  f"{row['p50_latency_s']:>8.3f} {row['p99_latency_s']:>8.3f} {row['mean_accepted_length']:>6.2f} {row['failures']:>6} {row['garbled']:>7}")
+                  f"{row['p50_latency_s']:>8.3f} {row['p99_latency_s']:>8.3f} {tau:>6} {row['failures']:>6} {row['garbled']:>7}")
     return 0
 
 
