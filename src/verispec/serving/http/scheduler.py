@@ -70,6 +70,7 @@ from verispec.engine import Engine, Generation, GenerationConfig, StepPlan
 from verispec.engine.together import draft_plans, verify_together
 from verispec.errors import PromptError, VerispecError
 from verispec.models.prefixes import MIN_REUSE, shared_length
+from verispec.models.openmp import release_thread_pool
 from verispec.models.runner import Cache
 from verispec.serving.http.limits import ServerLimits
 from verispec.serving.http.metrics import Metrics
@@ -290,6 +291,9 @@ class Scheduler:
         return self._thread is not None and self._thread.is_alive()
 
     def start(self) -> None:
+        """Start the worker thread; the calling thread (the one that loaded the models) lets its OpenMP pool go,
+        which would otherwise slow every step of the worker's (`models/openmp.py`)."""
+        release_thread_pool()
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="verispec-scheduler", daemon=True)
         self._thread.start()

@@ -1,0 +1,39 @@
+"""OpenMP's thread pools: a thread that hands the models to another lets its pool go.
+
+torch's kernels and verispec's own (`at::parallel_for`) run on OpenMP, and libgomp (GCC's runtime, torch's on Linux)
+keeps a pool of worker threads for every thread that has started parallel work. While a process's pools hold more
+threads than it has CPUs, libgomp stops letting idle workers spin (a throttled spin count of 100): every parallel
+region then wakes its workers through the kernel. So a thread that loaded the models and measured their costs, its
+pool alive, slows the one thread that decodes: on a 2-core CPU the server's scheduler stepped 1.4× slower (a draft
+model's many short regions 2×) while the loading thread's pool lived (BENCHMARKS.md, "AMX").
+`release_thread_pool()` frees the calling thread's pool (`omp_pause_resource_all`, OpenMP 5.0): the server's
+scheduler calls it as it takes the engine over, and so does a thread that measured a drafter's costs for it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+__all__ = ["release_thread_pool"]
+
+OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: free the threads, keep what a later parallel region can start again from
+
+
+@functools.cache
+def _pause_resource_all():
+    """libgomp's `omp_pause_resource_all` where the process has loaded libgomp (torch's runtime), else None."""
+    try:
+        import torch  # noqa: F401 - the OpenMP runtime comes with torch
+        runtime = ctypes.CDLL("libgomp.so.1", mode=getattr(os, "RTLD_NOLOAD", 0))  # the loaded one, never another
+        return runtime.omp_pause_resource_all
+    except (OSError, AttributeError):  # no libgomp (LLVM's or Intel's runtime, macOS, Windows) or an old one
+        return None
+
+
+def release_thread_pool() -> bool:
+    """Free the calling thread's OpenMP worker threads (a later parallel region on this thread starts new ones).
+    False where there is nothing to call (another OpenMP runtime) or the runtime refused (inside a parallel region)."""
+    pause = _pause_resource_all()
+    return pause is not None and pause(OMP_PAUSE_SOFT) == 0
