@@ -27,6 +27,7 @@ _EXPORTS = {
     "IncompatibleModelsError": "verispec.errors",
     "InvalidParameterError": "verispec.errors",
     "PromptError": "verispec.errors",
+    "release_thread_pool": "verispec.models.openmp",
 }
 
 __all__ = list(_EXPORTS)
