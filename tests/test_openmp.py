@@ -1,16 +1,19 @@
 """A thread that hands the models over lets its OpenMP pool go (`models/openmp.py`): its worker threads end, and
-the server's scheduler does it as it starts, for the thread that loaded the engine; so does the thread that
-prepares a request's own drafter."""
+the server's scheduler does it as it starts, for the thread that loaded the engine, and for its own thread each time
+it falls idle; so does the thread that prepares a request's own drafter."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 from server_helpers import tiny_engine
 
+from verispec.engine import GenerationConfig
 from verispec.models.openmp import release_thread_pool
 
 POOL = textwrap.dedent("""
@@ -54,7 +57,7 @@ def test_releasing_without_a_pool_is_harmless():
     assert release_thread_pool() in (True, False)
 
 
-def test_the_scheduler_takes_over_from_the_loading_thread(tiny_target, monkeypatch):
+def test_the_scheduler_takes_over_from_the_loading_thread_and_lets_its_own_pool_go_when_idle(tiny_target, monkeypatch):
     from verispec.serving.http import scheduler as scheduler_module
 
     released = []
@@ -64,6 +67,15 @@ def test_the_scheduler_takes_over_from_the_loading_thread(tiny_target, monkeypat
     scheduler.start()
     try:
         assert released == [True]
+        time.sleep(0.2)
+        assert released == [True]  # idle since it started: nothing to let go
+        scheduler.submit([20, 21, 22, 20], GenerationConfig(max_new_tokens=3), asyncio.new_event_loop())
+        deadline = time.monotonic() + 30
+        while len(released) < 2 and time.monotonic() < deadline:  # it works, then falls idle: its own pool goes
+            time.sleep(0.01)
+        assert released == [True, True] and scheduler.turns and not scheduler.active_count
+        time.sleep(0.2)
+        assert released == [True, True]  # once per fall, not every idle turn
     finally:
         scheduler.stop()
 
@@ -71,7 +83,6 @@ def test_the_scheduler_takes_over_from_the_loading_thread(tiny_target, monkeypat
 def test_a_request_drafter_is_prepared_on_a_thread_that_then_lets_its_pool_go(tiny_target, monkeypatch):
     import threading
 
-    from verispec.engine import GenerationConfig
     from verispec.serving.http import app as app_module
 
     engine, calls = tiny_engine(tiny_target), []

@@ -292,7 +292,8 @@ class Scheduler:
 
     def start(self) -> None:
         """Start the worker thread; the calling thread (the one that loaded the models) lets its OpenMP pool go,
-        which would otherwise slow every step of the worker's (`models/openmp.py`)."""
+        which would otherwise slow every step of the worker's (`models/openmp.py`), as the worker does its own
+        whenever it falls idle."""
         release_thread_pool()
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="verispec-scheduler", daemon=True)
@@ -343,6 +344,7 @@ class Scheduler:
 
     def _run(self) -> None:
         torch.set_grad_enabled(False)
+        pooled = False  # whether this thread's OpenMP pool may be alive: it has worked since it last let it go
         while not self._stop.is_set():
             self._last_turn = time.monotonic()
             try:
@@ -352,6 +354,10 @@ class Scheduler:
                 prefilled = self._prefill()
                 if prefilled or stepped:
                     self.turns.append(Turn(prefilled, stepped))
+                    pooled = True
+                elif pooled and not self._active:  # idle: its pool would slow whichever thread works next
+                    release_thread_pool()
+                    pooled = False
             except Exception as error:  # noqa: BLE001 — a bug outside any one request: fail the batch, keep serving
                 for job in list(self._active):
                     self._fail(job, error, "error")
