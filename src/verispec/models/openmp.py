@@ -4,10 +4,10 @@ torch's kernels and verispec's own (`at::parallel_for`) run on OpenMP, and libgo
 keeps a pool of worker threads for every thread that has started parallel work. While a process's pools hold more
 threads than it has CPUs, libgomp stops letting idle workers spin (a throttled spin count of 100): every parallel
 region then wakes its workers through the kernel. So a thread that loaded the models and measured their costs, its
-pool alive, slows the one thread that decodes: on a 2-core CPU the server's scheduler stepped 1.4× slower (a draft
-model's many short regions 2×) while the loading thread's pool lived (BENCHMARKS.md, "AMX").
-`release_thread_pool()` frees the calling thread's pool (`omp_pause_resource_all`, OpenMP 5.0): the server's
-scheduler calls it as it takes the engine over, and so does a thread that measured a drafter's costs for it.
+pool alive, slows the one thread that decodes, and a draft model's many short regions most (BENCHMARKS.md, "AMX":
+serving against llama.cpp's server). `release_thread_pool()` frees the calling thread's pool (`omp_pause_resource_all`,
+OpenMP 5.0): the server's scheduler calls it for the thread that started it and for its own whenever it falls idle,
+and the server for the thread that measured a request's drafter.
 """
 
 from __future__ import annotations

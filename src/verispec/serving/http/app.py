@@ -51,8 +51,8 @@ from starlette.exceptions import HTTPException
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from verispec.engine import Engine, GenerationConfig
-from verispec.models.openmp import release_thread_pool
 from verispec.errors import PromptError, VerispecError
+from verispec.models.openmp import release_thread_pool
 from verispec.serving.request import chat_prompt_ids, check_request_drafter, request_config
 from verispec.serving.http.errors import describe_invalid, error_response
 from verispec.serving.http.formats import ChatFormat, CompletionFormat, Echo, merged_stats, sse

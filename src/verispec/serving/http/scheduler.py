@@ -69,8 +69,8 @@ from verispec.control.costs import prefill_seconds_per_token
 from verispec.engine import Engine, Generation, GenerationConfig, StepPlan
 from verispec.engine.together import draft_plans, verify_together
 from verispec.errors import PromptError, VerispecError
-from verispec.models.prefixes import MIN_REUSE, shared_length
 from verispec.models.openmp import release_thread_pool
+from verispec.models.prefixes import MIN_REUSE, shared_length
 from verispec.models.runner import Cache
 from verispec.serving.http.limits import ServerLimits
 from verispec.serving.http.metrics import Metrics
