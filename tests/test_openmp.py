@@ -92,3 +92,32 @@ def test_a_request_drafter_is_prepared_on_a_thread_that_then_lets_its_pool_go(ti
     thread.start()
     thread.join()
     assert [what for what, _ in calls] == ["prepared", "released"] and len({ident for _, ident in calls}) == 1
+
+
+def test_the_engine_leaves_no_pool_to_the_thread_that_called_it(tiny_target, monkeypatch):
+    """`generate`, `stream` (once it ends) and `generate_batch` each let the calling thread's pool go as they return,
+    and `load` as it returns: whichever thread generates next has the cores."""
+    import threading
+
+    from verispec.engine import build, loop
+
+    calls = []
+    record = lambda: calls.append(threading.get_ident()) or True  # noqa: E731
+    monkeypatch.setattr(loop, "release_thread_pool", record)
+    engine, config = tiny_engine(tiny_target), GenerationConfig(max_new_tokens=4)
+    engine.generate("t20 t21 t22", config)
+    assert calls == [threading.get_ident()]
+    events = engine.stream("t20 t21 t22", config)
+    next(events)
+    assert len(calls) == 1  # not while it streams
+    list(events)
+    assert len(calls) == 2
+    done = []
+    worker = threading.Thread(target=lambda: done.append(engine.generate_batch(["t20 t21", "t22 t20"], config, max_batch=2)))
+    worker.start()
+    worker.join()
+    assert len(done[0]) == 2 and len(calls) == 3 and calls[-1] == worker.ident
+
+    monkeypatch.setattr(build, "release_thread_pool", record)
+    build.load(str(tiny_target), draft="none", dtype="float32")
+    assert len(calls) == 4

@@ -23,6 +23,7 @@ from verispec.models.device import resolve_device
 from verispec.models.kernels import build_key
 from verispec.models.linear import VERIFY_ROWS
 from verispec.models.loading import ModelCache, parse_precision, runs_own_runner
+from verispec.models.openmp import release_thread_pool
 from verispec.models.registry import (SHIPPED_MODELS, default_draft_for, gguf_file, gguf_tokenizer_folder,
                                       hybrid_draft_for, hybrid_draft_vocab, least_cost_ratio)
 from verispec.models.runner import LoadedModel
@@ -290,4 +291,5 @@ def load(
     else:
         engine = builder.engine(draft, gamma, gamma_policy or "analytic")
     builder.freeze()
+    release_thread_pool()  # loading and measuring leave this thread no OpenMP workers: the engine may run elsewhere
     return engine

@@ -62,6 +62,7 @@ from verispec.engine.device_steps import DeviceSteps
 from verispec.engine.shapes import Chain, shape_of
 from verispec.errors import InvalidParameterError, VerispecError
 from verispec.models.loading import ModelCache
+from verispec.models.openmp import release_thread_pool
 from verispec.models.prefixes import prefix_store_for
 from verispec.models.runner import Cache, LoadedModel
 from verispec.sampling.grammar import Constraint, check_response_format
@@ -284,15 +285,20 @@ class Engine:
                 yield from generation.step()
         finally:
             generation.close()
+            release_thread_pool()  # no OpenMP workers left to this thread: whichever thread works next has the cores
 
     def generate(self, prompt: str | Sequence[int], config: GenerationConfig | None = None) -> GenerationResult:
         """Generate to the end (EOS, a stop string, `max_new_tokens` or a full context) and return the
         `GenerationResult`: text, token ids, finish reason ("stop" or "length") and statistics.
-        Arguments and errors as `start`."""
+        Arguments and errors as `start`. The calling thread keeps no OpenMP workers after it (`models/openmp.py`),
+        so that another thread may generate next at full speed."""
         generation = self.start(prompt, config)
-        while not generation.done:
-            generation.step()
-        return generation.result()
+        try:
+            while not generation.done:
+                generation.step()
+            return generation.result()
+        finally:
+            release_thread_pool()
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int]],
                        config: GenerationConfig | Sequence[GenerationConfig] | None = None,
@@ -323,7 +329,10 @@ class Engine:
         for c in configs:
             self.prepare(c.drafter, c.gamma_policy)
         prompt_ids = [self.prompt_ids(prompt, c.chat, c.suffix) for prompt, c in zip(prompts, configs)]
-        return generate_together(self, prompt_ids, configs, max_batch, on_result)
+        try:
+            return generate_together(self, prompt_ids, configs, max_batch, on_result)
+        finally:
+            release_thread_pool()  # as `generate`
 
 
 @dataclass
