@@ -1,6 +1,6 @@
 """A thread that hands the models over lets its OpenMP pool go (`models/openmp.py`): its worker threads end, and
 the server's scheduler does it as it starts, for the thread that loaded the engine, and for its own thread each time
-it falls idle; so does the thread that prepares a request's own drafter."""
+it falls idle; `load`, `prepare`, `generate`, `stream` and `generate_batch` do it for the thread that called them."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import pytest
 from server_helpers import tiny_engine
 
 from verispec.engine import GenerationConfig
-from verispec.models.openmp import release_thread_pool
 
 POOL = textwrap.dedent("""
     import os, threading, time, torch
@@ -26,6 +25,8 @@ POOL = textwrap.dedent("""
 
     def work():
         seen["before"] = tasks()
+        seen["released without a pool"] = release_thread_pool()  # nothing to free: no error, no thread gone
+        seen["before, released"] = tasks()
         (x * 2).sum()  # a parallel region of two threads: this thread's pool starts a worker
         seen["with its pool"] = tasks()
         seen["released"] = release_thread_pool()
@@ -47,14 +48,9 @@ def test_a_thread_lets_its_openmp_pool_go():
     seen = eval(out)  # noqa: S307 - the dict our own child printed
     if not seen["libgomp"]:
         pytest.skip("torch runs on another OpenMP runtime than libgomp here")
-    assert seen["released"]
+    assert seen["released"] and seen["released without a pool"] and seen["before, released"] == seen["before"]
     assert seen["with its pool"] == seen["before"] + 1  # one worker beside the thread itself
     assert seen["after"] == seen["before"]
-
-
-def test_releasing_without_a_pool_is_harmless():
-    assert release_thread_pool() in (True, False)  # this thread may have no pool: nothing to free, no error
-    assert release_thread_pool() in (True, False)
 
 
 def test_the_scheduler_takes_over_from_the_loading_thread_and_lets_its_own_pool_go_when_idle(tiny_target, monkeypatch):
@@ -80,18 +76,20 @@ def test_the_scheduler_takes_over_from_the_loading_thread_and_lets_its_own_pool_
         scheduler.stop()
 
 
-def test_a_request_drafter_is_prepared_on_a_thread_that_then_lets_its_pool_go(tiny_target, monkeypatch):
+def test_preparing_a_drafter_lets_the_preparing_threads_pool_go_once_it_built_something(tiny_target, monkeypatch):
+    """The server prepares a request's own drafter on a thread of asyncio's: that thread's pool goes after the build and
+    the measurements, on that thread; a drafter already prepared is a lookup, with nothing to let go."""
     import threading
 
-    from verispec.serving.http import app as app_module
+    from verispec.engine import loop
 
     engine, calls = tiny_engine(tiny_target), []
-    monkeypatch.setattr(app_module, "release_thread_pool", lambda: calls.append(("released", threading.get_ident())) or True)
-    monkeypatch.setattr(engine, "prepare", lambda *args: calls.append(("prepared", threading.get_ident())))
-    thread = threading.Thread(target=app_module._prepare, args=(engine, GenerationConfig(drafter="ngram")))
+    monkeypatch.setattr(loop, "release_thread_pool", lambda: calls.append(threading.get_ident()) or True)
+    thread = threading.Thread(target=engine.prepare, args=("ngram:max_n=2",))
     thread.start()
     thread.join()
-    assert [what for what, _ in calls] == ["prepared", "released"] and len({ident for _, ident in calls}) == 1
+    assert calls == [thread.ident]
+    assert engine.prepare("ngram:max_n=2") is not None and calls == [thread.ident]
 
 
 def test_the_engine_leaves_no_pool_to_the_thread_that_called_it(tiny_target, monkeypatch):
@@ -103,8 +101,9 @@ def test_the_engine_leaves_no_pool_to_the_thread_that_called_it(tiny_target, mon
 
     calls = []
     record = lambda: calls.append(threading.get_ident()) or True  # noqa: E731
-    monkeypatch.setattr(loop, "release_thread_pool", record)
     engine, config = tiny_engine(tiny_target), GenerationConfig(max_new_tokens=4)
+    engine.prepare()  # (its own release: the test above)
+    monkeypatch.setattr(loop, "release_thread_pool", record)
     engine.generate("t20 t21 t22", config)
     assert calls == [threading.get_ident()]
     events = engine.stream("t20 t21 t22", config)

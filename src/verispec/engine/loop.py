@@ -198,7 +198,8 @@ class Engine:
         (the target's T(n), the draft model's cost: measured once per CPU kind, then cached), with a
         progress display, so that a request over it only reads; returns that drafter. `start()`
         prepares its request; a server prepares the engine at start and each request's drafter on a
-        worker thread before queueing it, never on the thread that steps every request. Raises what
+        worker thread before queueing it, never on the thread that steps every request. Where it built
+        something, the calling thread keeps no OpenMP workers after it (`models/openmp.py`). Raises what
         `drafter_for` raises."""
         spec = None if drafter is None or drafter.strip() == self.drafter_spec else drafter.strip()
         key = (spec, gamma_policy or self.gamma_policy)
@@ -212,6 +213,7 @@ class Engine:
                 if len(self._prepared) > self.MAX_EXTRA_DRAFTERS:  # the oldest request's drafter first
                     self._prepared.pop(next((k for k in self._prepared if k[0] is not None), None), None)
                 self._prepared[key] = built
+                release_thread_pool()  # what building and measuring ran leaves this thread no OpenMP workers
             return self._prepared[key]
 
     def costs_for(self, drafter: Drafter | None, gamma_policy: str, long: bool = True) -> CostModel:

@@ -6,9 +6,9 @@ threads than it has CPUs, libgomp stops letting idle workers spin (a throttled s
 region then wakes its workers through the kernel. So a thread that loaded the models and measured their costs, its
 pool alive, slows the one thread that decodes, and a draft model's many short regions most (BENCHMARKS.md, "AMX":
 serving against llama.cpp's server). `release_thread_pool()` frees the calling thread's pool (`omp_pause_resource_all`,
-OpenMP 5.0): `load` and the engine's `generate`, `stream` and `generate_batch` call it as they return, the server's
-scheduler for the thread that started it and for its own whenever it falls idle, and the server for the thread that
-measured a request's drafter.
+OpenMP 5.0): `load` and the engine's `prepare` (where it built something), `generate`, `stream` and `generate_batch`
+call it as they return, and the server's scheduler for the thread that started it and for its own whenever it falls
+idle.
 """
 
 from __future__ import annotations

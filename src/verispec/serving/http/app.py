@@ -50,9 +50,8 @@ from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from verispec.engine import Engine, GenerationConfig
+from verispec.engine import Engine
 from verispec.errors import PromptError, VerispecError
-from verispec.models.openmp import release_thread_pool
 from verispec.serving.request import chat_prompt_ids, check_request_drafter, request_config
 from verispec.serving.http.errors import describe_invalid, error_response
 from verispec.serving.http.formats import ChatFormat, CompletionFormat, Echo, merged_stats, sse
@@ -150,15 +149,6 @@ async def _next(job: Job, request: Request) -> JobUpdate:
             if await request.is_disconnected():
                 job.cancel()
                 raise ClientDisconnected from None
-
-
-def _prepare(engine: Engine, config: GenerationConfig) -> None:
-    """`engine.prepare` for a request's drafter, on a thread of asyncio's that then lets the OpenMP pool its
-    measurements started go: left alive it would slow every step of the scheduler's (`models/openmp.py`)."""
-    try:
-        engine.prepare(config.drafter, config.gamma_policy)
-    finally:
-        release_thread_pool()
 
 
 def _tokenizer(request: Request):
@@ -273,7 +263,7 @@ def create_app(
                 config = request_config(body, default_max_tokens, limits.max_tokens_limit)
                 fmt.with_logprobs = config.logprobs is not None
                 # a drafter of the request's own is built (and its costs measured) here, not on the scheduler's thread
-                await asyncio.to_thread(_prepare, scheduler.engine, config)
+                await asyncio.to_thread(scheduler.engine.prepare, config.drafter, config.gamma_policy)
                 prompts = await asyncio.get_running_loop().run_in_executor(tokenizer_thread, encode, scheduler.engine)
                 if request.app.state.stopping.is_set():  # checked with no await before submit: a stopped scheduler admits none
                     raise ServerStoppingError()
