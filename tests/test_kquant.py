@@ -28,6 +28,7 @@ from verispec.drafters import DraftModelDrafter, ExpansionDrafter, NgramDrafter,
 from verispec.drafters.hybrid import HybridDrafter
 from verispec.errors import InvalidParameterError, ModelNotFoundError
 from verispec.engine.build import auto_backends
+from verispec.engine.together import mixes_prompts
 from verispec.models.kquant import KQUANT_TYPES, KQuantLinear, KQuantWeight, kquant_kernels, kquant_suits
 from verispec.models.gguf_weights import kquant_requantizes, kquant_runs
 from verispec.models.loading import load_model, parse_precision
@@ -369,6 +370,39 @@ def test_forward_rows_equal_single_position_decoding(tiny):
     cache.truncate(len(PROMPTS[1]))
     batched = runner.forward_ragged([cache, other], [feed, torch.tensor(PROMPTS[0])])  # a server batch
     assert torch.equal(batched[0], together)
+
+
+def test_a_prompt_chunk_among_verification_rows_is_computed_as_alone(tiny):
+    """What lets a server's prompt chunk ride in the decoding requests' pass (`engine/together.mixes_prompts`): with
+    per-row logits (a 40-token chunk wanting its last, another none, two verifications all), each row's logits and
+    keys/values are the bits it gets in a pass of its own, and the head scores only what was asked for."""
+    runner = tiny[0].runner
+    assert mixes_prompts(runner) and not mixes_prompts(tiny[1].runner)  # the float32 twin promises neither
+    g = torch.Generator().manual_seed(5)
+    prefixes = [torch.randint(2, 48, (n,), generator=g) for n in (9, 0, 30, 3)]
+    feeds = [torch.randint(2, 48, (n,), generator=g) for n in (4, 40, 1, 17)]
+    modes = ["all", "last", "all", "none"]
+
+    def cached(i):
+        cache = runner.new_cache(128)
+        if len(prefixes[i]):
+            runner.forward(cache, prefixes[i], logits="none")
+        return cache
+
+    alone = []
+    for i, mode in enumerate(modes):
+        cache = cached(i)
+        alone.append((runner.forward(cache, feeds[i], logits=mode), cache))
+    for order in ([0, 1, 2, 3], [3, 2, 1, 0], [1, 2]):
+        caches = [cached(i) for i in order]
+        got = runner.forward_ragged(caches, [feeds[i] for i in order], logits=[modes[i] for i in order])
+        for i, logits, cache in zip(order, got, caches):
+            want, want_cache = alone[i]
+            assert (logits is None) == (modes[i] == "none") and (want is None or torch.equal(logits, want)), (i, order)
+            assert torch.equal(cache.keys[:, :, : cache.length], want_cache.keys[:, :, : want_cache.length])
+            assert torch.equal(cache.values[:, :, : cache.length], want_cache.values[:, :, : want_cache.length])
+    with pytest.raises(ValueError, match="once or once per row"):
+        runner.forward_ragged([cached(0), cached(2)], [feeds[0], feeds[2]], logits=["all"])
 
 
 @pytest.mark.parametrize("piece", [None, 32])
@@ -857,6 +891,7 @@ def test_a_quiet_server_prefills_in_larger_chunks_and_answers_the_same(tiny, mon
     import verispec.serving.http.scheduler as scheduling
 
     monkeypatch.setattr(scheduling, "prefill_seconds_per_token", lambda model, chunk: 0.15 / 16)
+    monkeypatch.setattr(scheduling, "riding_seconds", lambda model, chunk: chunk * 0.15 / 16)  # alone or riding alike
     model = LoadedModel("kq", tiny[0].folder, tiny[0].runner, tiny[0].tokenizer, frozenset())  # no eos: full lengths
     long, short = [3 + (i * 5) % 44 for i in range(100)], [7, 8, 9]
     engine = Engine(model, None)
@@ -875,6 +910,31 @@ def test_a_quiet_server_prefills_in_larger_chunks_and_answers_the_same(tiny, mon
             assert answers == [alone, alone]
     finally:
         engine.prefixes.file.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("drafter", ["plain", "ngram", "hybrid"])
+def test_a_prompt_chunk_rides_in_the_decoding_requests_pass_and_changes_no_answer(tiny, tiny_draft48, drafter):
+    """On kquant a busy server feeds a prompt's chunks in the pass that verifies the decoding requests (`Turn.mixed`):
+    a 100-token prompt beside two short ones already decoding, greedy and seeded sampled, every answer equal to a
+    fresh engine's alone; the chunk with the prompt's last token gives the first token in that pass (a draft's own
+    prefill, `hybrid`'s, goes in a pass of its own)."""
+    model = LoadedModel("kq", tiny[0].folder, tiny[0].runner, tiny[0].tokenizer, frozenset())  # no eos: full lengths
+    long = [3 + (i * 5) % 44 for i in range(100)]
+    prompts = [[7, 8, 9], [20, 21, 22, 20], long]
+    drafters = {"plain": lambda: None, "ngram": lambda: NgramDrafter(max_n=3),
+                "hybrid": lambda: HybridDrafter(DraftModelDrafter(tiny_draft48, model.vocab_size), window=8)}
+    for config in (GenerationConfig(max_new_tokens=30), GenerationConfig(max_new_tokens=30, seed=3,
+                                                                         sampling=SamplingParams(temperature=1.0))):
+        alone = [Engine(model, drafters[drafter](), gamma=3, gamma_policy="constant").generate(p, config).token_ids
+                 for p in prompts]
+        engine = Engine(model, drafters[drafter](), gamma=3, gamma_policy="constant")
+        engine.prefixes = None  # each prompt fed whole, never taken from the store
+        scheduler, jobs, answers = _served_together(engine, prompts, config, prefill_chunk=16)
+        rides = [(turn.prefilled[jobs[2].id], turn.mixed, len(turn.stepped)) for turn in scheduler.turns
+                 if jobs[2].id in turn.prefilled]
+        assert [ride for ride in rides if ride[0]] == [(16, True, 2)] * 6 + [(4, True, 2)], rides
+        assert all(not mixed for fed, mixed, _ in rides if not fed)  # a draft's own prefill: a pass of its own
+        assert answers == alone
 
 
 def test_a_prompt_prefilled_meanwhile_is_reused_by_a_request_admitted_before(tiny):

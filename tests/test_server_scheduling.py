@@ -205,6 +205,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_short_requests_steps(t
     assert sum(turn.prefilled[long_id] for turn in fed) == positions
     assert len(fed) >= positions // 8 and all(turn.prefilled[long_id] <= 8 for turn in fed)
     assert all(short_id in turn.stepped for turn in fed), "the short request waited for the long prefill"
+    assert not any(turn.mixed for turn in turns)  # float32 promises no row its bits whatever the pass: a pass of its own
     assert text == expected_text(tiny_engine(tiny_target), LONG, 4)
 
     turns, long_id, short_id, _ = _interleaving(tiny_target, 0)
@@ -247,6 +248,27 @@ def test_the_default_prefill_chunk_is_what_fits_the_time_budget(tiny_target, mon
     # float32 is not prefix-invariant (its batched prefill rounds a chunk as it is cut): no larger chunk when idle
     assert not engine.target.runner.prefix_invariant and scheduler.prefill_chunks(engine, None) == (chunk, chunk)
     assert scheduler.prefill_chunks(engine, 24) == (24, 24) and scheduler.prefill_chunks(engine, 0) == (0, 0)
+
+
+@pytest.mark.parametrize("riding", [False, True])
+def test_a_chunk_that_rides_is_sized_by_what_it_adds_to_the_pass(tiny_target, monkeypatch, riding):
+    """Where a chunk rides in the decoding requests' pass, the budget holds what it adds there (`riding_seconds`),
+    not what it costs in a pass of its own: here 64 tokens add 0.12 s riding but take 0.16 s alone."""
+    import verispec.serving.http.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "prefill_seconds_per_token", lambda model, chunk: 0.0025)
+    monkeypatch.setattr(scheduler, "riding_seconds", lambda model, chunk: chunk * 0.0025 - 0.04)
+    assert scheduler.auto_prefill_chunk(tiny_engine(tiny_target), riding=riding) == (64 if riding else 32)
+
+
+def test_what_a_riding_chunk_adds_is_measured_once_and_kept(tiny_target):
+    """`riding_seconds`: the pass of one decoding row with the chunk less the pass without it, timed once (cached per
+    model and CPU, so a server sizes its chunks the same at every start)."""
+    from verispec.control.costs import riding_seconds
+
+    target = tiny_engine(tiny_target).target
+    first = riding_seconds(target, 32)
+    assert first > 0 and riding_seconds(target, 32) == first
 
 
 def test_a_server_measures_its_prefill_chunk_once_and_keeps_it(tiny_target):
@@ -343,8 +365,8 @@ def test_a_request_whose_first_token_ends_it_finishes_at_once(tiny_target, draft
     scheduler._admit()
     stepped = []
     for _ in range(6):  # prompt chunks, the draft's own prefill, and spare turns
-        stepped += scheduler._step()
-        scheduler._prefill()
+        if (turn := scheduler._turn()) is not None:
+            stepped += turn.stepped
     assert scheduler.active_count == 0 and scheduler.reserved_tokens == 0 and stepped == []  # ended by its prefill
     assert loop.run_until_complete(asyncio.wait_for(token_ids([job]), 5)) == [[]]
     loop.close()

@@ -33,7 +33,8 @@ from verispec.progress import status
 from verispec.types import StepRecord
 
 __all__ = ["BATCH_ROWS", "BATCH_WIDTHS", "CostModel", "LONG_CONTEXT", "SHORT_CONTEXT", "interleaved_token_seconds",
-           "measure_batch_costs", "measure_verify_curve", "monotone_curve", "prefill_seconds_per_token"]
+           "measure_batch_costs", "measure_riding", "measure_verify_curve", "monotone_curve", "prefill_seconds_per_token",
+           "riding_seconds"]
 
 COSTS_TABLE = "verify_costs.json"  # measured seconds, per runner key (`_runner_key`), in the cache directory
 SHORT_CONTEXT, LONG_CONTEXT = 64, 1024  # cached tokens before the two measured verification curves
@@ -203,6 +204,32 @@ def prefill_seconds_per_token(model: LoadedModel, chunk: int = 64) -> float:
     """The target's prefill time per prompt token in chunks of `chunk`, from the cache or measured now."""
     key = f"prefill{chunk}|{_runner_key(model.runner, str(model.folder))}"
     return _cached(key, 1, lambda: [measure_prefill(model.runner, chunk) / chunk], "prefill speed")[0]
+
+
+def measure_riding(runner: Runner, chunk: int, repeats: int = 3) -> float:
+    """Seconds a prompt chunk of `chunk` tokens adds to a pass of one decoding row when it rides in it (the server's
+    `Turn.mixed`): the pass with the chunk less the pass without, both after `chunk` cached positions, in turns, the
+    fastest of `repeats` each."""
+    caches = [_context_cache(runner, chunk, chunk + 1) for _ in range(2)]
+    feeds = [torch.zeros(1, dtype=torch.long), torch.zeros(chunk, dtype=torch.long)]
+    best = [float("inf"), float("inf")]  # [the row alone, the row and the chunk]
+    for _ in range(repeats):
+        for rows in (1, 2):
+            start = time.perf_counter()
+            runner.forward_ragged(caches[:rows], feeds[:rows], logits=["all", "none"][:rows])
+            synchronize(runner.device)
+            best[rows - 1] = min(best[rows - 1], time.perf_counter() - start)
+            for cache in caches:
+                cache.truncate(chunk)
+    for cache in caches:
+        cache.release()
+    return max(best[1] - best[0], 0.0)
+
+
+def riding_seconds(model: LoadedModel, chunk: int) -> float:
+    """What a `chunk`-token prompt chunk adds to the pass it rides in (`measure_riding`), from the cache or measured now."""
+    key = f"riding{chunk}|{_runner_key(model.runner, str(model.folder))}"
+    return _cached(key, 1, lambda: [measure_riding(model.runner, chunk)], "what a prompt chunk adds to a step")[0]
 
 
 class CostModel:

@@ -70,7 +70,7 @@ from verispec.sampling.processors import MAX_TOP_LOGPROBS, SamplingParams, Score
 from verispec.tokentree import depths
 from verispec.types import Draft, GenerationResult, GenerationStats, Hint, Origin, StepRecord, TokenEvent, TokenLogprobs
 
-__all__ = ["Engine", "Generation", "GenerationConfig", "Proposal", "StepPlan", "MAX_STOP_TOKEN_IDS"]
+__all__ = ["Engine", "Generation", "GenerationConfig", "PromptChunk", "Proposal", "StepPlan", "MAX_STOP_TOKEN_IDS"]
 
 
 @dataclass(frozen=True)
@@ -357,6 +357,13 @@ class StepPlan:
         return self.shape.draft
 
 
+class PromptChunk(NamedTuple):
+    """A piece of a request's prompt for the target (`Generation.prompt_chunk`), to feed beside other requests' rows."""
+
+    tokens: torch.Tensor  # [n] prompt ids
+    logits: str  # "last" when it ends the prompt (its logits give the first new token), else "none"
+
+
 class Proposal(NamedTuple):
     """A request's next step before it drafts (`Generation.propose`): the session's class for it, its γ as the
     request's policy sizes it alone with what sizing it among others needs (`control/batch.py`), and the seconds
@@ -499,25 +506,52 @@ class Generation:
         if max_tokens is not None and max_tokens < 1:
             raise InvalidParameterError(f"a prefill chunk must hold at least 1 token, got {max_tokens}")
         start = time.perf_counter()
-        if not self._session_opened and self.cache.length == 0:
-            self._reuse_prefix(running)
-        done, end = self.cache.length, self.prompt_len
-        if max_tokens is not None:
-            end = min(end, done + max_tokens)
-        if not self._session_opened:
-            last = end == self.prompt_len
-            if self.prompt_logprobs is not None:
-                logits = self._score_prompt(done, end)
-            else:
-                logits = self.target.runner.forward(self.cache, torch.tensor(self.ids[done:end]), logits="last" if last else "none")
-            if last:  # [1, vocab]: the first token, a step without a draft (its forward is the prefill's)
-                self._open_session()
-                first = StepPlan(Chain(Draft.empty()), torch.tensor(self.ids[-1:]), 0.0)
-                self._held = self.commit(first, logits, 0.0)
-        else:
+        if self._session_opened:
             self.prefilled = self.session.prefill_step(max_tokens)
+        elif self.prompt_logprobs is not None:
+            done = self.cache.length
+            self._prompt_fed(self._score_prompt(done, self._chunk_end(done, max_tokens)))
+        else:
+            chunk = self.prompt_chunk(max_tokens, running)
+            self._prompt_fed(self.target.runner.forward(self.cache, chunk.tokens, logits=chunk.logits))
         self.stats.prefill_seconds += time.perf_counter() - start
         return self.prefilled or self.finish_reason is not None  # a first token that ends it leaves no draft to prefill
+
+    def prompt_chunk(self, max_tokens: int | None = None, running: Iterable[tuple[Sequence[int], Cache]] = ()) -> PromptChunk | None:
+        """The target's next piece of the prompt (at most `max_tokens` ids; None: the rest), for a pass this request
+        shares with others' verification rows (`engine/together.py`), the first piece after the longest cached prefix
+        (as `prefill_step`); None where the request's next prefill work is not that (its prompt's log-probabilities
+        to score, its drafter's own prefill, or none left). Feed `tokens` into `self.cache` with `logits`, then give
+        what came back to `prompt_chunk_fed`."""
+        if self._session_opened or self.finish_reason is not None or self.prompt_logprobs is not None:
+            return None
+        if max_tokens is not None and max_tokens < 1:
+            raise InvalidParameterError(f"a prefill chunk must hold at least 1 token, got {max_tokens}")
+        if self.cache.length == 0:
+            self._reuse_prefix(running)
+        done = self.cache.length
+        end = self._chunk_end(done, max_tokens)
+        return PromptChunk(torch.tensor(self.ids[done:end]), "last" if end == self.prompt_len else "none")
+
+    def prompt_chunk_fed(self, logits: torch.Tensor | None, seconds: float) -> bool:
+        """`prompt_chunk`'s tokens are in the cache, fed in a shared pass of `seconds` (counted as prefill): with the
+        prompt's last token, its `logits` [1, vocab] give the first new token. Returns what `prefill_step` does."""
+        self._prompt_fed(logits)
+        self.stats.prefill_seconds += seconds
+        return self.prefilled or self.finish_reason is not None
+
+    def _chunk_end(self, done: int, max_tokens: int | None) -> int:
+        return self.prompt_len if max_tokens is None else min(self.prompt_len, done + max_tokens)
+
+    def _prompt_fed(self, logits: torch.Tensor | None) -> None:
+        """After a piece of the prompt went in: once it holds the whole prompt, open the drafter's session and
+        take the first token from the last prompt position's `logits` [1, vocab] (a step without a draft, its
+        forward the prefill's)."""
+        if self.cache.length < self.prompt_len:
+            return
+        self._open_session()
+        first = StepPlan(Chain(Draft.empty()), torch.tensor(self.ids[-1:]), 0.0)
+        self._held = self.commit(first, logits, 0.0)
 
     def _reuse_prefix(self, running: Iterable[tuple[Sequence[int], Cache]]) -> None:
         """Start from the longest prefix of this prompt that the prompt cache or a running request's cache

@@ -7,7 +7,9 @@ together as one after the other. Each request's output is what it gets alone: ev
 computes a row the same whatever else the pass holds, drafts are batched only where that holds too
 (`drafters/batching.py`), and each request samples with its own generator. A greedy request may draft fewer tokens
 than alone where the shared pass's width costs the batch more than they gain (`control/batch.py`): its tokens are
-the same whatever its γ; a sampled request's γ never moves, since its draws depend on it.
+the same whatever its γ; a sampled request's γ never moves, since its draws depend on it. A pass is a list of
+`Row`s: the server adds a piece of another request's prompt to its decoding requests' verification rows where the
+runner keeps every row and every prompt cut exact (`mixes_prompts`).
 """
 
 from __future__ import annotations
@@ -17,16 +19,18 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from verispec.control.batch import size_together
 from verispec.drafters.batching import draft_together
-from verispec.engine.loop import Engine, Generation, GenerationConfig, Proposal, StepPlan
-from verispec.models.runner import Runner
+from verispec.engine.loop import Engine, Generation, GenerationConfig, PromptChunk, Proposal, StepPlan
+from verispec.models.runner import Cache, Runner
 from verispec.types import GenerationResult, TokenEvent
 
-__all__ = ["draft_plans", "generate_together", "step_together", "verify_together"]
+__all__ = ["Row", "draft_plans", "forward_rows", "generate_together", "mixes_prompts", "prompt_row", "step_together", "verification_row",
+           "verify_together"]
 
 
 def draft_plans(generations: list[Generation]) -> list[StepPlan | BaseException]:
@@ -73,20 +77,53 @@ def _failed(error: BaseException) -> StepPlan:
     raise error
 
 
-def verify_together(runner: Runner, generations: list[Generation], plans: list[StepPlan]) -> list[torch.Tensor | BaseException]:
-    """One target pass for every generation's plan: [n_i+1, vocab] logits each. If the pass fails, each row alone, so
-    that only the faulty request fails (a cache moves only when its forward succeeds)."""
-    caches = [g.cache for g in generations]
+class Row(NamedTuple):
+    """One request's part of a shared target pass: `feed` [n] after `cache`, scored as `logits` says."""
+
+    cache: Cache
+    feed: torch.Tensor  # [n]
+    positions: torch.Tensor | None = None  # [n] a token tree's (None: a chain)
+    tree_mask: torch.Tensor | None = None  # [n, n]
+    logits: str = "all"  # "all" | "last" | "none"
+
+
+def verification_row(generation: Generation, plan: StepPlan) -> Row:
+    """A step's verification: the last committed token and the draft, every position scored."""
+    return Row(generation.cache, plan.feed, plan.positions, plan.tree_mask)
+
+
+def prompt_row(generation: Generation, chunk: PromptChunk) -> Row:
+    """A piece of a prompt (`Generation.prompt_chunk`) riding in other requests' pass: at most its last position scored."""
+    return Row(generation.cache, chunk.tokens, logits=chunk.logits)
+
+
+def mixes_prompts(runner: Runner) -> bool:
+    """Whether a prompt chunk may share a pass with verification rows and leave every request's output as it is alone:
+    the runner computes each row whatever else the pass holds (`batch_invariant`) and a prompt's cache however it is cut
+    (`prefix_invariant`). On a memory-bound CPU the chunk then costs the pass little more than its arithmetic
+    (`benchmarks/probes/ragged_pass.py --prompt`)."""
+    return runner.batch_invariant and runner.prefix_invariant
+
+
+def forward_rows(runner: Runner, rows: list[Row]) -> list[torch.Tensor | None | BaseException]:
+    """ONE `forward_ragged` pass over every row: per row its logits ([n, vocab], [1, vocab] or None). If the pass fails,
+    each row alone, so that only the faulty request fails (a cache moves only when its forward succeeds)."""
     try:
-        return runner.forward_ragged(caches, [p.feed for p in plans], [p.positions for p in plans], [p.tree_mask for p in plans])
+        return runner.forward_ragged([r.cache for r in rows], [r.feed for r in rows], [r.positions for r in rows],
+                                     [r.tree_mask for r in rows], [r.logits for r in rows])
     except Exception:  # noqa: BLE001 - each alone below
-        rows: list[torch.Tensor | BaseException] = []
-        for cache, plan in zip(caches, plans):
+        out: list[torch.Tensor | None | BaseException] = []
+        for row in rows:
             try:
-                rows.append(runner.forward(cache, plan.feed, plan.positions, plan.tree_mask, logits="all"))
+                out.append(runner.forward(row.cache, row.feed, row.positions, row.tree_mask, logits=row.logits))
             except Exception as error:  # noqa: BLE001
-                rows.append(error)
-        return rows
+                out.append(error)
+        return out
+
+
+def verify_together(runner: Runner, generations: list[Generation], plans: list[StepPlan]) -> list[torch.Tensor | BaseException]:
+    """One target pass for every generation's plan: [n_i+1, vocab] logits each (`forward_rows`)."""
+    return forward_rows(runner, [verification_row(g, p) for g, p in zip(generations, plans)])
 
 
 def step_together(generations: list[Generation]) -> list[list[TokenEvent] | BaseException]:

@@ -25,12 +25,13 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from verispec.errors import InvalidParameterError, ModelNotFoundError, PromptError
-from verispec.models.runner import RunnerConfig, ragged_rows, tensor_bytes
+from verispec.models.runner import RunnerConfig, ragged_rows, row_logits, tensor_bytes
 
 __all__ = ["HFCache", "HFRunner"]
 
@@ -242,11 +243,13 @@ class HFRunner:
 
     def forward_ragged(self, caches: list[HFCache], feeds: list[torch.Tensor],
                        positions: list[torch.Tensor | None] | None = None,
-                       tree_masks: list[torch.Tensor | None] | None = None, logits: str = "all") -> list[torch.Tensor | None]:
-        """Several sequences' feeds, one forward each; per sequence the logits `forward` gives."""
+                       tree_masks: list[torch.Tensor | None] | None = None,
+                       logits: str | Sequence[str] = "all") -> list[torch.Tensor | None]:
+        """Several sequences' feeds, one forward each; per sequence the logits `forward` gives (`logits`: one mode,
+        or one per sequence)."""
         positions, tree_masks = ragged_rows(caches, feeds, positions, tree_masks)
-        return [self.forward(cache, feed, pos, mask, logits)
-                for cache, feed, pos, mask in zip(caches, feeds, positions, tree_masks)]
+        return [self.forward(cache, feed, pos, mask, mode)
+                for cache, feed, pos, mask, mode in zip(caches, feeds, positions, tree_masks, row_logits(logits, len(feeds)))]
 
     def _tree_masks(self, past: int, positions: torch.Tensor, tree_mask: torch.Tensor):
         """The additive masks [1, 1, n, past + n] of a token tree after `past` cached positions: node i

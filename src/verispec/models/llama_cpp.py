@@ -41,12 +41,13 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from verispec.errors import InvalidParameterError, PromptError, VerispecError
-from verispec.models.runner import RunnerConfig
+from verispec.models.runner import RunnerConfig, row_logits
 from verispec.paths import cpu_key, read_table, store_in_table
 from verispec.progress import status
 
@@ -505,32 +506,35 @@ class LlamaCppRunner:
 
     def forward_ragged(self, caches: list[LlamaCppCache], feeds: list[torch.Tensor],
                        positions: list[torch.Tensor | None] | None = None,
-                       tree_masks: list[torch.Tensor | None] | None = None, logits: str = "all") -> list[torch.Tensor | None]:
+                       tree_masks: list[torch.Tensor | None] | None = None,
+                       logits: str | Sequence[str] = "all") -> list[torch.Tensor | None]:
         """Several requests' feeds; per request the logits of its fed positions (as `forward` with the
-        same `logits`). Exact: a pass per request, in its own context; wide: as few `llama_decode`
+        same `logits`, one mode or one per request). Exact: a pass per request, in its own context; wide: as few `llama_decode`
         calls over the shared context as the batch size allows. No torch.inference_mode here: nothing
         records gradients, and entering the mode costs tens of µs a step once a decode has evicted the
         caches (as does every tensor operation: this path keeps to a few)."""
         positions = positions or [None] * len(caches)
         tree_masks = tree_masks or [None] * len(caches)
+        modes = row_logits(logits, len(caches))
         if self.exact and len(caches) > 1:  # one request per pass: its rows alone decide the kernels
-            return [self.forward_ragged([c], [f], [p], [m], logits)[0] for c, f, p, m in zip(caches, feeds, positions, tree_masks)]
+            return [self.forward_ragged([c], [f], [p], [m], mode)[0]
+                    for c, f, p, m, mode in zip(caches, feeds, positions, tree_masks, modes)]
         self._collect()
         rows: list[tuple[int, int, tuple[int, ...], bool]] = []  # (token, position, sequences, wants logits)
         spans = []  # per request: how many of its rows want logits
-        for cache, feed, pos, mask in zip(caches, feeds, positions, tree_masks):
+        for cache, feed, pos, mask, mode in zip(caches, feeds, positions, tree_masks, modes):
             n = int(feed.shape[0])
             cache.ensure(cache.length + n)
             seqs = cache.tree_sequences(mask) if mask is not None else [(cache.seq,)] * n
             pos_list = pos.tolist() if pos is not None else list(range(cache.length, cache.length + n))
-            wants = [logits == "all" or (logits == "last" and i == n - 1) for i in range(n)]
+            wants = [mode == "all" or (mode == "last" and i == n - 1) for i in range(n)]
             spans.append(sum(wants))
             rows.extend(zip(feed.tolist(), pos_list, seqs, wants))
             cache.length += n
         out = caches[0].context.decode(rows)  # [rows wanting logits, vocab]
         results, taken = [], 0
-        for count in spans:
-            results.append(out[taken : taken + count] if logits != "none" else None)
+        for count, mode in zip(spans, modes):
+            results.append(out[taken : taken + count] if mode != "none" else None)
             taken += count
         return results
 

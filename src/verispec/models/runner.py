@@ -10,7 +10,8 @@ is built (a token-tree drafter on a runner that scores chains only: `drafters/ba
 first step.
 
 `LoadedModel` bundles a runner with its tokenizer and stop ids (`models/loading.py` builds one);
-`ragged_rows` is the argument check the backends' `forward_ragged` share; `tensor_bytes` counts weights.
+`ragged_rows` and `row_logits` are the argument checks the backends' `forward_ragged` share; `tensor_bytes` counts
+weights.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from verispec.errors import InvalidParameterError, PromptError
 from verispec.models.cuda_graphs import GraphSteps
 from verispec.models.infill import infill_format
 
-__all__ = ["Cache", "LoadedModel", "Runner", "RunnerConfig", "ragged_rows", "tensor_bytes"]
+__all__ = ["Cache", "LoadedModel", "Runner", "RunnerConfig", "ragged_rows", "row_logits", "tensor_bytes"]
 
 
 @dataclass(frozen=True)
@@ -162,8 +163,11 @@ class Runner(Protocol):
 
     def forward_ragged(self, caches: list[Cache], feeds: list[torch.Tensor],
                        positions: list[torch.Tensor | None] | None = None,
-                       tree_masks: list[torch.Tensor | None] | None = None, logits: str = "all") -> list[torch.Tensor]:
-        """Several sequences' feeds in one pass; per sequence its logits, [n_i, vocab] ("all") or [1, vocab] ("last")."""
+                       tree_masks: list[torch.Tensor | None] | None = None,
+                       logits: str | Sequence[str] = "all") -> list[torch.Tensor | None]:
+        """Several sequences' feeds in one pass; per sequence its logits, [n_i, vocab] ("all"), [1, vocab] ("last") or
+        None ("none"); `logits` one mode for every row or one per row (`row_logits`: a prompt chunk riding in other
+        requests' verification pass wants at most its last)."""
 
 
 @dataclass
@@ -266,6 +270,17 @@ def ragged_rows(
     if len({id(c) for c in caches}) != len(caches):
         raise ValueError("forward_ragged got the same cache twice: each row needs its own cache")
     return positions or [None] * len(feeds), tree_masks or [None] * len(feeds)
+
+
+LOGITS_MODES = ("all", "last", "none")
+
+
+def row_logits(logits: str | Sequence[str], rows: int) -> list[str]:
+    """`forward_ragged`'s `logits`, one mode per row: "all", "last" or "none", given once for every row or per row."""
+    modes = [logits] * rows if isinstance(logits, str) else list(logits)
+    if len(modes) != rows or any(mode not in LOGITS_MODES for mode in modes):
+        raise ValueError(f"forward_ragged needs logits in {LOGITS_MODES}, once or once per row ({rows}), got {logits!r}")
+    return modes
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:

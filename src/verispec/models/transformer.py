@@ -31,6 +31,7 @@ import copy
 import dataclasses
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -49,7 +50,7 @@ from verispec.models.int8 import Int8Linear
 from verispec.models.kquant import KQuantEmbedding, KQuantLinear, KQuantWeight, concat_rows, kquant_kernels
 from verispec.models.layer_cache import Int8Store, KQuantStore
 from verispec.models.linear import PackedLinear
-from verispec.models.runner import RunnerConfig, ragged_rows
+from verispec.models.runner import RunnerConfig, ragged_rows, row_logits
 
 __all__ = ["ModelConfig", "KVCache", "Transformer"]
 
@@ -551,26 +552,34 @@ class Transformer:
         feeds: list[torch.Tensor],
         positions: list[torch.Tensor | None] | None = None,
         tree_masks: list[torch.Tensor | None] | None = None,
-        logits: str = "all",
-    ) -> list[torch.Tensor]:
+        logits: str | Sequence[str] = "all",
+    ) -> list[torch.Tensor | None]:
         """Several independent rows in ONE pass: feeds[i] [n_i] is appended to caches[i].
 
         All rows' new tokens form one [Σn_i, hidden] activation, so every linear layer reads its
         weights once for the whole batch (the point on a memory-bound CPU); attention runs per row
         against that row's own cache. positions[i] [n_i] and tree_masks[i] [n_i, n_i] work as in
         `forward` (None: consecutive positions, causal mask), so a row may be a token tree.
-        Returns logits per row: [n_i, vocab] ("all") or its last position's [1, vocab] ("last").
+        Returns logits per row (`logits`: one mode, or one per row): [n_i, vocab] ("all"), its last
+        position's [1, vocab] ("last") or None ("none"); the head scores only the positions asked for.
         """
         positions, tree_masks = ragged_rows(caches, feeds, positions, tree_masks)
+        modes = row_logits(logits, len(feeds))
         rows = [
             self._row(cache, feed.shape[0], pos, mask)
             for cache, feed, pos, mask in zip(caches, feeds, positions, tree_masks)
         ]
         x = self._run(torch.cat([feed.to(self.device) for feed in feeds]), rows)  # [Σn_i, hidden]: feeds on any device
-        if logits == "last":
-            ends = torch.tensor([row.n for row in rows], device=self.device).cumsum(0) - 1  # [rows]: each row's last position
-            return list(self._logits(x[ends]).split(1))
-        return list(self._logits(x).split([row.n for row in rows]))
+        if all(mode == "all" for mode in modes):
+            return list(self._logits(x).split([row.n for row in rows]))
+        ends = torch.tensor([row.n for row in rows]).cumsum(0).tolist()  # each row's end in x
+        wanted = [range(end - row.n, end) if mode == "all" else range(end - 1, end) if mode == "last" else range(0)
+                  for row, end, mode in zip(rows, ends, modes)]  # per row: its positions of x to score
+        picked = [i for positions in wanted for i in positions]
+        if not picked:
+            return [None] * len(rows)
+        scored = self._logits(x[torch.tensor(picked, device=self.device)]).split([len(w) for w in wanted])  # [len(w), vocab] each
+        return [None if mode == "none" else row for row, mode in zip(scored, modes)]
 
     def _row(self, cache: KVCache, n: int, positions: torch.Tensor | None, tree_mask: torch.Tensor | None) -> _Row:
         start = cache.length

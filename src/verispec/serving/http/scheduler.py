@@ -6,13 +6,16 @@ Every turn of the worker:
   2. admit waiting requests, in order, up to `max_batch`, while the KV pool has room for the head
      request's prompt + initial spare (`Generation.capacities`); otherwise the head waits (no
      over-commit, no overtaking). A request whose own needs exceed the whole pool is refused (400).
-  3. decodes first: one step for every prefilled request (`engine/together.py`): `plan()` each (drafts,
+  3. one step for every prefilled request (`engine/together.py`): `plan()` each (drafts,
      side by side, their draft models' forwards batched; greedy requests' γ cut where the batch gains:
      `control/batch.py`) → ONE `forward_ragged` target pass over every row's feed → `commit()` each.
      Acceptance is ragged: each row keeps its own prefix.
-  4. then ONE prefill chunk of at most `prefill_chunk` prompt tokens to the prefilling request with
+  4. and ONE prefill chunk of at most `prefill_chunk` prompt tokens to the prefilling request with
      the fewest prompt tokens left (a short prompt is not held behind a long one; a prompt passed
-     over STARVATION_TURNS turns in a row goes next; 0: a whole prompt at once), so a long prompt
+     over STARVATION_TURNS turns in a row goes next; 0: a whole prompt at once): in the step's own pass where
+     the target computes every row as it would alone and a prompt's cache however it is cut
+     (`engine/together.mixes_prompts`: kquant; the weights are read once for both), else in a pass of its own
+     after the step (a draft model's prefill always: `Turn.mixed` says which). So a long prompt
      delays the decoding requests by at most one chunk per turn; the chunk with the prompt's last
      token gives the first new token (sent at once); when the target's prefill completes the request
      opens its drafter's session, whose own prefill (the `model` drafter's) follows in chunks the same
@@ -23,8 +26,9 @@ Every turn of the worker:
      a request's n choices, prefill what they share once.
 
 The chunk is a time budget: by default (`prefill_chunk=None`) the most tokens, a power of two in
-8…512, that the target prefills in `PREFILL_BUDGET_SECONDS` on this CPU (each size timed once per
-model and CPU and cached, so it is the same at every start). While no request decodes, a prompt's own
+8…512, that the target prefills in `PREFILL_BUDGET_SECONDS` on this CPU, or where the chunk rides in the
+decoding requests' pass, that it adds to that pass in those seconds (each size timed once per model and CPU
+and cached, so it is the same at every start). While no request decodes, a prompt's own
 part is fed in chunks sized to `IDLE_PREFILL_BUDGET_SECONDS` instead (what a request arriving then waits
 for at most), but only on a `prefix_invariant` target, whose cache holds the same bits however a prompt
 is cut (`prefill_chunks`): elsewhere (llama.cpp, torch's batched prefill) the cut changes a prompt's
@@ -62,12 +66,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 
-from verispec.control.costs import prefill_seconds_per_token
+from verispec.control.costs import prefill_seconds_per_token, riding_seconds
 from verispec.engine import Engine, Generation, GenerationConfig, StepPlan
-from verispec.engine.together import draft_plans, verify_together
+from verispec.engine.loop import PromptChunk
+from verispec.engine.together import draft_plans, forward_rows, mixes_prompts, prompt_row, verification_row
 from verispec.errors import PromptError, VerispecError
 from verispec.models.openmp import release_thread_pool
 from verispec.models.prefixes import MIN_REUSE, shared_length
@@ -94,22 +100,27 @@ def default_kv_pool_tokens(max_model_len: int, max_batch: int) -> int:
     return max(max_model_len + POOL_HEADROOM, POOL_TOKENS_PER_SLOT * max_batch)
 
 
-def auto_prefill_chunk(engine: Engine, budget: float = PREFILL_BUDGET_SECONDS) -> int:
-    """The most prompt tokens (a power of two in 8…512) the target prefills within `budget` seconds,
-    each size timed as it is (a small chunk costs more per token than a large one)."""
+def auto_prefill_chunk(engine: Engine, budget: float = PREFILL_BUDGET_SECONDS, riding: bool = False) -> int:
+    """The most prompt tokens (a power of two in 8…512) the target prefills within `budget` seconds, each size
+    timed as it is (a small chunk costs more per token than a large one); `riding`: that a chunk adds to the
+    decoding requests' pass it rides in (`riding_seconds`: less, the weights being read for them anyway)."""
+    def seconds(chunk: int) -> float:
+        return riding_seconds(engine.target, chunk) if riding else prefill_seconds_per_token(engine.target, chunk) * chunk
+
     chunk = 8
-    while chunk < 512 and prefill_seconds_per_token(engine.target, 2 * chunk) * 2 * chunk <= budget:
+    while chunk < 512 and seconds(2 * chunk) <= budget:
         chunk *= 2
     return chunk
 
 
 def prefill_chunks(engine: Engine, prefill_chunk: int | None) -> tuple[int, int]:
     """(prompt tokens a turn feeds while requests decode, while none does; 0: a whole prompt). A set
-    `prefill_chunk` is both; None: `auto_prefill_chunk` within PREFILL_BUDGET_SECONDS, and while nothing
-    decodes within IDLE_PREFILL_BUDGET_SECONDS where the target is `prefix_invariant` (elsewhere the same)."""
+    `prefill_chunk` is both; None: `auto_prefill_chunk` within PREFILL_BUDGET_SECONDS (what the chunk adds to the
+    pass it rides in where the target `mixes_prompts`), and while nothing decodes within IDLE_PREFILL_BUDGET_SECONDS
+    where the target is `prefix_invariant` (elsewhere the same)."""
     if prefill_chunk is not None:
         return prefill_chunk, prefill_chunk
-    busy = auto_prefill_chunk(engine)
+    busy = auto_prefill_chunk(engine, riding=mixes_prompts(engine.target.runner))
     if not engine.target.runner.prefix_invariant:
         return busy, busy
     return busy, auto_prefill_chunk(engine, IDLE_PREFILL_BUDGET_SECONDS)
@@ -172,10 +183,12 @@ class JobUpdate:
 
 @dataclass(frozen=True)
 class Turn:
-    """What one turn of the worker did: prompt tokens fed per job id, and the job ids stepped."""
+    """What one turn of the worker did: prompt tokens fed per job id, the job ids stepped, and whether the prompt
+    chunk rode in the step's pass (`mixes_prompts`)."""
 
     prefilled: dict[int, int]
     stepped: tuple[int, ...]
+    mixed: bool = False
 
 
 def live_stats(stats: GenerationStats) -> dict:
@@ -228,6 +241,14 @@ class Job:
             self.cancel()
 
 
+class _Rider(NamedTuple):
+    """A prompt chunk riding in a turn's step pass: whose, which ids, and `Scheduler._fed_mark` before it."""
+
+    job: Job
+    chunk: PromptChunk
+    mark: tuple[int, int]
+
+
 class Scheduler:
     """Owns the engine on one worker thread; `submit` from any thread or event loop.
 
@@ -250,6 +271,7 @@ class Scheduler:
         self.engine, self.metrics = engine, metrics or Metrics()
         self.max_batch, self.max_queue, self.request_timeout = max_batch, max_queue, request_timeout
         self.prefill_chunk, self.idle_prefill_chunk = prefill_chunks(engine, prefill_chunk)
+        self.mixes_prompts = mixes_prompts(engine.target.runner)  # a prompt chunk rides in the decoding requests' pass
         self.kv_pool_tokens, self.max_model_len = kv_pool_tokens, max_model_len
         self._waiting: deque[Job] = deque()
         self._work = threading.Condition()  # guards _waiting; notified on submit
@@ -350,10 +372,8 @@ class Scheduler:
             try:
                 self._drop_finished_early()
                 self._admit()
-                stepped = self._step() if self._active else ()
-                prefilled = self._prefill()
-                if prefilled or stepped:
-                    self.turns.append(Turn(prefilled, stepped))
+                if (turn := self._turn()) is not None:
+                    self.turns.append(turn)
                     pooled = True
                 elif pooled and not self._active:  # idle: its pool would slow whichever thread works next
                     release_thread_pool()
@@ -486,15 +506,38 @@ class Scheduler:
         return [(other.generation.ids, other.generation.cache) for other in self._active
                 if other is not job and other.generation.cache.length]
 
-    def _prefill(self) -> dict[int, int]:
-        """Feed one chunk of one prefilling request's prompt (`_next_prefill`); {job id: tokens fed}."""
+    def _turn(self) -> Turn | None:
+        """One turn's passes: a step of every decoding request and a chunk of one prompt (`_next_prefill`). The chunk
+        rides in the step's pass where the target mixes prompts into it (`mixes_prompts`: each answer as alone, the
+        weights read once for both), else it goes in a pass of its own after the step. None: nothing to do."""
+        decoding = [job for job in self._active if job.generation.prefilled]
+        job, rider = self._choose_prefill(), None
+        if job is not None and decoding and self.mixes_prompts:
+            rider = self._rider(job)
+            if rider is not None or job not in self._active:  # it rides, or making its chunk failed it
+                job = None
+        stepped, prefilled = self._step(decoding, rider) if decoding else ((), {})
+        if job is not None:
+            prefilled = self._prefill_alone(job)
+        return Turn(prefilled, stepped, rider is not None) if prefilled or stepped else None
+
+    def _choose_prefill(self) -> Job | None:
+        """The prefilling request whose turn it is (`_next_prefill`), its turn counted; None: none is prefilling."""
         if not self._prefilling:
-            return {}
+            return None
         job = self._next_prefill()
         self._prefill_turns += 1
         job.last_prefill_turn = self._prefill_turns
+        return job
+
+    def _prefill(self) -> dict[int, int]:
+        """Feed one chunk of one prefilling request's prompt (`_next_prefill`) in a pass of its own; {job id: tokens fed}."""
+        job = self._choose_prefill()
+        return {} if job is None else self._prefill_alone(job)
+
+    def _prefill_alone(self, job: Job) -> dict[int, int]:
         generation = job.generation
-        before, copied = generation.cache.length, generation.stats.cached_tokens
+        mark = self._fed_mark(job)
         quiet = not any(other.generation.prefilled for other in self._active)  # no request decodes
         own_part = generation.cache.length < generation.prompt_len  # the target's prefill, not its draft's
         chunk = self.idle_prefill_chunk if quiet and own_part else self.prefill_chunk
@@ -503,6 +546,17 @@ class Scheduler:
         except Exception as error:  # noqa: BLE001
             self._fail(job, error, "error")
             return {}
+        return self._prefilled(job, done, mark)
+
+    @staticmethod
+    def _fed_mark(job: Job) -> tuple[int, int]:
+        """(cache positions, positions copied from a cache) before a prefill chunk: what `_prefilled` counts from."""
+        return job.generation.cache.length, job.generation.stats.cached_tokens
+
+    def _prefilled(self, job: Job, done: bool, mark: tuple[int, int]) -> dict[int, int]:
+        """After a chunk of `job`'s prefill: the cached positions it took counted, the first token sent if it came, the
+        request finished if that token ended it; {job id: tokens fed}."""
+        generation, (before, copied) = job.generation, mark
         if done:
             self._prefilling.remove(job)
         if reused := generation.stats.cached_tokens - copied:  # positions copied from a cache, not fed
@@ -514,30 +568,58 @@ class Scheduler:
             self._finished(job)
         return {job.id: fed}
 
-    def _step(self) -> tuple[int, ...]:
+    def _rider(self, job: Job) -> _Rider | None:
+        """`job`'s next prompt chunk (busy-sized) to ride in the step's pass; None where its next prefill work is not
+        the target's prompt (`Generation.prompt_chunk`) or making the chunk failed (the request then failed)."""
+        mark = self._fed_mark(job)
+        try:
+            chunk = job.generation.prompt_chunk(self.prefill_chunk or None, self._running_caches(job))
+        except Exception as error:  # noqa: BLE001
+            self._fail(job, error, "error")
+            return None
+        return None if chunk is None else _Rider(job, chunk, mark)
+
+    def _step(self, decoding: list[Job], rider: _Rider | None = None) -> tuple[tuple[int, ...], dict[int, int]]:
+        """One step of every `decoding` request, in ONE target pass with `rider`'s prompt chunk if given:
+        (the job ids stepped, {rider's job id: tokens fed})."""
         started = time.perf_counter()
         jobs: list[Job] = []
         plans: list[StepPlan] = []
-        drafting = [job for job in self._active if job.generation.prefilled]
-        for job, plan in zip(drafting, draft_plans([job.generation for job in drafting])):
+        for job, plan in zip(decoding, draft_plans([job.generation for job in decoding])):
             if isinstance(plan, BaseException):
                 self._fail(job, plan, "error")
                 continue
             if self._reserve(job, job.generation.cache.length + len(plan.feed)):
                 plans.append(plan)
                 jobs.append(job)
-        if not jobs:
-            return ()
+        rows = [verification_row(job.generation, plan) for job, plan in zip(jobs, plans)]
+        if rider is not None:
+            rows.append(prompt_row(rider.job.generation, rider.chunk))
+        if not rows:
+            return (), {}
         target_started = time.perf_counter()
-        rows = verify_together(self.engine.target.runner, [job.generation for job in jobs], plans)
+        out = forward_rows(self.engine.target.runner, rows)
         target_seconds = time.perf_counter() - target_started
-        for job, plan, logits in zip(jobs, plans, rows):
+        prefilled = self._rider_fed(rider, out.pop(), target_seconds) if rider is not None else {}
+        for job, plan, logits in zip(jobs, plans, out):
             if isinstance(logits, BaseException):
                 self._fail(job, logits, "error")
                 continue
             self._commit(job, plan, logits, target_seconds)
-        self.metrics.record_step(len(jobs), time.perf_counter() - started)
-        return tuple(job.id for job in jobs)
+        if jobs:
+            self.metrics.record_step(len(jobs), time.perf_counter() - started)
+        return tuple(job.id for job in jobs), prefilled
+
+    def _rider_fed(self, rider: _Rider, logits: torch.Tensor | None | BaseException, seconds: float) -> dict[int, int]:
+        job = rider.job
+        try:
+            if isinstance(logits, BaseException):
+                raise logits
+            done = job.generation.prompt_chunk_fed(logits, seconds)
+        except Exception as error:  # noqa: BLE001
+            self._fail(job, error, "error")
+            return {}
+        return self._prefilled(job, done, rider.mark)
 
     def _reserve(self, job: Job, needed: int) -> bool:
         """Make the job's reservation cover `needed` cache positions, growing it as its cache grows
