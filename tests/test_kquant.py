@@ -934,6 +934,8 @@ def test_a_prompt_chunk_rides_in_the_decoding_requests_pass_and_changes_no_answe
                  if jobs[2].id in turn.prefilled]
         assert [ride for ride in rides if ride[0]] == [(16, True, 2)] * 6 + [(4, True, 2)], rides
         assert all(not mixed for fed, mixed, _ in rides if not fed)  # a draft's own prefill: a pass of its own
+        riding = sum(sum(turn.prefilled.values()) for turn in scheduler.turns if turn.mixed)
+        assert riding >= 100 and f"verispec_prompt_tokens_riding_total {riding}\n" in scheduler.metrics.render()
         assert answers == alone
 
 

@@ -52,6 +52,7 @@ class Metrics:
         self.requests: dict[tuple[str, int], int] = {}  # (endpoint, status) -> count
         self.prompt_tokens = self.generated_tokens = 0
         self.cached_prompt_tokens = 0  # prompt positions copied from a cache instead of prefilled
+        self.riding_prompt_tokens = 0  # prompt positions prefilled in the decoding requests' pass
         self.acceptance = AcceptanceStats()  # every verified row of every step
         self.finished: dict[str, int] = {}  # finish reason (stop / length / cancelled / timeout / error) -> count
         self.request_latency: dict[str, _Histogram] = {}
@@ -96,6 +97,10 @@ class Metrics:
         with self._lock:
             self.cached_prompt_tokens += prompt_tokens
 
+    def record_riding(self, prompt_tokens: int) -> None:
+        with self._lock:
+            self.riding_prompt_tokens += prompt_tokens
+
     def record_finished(self, reason: str) -> None:
         with self._lock:
             self.finished[reason] = self.finished.get(reason, 0) + 1
@@ -126,6 +131,8 @@ class Metrics:
             metric("verispec_prompt_tokens_total", "counter", "Prompt tokens admitted.", [f"verispec_prompt_tokens_total {self.prompt_tokens}"])
             metric("verispec_prompt_tokens_cached_total", "counter", "Prompt tokens copied from the prompt cache or a running "
                    "request's cache instead of prefilled.", [f"verispec_prompt_tokens_cached_total {self.cached_prompt_tokens}"])
+            metric("verispec_prompt_tokens_riding_total", "counter", "Prompt tokens prefilled in the decoding requests' "
+                   "target pass instead of a pass of their own.", [f"verispec_prompt_tokens_riding_total {self.riding_prompt_tokens}"])
             metric("verispec_generated_tokens_total", "counter", "Tokens generated.", [f"verispec_generated_tokens_total {self.generated_tokens}"])
             metric("verispec_steps_total", "counter", "Verification steps (one per request per target pass).", [f"verispec_steps_total {acceptance.steps}"])
             metric("verispec_draft_tokens_proposed_total", "counter", "Draft tokens proposed.", [f"verispec_draft_tokens_proposed_total {acceptance.proposed}"])

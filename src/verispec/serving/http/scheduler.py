@@ -619,7 +619,9 @@ class Scheduler:
         except Exception as error:  # noqa: BLE001
             self._fail(job, error, "error")
             return {}
-        return self._prefilled(job, done, rider.mark)
+        fed = self._prefilled(job, done, rider.mark)
+        self.metrics.record_riding(fed[job.id])
+        return fed
 
     def _reserve(self, job: Job, needed: int) -> bool:
         """Make the job's reservation cover `needed` cache positions, growing it as its cache grows
