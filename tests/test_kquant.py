@@ -939,6 +939,52 @@ def test_a_prompt_chunk_rides_in_the_decoding_requests_pass_and_changes_no_answe
         assert answers == alone
 
 
+def test_a_riding_prompt_chunk_that_fails_fails_its_request_only(tiny):
+    """A pass whose prompt row breaks (here: any pass holding a row that wants no logits for every position, and that
+    row's forward alone) falls back to each row alone: the riding request fails, the decoding ones go on as alone."""
+    model = LoadedModel("kq", tiny[0].folder, tiny[0].runner, tiny[0].tokenizer, frozenset())  # no eos: full lengths
+    runner = model.runner
+    short, long = [7, 8, 9], [3 + (i * 5) % 44 for i in range(40)]
+    config = GenerationConfig(max_new_tokens=12)
+    alone = Engine(model, None).generate(short, config).token_ids
+    engine = Engine(model, None)
+    engine.prefixes = None
+    ragged, forward = runner.forward_ragged, runner.forward
+    broken = {}
+
+    def ragged_breaking(caches, feeds, positions=None, masks=None, logits="all"):
+        if not isinstance(logits, str) and "none" in logits:
+            broken.setdefault("cache", caches[list(logits).index("none")])
+            raise RuntimeError("a broken prompt row")
+        return ragged(caches, feeds, positions, masks, logits)
+
+    def forward_breaking(cache, *args, **kwargs):
+        if cache is broken.get("cache"):
+            raise RuntimeError("a broken prompt row, alone too")
+        return forward(cache, *args, **kwargs)
+
+    runner.forward_ragged, runner.forward = ragged_breaking, forward_breaking
+    try:
+        from verispec.serving.http.scheduler import Scheduler
+
+        scheduler = Scheduler(engine, max_batch=8, prefill_chunk=8)
+
+        async def run():
+            jobs = [scheduler.submit(list(prompt), config) for prompt in (short, long)]
+            scheduler.start()
+            try:
+                return await asyncio.gather(*(token_ids([job]) for job in jobs), return_exceptions=True)
+            finally:
+                scheduler.stop()
+
+        first, second = asyncio.run(run())
+    finally:
+        del runner.forward_ragged, runner.forward
+    assert first == [alone]
+    assert isinstance(second, RuntimeError) and "alone too" in str(second)
+    assert scheduler.active_count == 0 and scheduler.reserved_tokens == 0
+
+
 def test_a_prompt_prefilled_meanwhile_is_reused_by_a_request_admitted_before(tiny):
     """A server's n choices: both admitted, then the first prefilled: the second takes its prompt from the first's
     running cache at its first prefill step (all but the last token) and answers as the first does."""

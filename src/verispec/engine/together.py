@@ -101,7 +101,7 @@ def mixes_prompts(runner: Runner) -> bool:
     """Whether a prompt chunk may share a pass with verification rows and leave every request's output as it is alone:
     the runner computes each row whatever else the pass holds (`batch_invariant`) and a prompt's cache however it is cut
     (`prefix_invariant`). On a memory-bound CPU the chunk then costs the pass little more than its arithmetic
-    (`benchmarks/probes/ragged_pass.py --prompt`)."""
+    (`benchmarks/probes/prompt_riding.py`)."""
     return runner.batch_invariant and runner.prefix_invariant
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import itertools
 import json
 import math
 from collections.abc import Sequence
@@ -572,14 +573,14 @@ class Transformer:
         x = self._run(torch.cat([feed.to(self.device) for feed in feeds]), rows)  # [Σn_i, hidden]: feeds on any device
         if all(mode == "all" for mode in modes):
             return list(self._logits(x).split([row.n for row in rows]))
-        ends = torch.tensor([row.n for row in rows]).cumsum(0).tolist()  # each row's end in x
+        ends = itertools.accumulate(row.n for row in rows)  # each row's end in x
         wanted = [range(end - row.n, end) if mode == "all" else range(end - 1, end) if mode == "last" else range(0)
                   for row, end, mode in zip(rows, ends, modes)]  # per row: its positions of x to score
         picked = [i for positions in wanted for i in positions]
         if not picked:
             return [None] * len(rows)
         scored = self._logits(x[torch.tensor(picked, device=self.device)]).split([len(w) for w in wanted])  # [len(w), vocab] each
-        return [None if mode == "none" else row for row, mode in zip(scored, modes)]
+        return [None if mode == "none" else logits_row for logits_row, mode in zip(scored, modes)]
 
     def _row(self, cache: KVCache, n: int, positions: torch.Tensor | None, tree_mask: torch.Tensor | None) -> _Row:
         start = cache.length

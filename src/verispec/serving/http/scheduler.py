@@ -611,6 +611,7 @@ class Scheduler:
         return tuple(job.id for job in jobs), prefilled
 
     def _rider_fed(self, rider: _Rider, logits: torch.Tensor | None | BaseException, seconds: float) -> dict[int, int]:
+        """The rider's part of the pass came back (its chunk's logits, or the error that failed it alone)."""
         job = rider.job
         try:
             if isinstance(logits, BaseException):
