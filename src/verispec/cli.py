@@ -292,6 +292,7 @@ def _serve(args: argparse.Namespace) -> int:
         return _serve_on_ray(args, spec, limits)
     from verispec.errors import InvalidParameterError
     from verispec.serving.http import create_app
+    from verispec.engine.together import mixes_prompts
     from verispec.serving.http.scheduler import kv_bytes_per_token, memory_limits, prefill_chunks
     from verispec.serving.http.server import run
 
@@ -307,8 +308,9 @@ def _serve(args: argparse.Namespace) -> int:
     per_token = kv_bytes_per_token(engine)
     size = f" = {pool * per_token / 2**30:.2f} GiB of target cache" if per_token else ""
     console = Console(stderr=True)
+    riding = " riding in the decoding requests' pass" if busy and mixes_prompts(engine.target.runner) else ""
     console.print(f"KV pool {pool} positions{size}; at most {max_model_len} positions per request; "
-                  f"prefill chunk {busy or 'whole prompt'}" + (f" ({idle} while none decodes)" if idle != busy else ""))
+                  f"prefill chunk {busy or 'whole prompt'}{riding}" + (f" ({idle} while none decodes)" if idle != busy else ""))
     console.print(f"serving {args.model_name or engine.target.name} on http://{args.host}:{args.port} "
                   "(playground at /, OpenAI API under /v1)")
     run(app, args.host, args.port, args.max_connections, args.keep_alive)
