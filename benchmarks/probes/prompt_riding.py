@@ -25,8 +25,8 @@ import time
 import torch
 
 from verispec import GenerationConfig, load
-from verispec.paths import cpu_summary
 from verispec.engine.together import mixes_prompts
+from verispec.paths import cpu_summary
 from verispec.serving.http.scheduler import PREFILL_BUDGET_SECONDS, Scheduler, auto_prefill_chunk
 from verispec.tools.bench.questions import load_sources, select
 
