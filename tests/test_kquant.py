@@ -27,6 +27,7 @@ from verispec import Engine, GenerationConfig, SamplingParams
 from verispec.drafters import DraftModelDrafter, ExpansionDrafter, NgramDrafter, StandDrafter
 from verispec.drafters.hybrid import HybridDrafter
 from verispec.errors import InvalidParameterError, ModelNotFoundError
+from verispec.control import CostModel
 from verispec.engine.build import auto_backends
 from verispec.engine.together import mixes_prompts
 from verispec.models.kquant import KQUANT_TYPES, KQuantLinear, KQuantWeight, kquant_kernels, kquant_suits
@@ -494,6 +495,32 @@ def test_sampled_output_is_distributed_as_the_kquant_target(small_pair):
     assert len(exact) == 64
     result = assert_same_distribution(sample_sequences(engine, PROMPT, PARAMS, SAMPLES, LENGTH), exact)
     assert result.detectable_tv < 0.16
+
+
+def test_unseeded_sampled_requests_sized_for_their_batch_are_distributed_as_the_target(small_pair, monkeypatch):
+    """A sampled request without a seed promises its draws in distribution only, so together with others its γ is
+    sized for the batch as a greedy one's is (`control/batch.py`; a seeded one keeps its γ): SAMPLES such requests
+    through `generate_batch`, 8 at a time on a pass priced steep enough to cut drafts, are the target's exact
+    distribution, and cuts happened (the positive control: alone each speculative step drafts its γ)."""
+    import verispec.engine.loop as loop
+
+    target, draft = small_pair
+    engine = Engine(target, DraftModelDrafter(draft, target.vocab_size), gamma=GAMMA, gamma_policy="analytic")
+    steep = CostModel([1.0, 1.0, 1.0, 1.0, 4.0, 7.0], 0.01, 1.0)  # γ 2 pays alone; 8 rows of 3 positions do not
+    monkeypatch.setattr(engine, "costs_for", lambda *args, **kwargs: steep)
+    seeds = itertools.count(1)
+    monkeypatch.setattr(loop.secrets, "randbits", lambda bits: next(seeds))  # "unseeded", reproducibly here
+    config = GenerationConfig(max_new_tokens=LENGTH, sampling=PARAMS)
+    # each request's first step after the prefill's token, with two tokens left: γ 1 alone (a draft and its check)
+    drafted = lambda results: [result.stats.records[1].proposed for result in results]  # noqa: E731
+    alone = drafted([engine.generate(PROMPT, config) for _ in range(8)])
+    assert alone and min(alone) >= 1  # every speculative step drafts alone
+    seeded = [GenerationConfig(max_new_tokens=LENGTH, sampling=PARAMS, seed=i) for i in range(8)]
+    assert min(drafted(engine.generate_batch([PROMPT] * 8, seeded, max_batch=8))) >= 1  # seeded: γ as alone
+    results = engine.generate_batch([PROMPT] * SAMPLES, config, max_batch=8)
+    assert drafted(results).count(0) > SAMPLES // 2  # together most of those steps were cut to plain ones
+    exact = sequence_distribution(WholeSequenceOracle(target.runner), PROMPT, LENGTH, PARAMS)
+    assert_same_distribution([tuple(result.token_ids) for result in results], exact)
 
 
 def test_the_kquant_test_catches_a_wrong_bonus(small_pair, monkeypatch):

@@ -10,8 +10,9 @@ until no cut does: the batch's goodput Σ E[tokens_i] / (drafting + T(Σ n_i)/T(
 Each draft token is priced at its c, as alone: requests draft side by side and share a draft model's pass only
 where they meet in one (`drafters/batching.py`), which no step can count on, so no saving is assumed. The target's
 pass is priced on its measured costs (`CostModel.pass_cost`: the curve, its wide points and what a row adds). γ only
-ever falls, never below 0, and only for requests whose output γ cannot change (`Outlook.fixed` False: greedy, an
-analytic policy, not a probe); a lone request is never resized.
+ever falls, never below 0, and only for requests whose output γ cannot change (`Outlook.fixed` False: greedy, or
+sampled without a seed, whose draws are promised only in distribution, which γ never changes; an analytic policy,
+not a probe); a lone request is never resized.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class Outlook:
     alpha: float = 0.0  # its step class's acceptance estimate
     c: float = 0.0  # seconds a draft token / T(1); 0 where its proposals cost no forward (prompt lookup)
     width: float = 1.0  # positions verified per depth (a token tree's nodes per depth; 1 for a chain)
-    fixed: bool = True  # its γ must stay (sampled: γ changes the draws; a constant policy; a probe)
+    fixed: bool = True  # its γ must stay (seeded sampled: γ changes the draws; a constant policy; a probe)
 
 
 class _Batch:

@@ -606,7 +606,9 @@ class Generation:
 
     def propose(self) -> Proposal:
         """This step's class and γ alone (once the target's prompt is in; the rest of the drafter's prefill first).
-        A sampled request's γ is fixed: its draws depend on it, and it must draw alone what it draws among others."""
+        A seeded sampled request's γ is fixed: its draws depend on it, and it must draw alone what it draws among
+        others. One without a seed promises no draws, only their distribution, which no γ changes: it is sized for
+        the batch as a greedy one is (`control/batch.py`)."""
         if not self._session_opened:
             raise VerispecError("a step needs the whole prompt prefilled: call prefill_step() until it returns True")
         self.prefill_step()
@@ -617,7 +619,7 @@ class Generation:
             hint = self.session.hint(self.ids)
             gamma = min(self.session.budget(self.ids, self.policy.next_gamma(hint), self.engine.max_gamma), remaining - 1)
         outlook = self.policy.outlook(gamma, hint)
-        outlook = replace(outlook, fixed=outlook.fixed or not self.params.greedy)
+        outlook = replace(outlook, fixed=outlook.fixed or (not self.params.greedy and self.config.seed is not None))
         return Proposal(hint, outlook, time.perf_counter() - start)
 
     def plan(self, proposal: Proposal | None = None, gamma: int | None = None) -> StepPlan:

@@ -7,7 +7,8 @@ together as one after the other. Each request's output is what it gets alone: ev
 computes a row the same whatever else the pass holds, drafts are batched only where that holds too
 (`drafters/batching.py`), and each request samples with its own generator. A greedy request may draft fewer tokens
 than alone where the shared pass's width costs the batch more than they gain (`control/batch.py`): its tokens are
-the same whatever its γ; a sampled request's γ never moves, since its draws depend on it. A pass is a list of
+the same whatever its γ; so may a sampled one without a seed (its output is promised in distribution only, which
+no γ changes); a seeded one's γ never moves, since its draws depend on it. A pass is a list of
 `Row`s: the server adds a piece of another request's prompt to its decoding requests' verification rows where the
 runner keeps every row and every prompt cut exact (`mixes_prompts`).
 """
