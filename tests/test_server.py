@@ -473,8 +473,11 @@ def test_loadtest_measures_any_openai_server(monkeypatch):
     from verispec.tools.bench import loadtest
 
     def answer(request: httpx.Request) -> httpx.Response:
-        prompt = json.loads(request.content)["messages"][0]["content"]
-        text = {"a": "one", "b": "two"}[prompt] + ("!" if json.loads(request.content)["seed"] == 3 else "")
+        body = json.loads(request.content)
+        if "seed" not in body:  # `seeded=False` below
+            return httpx.Response(400, json={"error": {"message": "this mock answers seeded requests only"}})
+        prompt = body["messages"][0]["content"]
+        text = {"a": "one", "b": "two"}[prompt] + ("!" if body["seed"] == 3 else "")
         return httpx.Response(200, json={"choices": [{"message": {"content": text}}],
                                          "usage": {"prompt_tokens": 5, "completion_tokens": 4}})
 
@@ -483,3 +486,6 @@ def test_loadtest_measures_any_openai_server(monkeypatch):
     row = asyncio.run(loadtest.run_level("http://test", "m", 2, 6, {"max_tokens": 4, "temperature": 0}, chat=True, prompts=["a", "b"]))
     assert row["failures"] == 0 and row["mean_accepted_length"] is None and row["tokens_per_second"] > 0
     assert row["garbled"] == 1  # request 3 (prompt "b") differs from b's other two answers
+    row = asyncio.run(loadtest.run_level("http://test", "m", 2, 6, {"max_tokens": 4, "temperature": 0}, chat=True,
+                                         prompts=["a", "b"], seeded=False))
+    assert row["failures"] == 6  # no seed sent

@@ -15,7 +15,7 @@ import pytest
 import torch
 from distribution import assert_rejected, assert_same_distribution, bonus_from_the_wrong_row, product_distribution, random_dists
 
-from verispec.sampling.samplers import gumbel_topk, multinomial
+from verispec.sampling.samplers import gumbel_topk, inverse_cdf, multinomial
 from verispec.types import Origin, Verdict
 from verispec.verify import verify_greedy, verify_sampled
 from verispec.verify.chain import _first_false
@@ -116,3 +116,41 @@ def test_gumbel_topk_draws_without_replacement():
     # positive control: plain Gumbel-max twice with replacement, pairs of equal tokens thrown away
     twice = torch.stack([gumbel_topk(logits, 1, g)[:, 0], gumbel_topk(logits, 1, g)[:, 0]], 1).tolist()
     assert_rejected([tuple(row) for row in twice if row[0] != row[1]], exact)
+
+
+def _spread_row(vocab: int = 5 * 1024 + 100) -> tuple[torch.Tensor, dict[int, float]]:
+    """A row of 20 tokens with weight among zeros, placed at the edges of `inverse_cdf`'s blocks (the first and last
+    token of the vocabulary, tokens either side of a block's end) and inside them; unnormalized, as a residual is."""
+    tokens = [0, 1, 1022, 1023, 1024, 1025, 1500, 2047, 2048, 3071, 3072, 3500, 4095, 4096, 4100, 5119, 5120, 5150,
+              vocab - 2, vocab - 1]
+    weights = torch.zeros(vocab)
+    weights[tokens] = torch.linspace(0.2, 3.0, len(tokens))
+    return weights, {t: float(weights[t] / weights.sum()) for t in tokens}
+
+
+def test_multinomial_draws_a_rows_distribution_across_its_blocks():
+    """N = 20 000 draws (rows of 5,220 tokens: six of `inverse_cdf`'s blocks), significance 1e-3 (TV printed); never
+    a token of weight 0. Positive control: the same draws from the row shifted by one token are rejected."""
+    weights, exact = _spread_row()
+    g = torch.Generator().manual_seed(5)
+    draws = torch.cat([multinomial(weights.expand(2_000, -1), g) for _ in range(SAMPLES // 2_000)]).tolist()
+    assert set(draws) <= set(exact)
+    assert_same_distribution(draws, exact)
+    shifted = torch.cat([multinomial(weights.roll(1).expand(2_000, -1), g) for _ in range(3)]).tolist()
+    assert_rejected([token - 1 for token in shifted], exact)
+
+
+def test_inverse_cdf_keeps_to_tokens_with_weight_at_the_ends_of_its_range():
+    """A draw of 0 gives the first token with weight, one a hair below 1 the last (rounding may carry it past every
+    running sum: it stays on a token with weight), one at a block's exact end the next token with weight; a row with
+    no positive finite weight is a clear error."""
+    weights, _ = _spread_row()
+    draws = torch.tensor([[0.0], [1.0 - 2**-53], [1.0]], dtype=torch.float64)
+    assert inverse_cdf(weights.expand(3, -1), draws).tolist() == [0, len(weights) - 1, len(weights) - 1]
+    exact = torch.zeros(3 * 1024)  # weights 1, 1, 2 on tokens 1023, 1024, 2047: every sum exact, the first block's end 1/4
+    exact[[1023, 1024, 2047]] = torch.tensor([1.0, 1.0, 2.0])
+    draws = torch.tensor([[0.0], [0.25 - 2**-54], [0.25], [0.5], [0.9]], dtype=torch.float64)
+    assert inverse_cdf(exact.expand(5, -1), draws).tolist() == [1023, 1023, 1024, 2047, 2047]
+    for bad in (torch.zeros(1, 10), torch.tensor([[0.5, float("nan")]]), torch.tensor([[float("inf"), 1.0]])):
+        with pytest.raises(ValueError, match="positive, finite total"):
+            inverse_cdf(bad, torch.zeros(1, 1, dtype=torch.float64))

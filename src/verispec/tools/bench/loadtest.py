@@ -64,12 +64,13 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def run_level(url: str, model: str, clients: int, requests: int, body: dict, chat: bool = False,
-                    prompts: Sequence[str] | None = None) -> dict:
+                    prompts: Sequence[str] | None = None, seeded: bool = True) -> dict:
     """Send `requests` completions with `clients` concurrent workers; return the level's summary.
 
     chat: send each prompt as one user message to /v1/chat/completions (the model's chat template). prompts:
-    request i sends prompts[i % len(prompts)] (default: body["prompt"] each time). Any OpenAI-compatible server
-    answers: τ (`usage.steps`, verispec's own) is None where the server reports no steps."""
+    request i sends prompts[i % len(prompts)] (default: body["prompt"] each time). seeded: request i carries seed i
+    (False: no seed, as most chat clients send sampled requests). Any OpenAI-compatible server answers: τ
+    (`usage.steps`, verispec's own) is None where the server reports no steps."""
     prompts = list(prompts) if prompts else [body["prompt"]]
     endpoint = "/v1/chat/completions" if chat else "/v1/completions"
     body = {key: value for key, value in body.items() if key != "prompt"}
@@ -86,7 +87,7 @@ async def run_level(url: str, model: str, clients: int, requests: int, body: dic
             prompt = prompts[i % len(prompts)]
             words = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
             started = time.perf_counter()
-            response = await http.post(endpoint, json={**body, **words, "model": model, "seed": i})
+            response = await http.post(endpoint, json={**body, **words, "model": model, **({"seed": i} if seeded else {})})
             latencies.append(time.perf_counter() - started)
             if response.status_code != 200:
                 failures += 1
@@ -329,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="levels: public prompts instead of --prompt, request i the i-th (cycling): sources as for "
                              "`verispec bench` (own, humaneval, JSONL files)")
     parser.add_argument("--per-category", type=int, default=1, help="levels, with --questions: prompts per category")
+    parser.add_argument("--unseeded", action="store_true",
+                        help="levels: requests carry no seed (sampled ones then vary, and a server may size their γ "
+                             "for the batch); default: request i seed i")
     parser.add_argument("--json", action="store_true", help="JSON objects instead of a table")
     args = parser.parse_args(argv)
     from verispec.paths import cpu_summary
@@ -359,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         from verispec.tools.bench.questions import load_sources, select
         prompts = [p.text for p in select(load_sources(args.questions), None, args.per_category)]
     for clients in (int(c) for c in args.clients.split(",")):
-        row = asyncio.run(run_level(args.url, model, clients, args.requests, body, args.chat, prompts))
+        row = asyncio.run(run_level(args.url, model, clients, args.requests, body, args.chat, prompts, not args.unseeded))
         tau = f"{row['mean_accepted_length']:.2f}" if row["mean_accepted_length"] else "–"  # another server reports no steps
         if args.json:
             print(json.dumps(row))
