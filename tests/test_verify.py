@@ -142,8 +142,8 @@ def test_multinomial_draws_a_rows_distribution_across_its_blocks():
 
 def test_inverse_cdf_keeps_to_tokens_with_weight_at_the_ends_of_its_range():
     """A draw of 0 gives the first token with weight, one a hair below 1 the last (rounding may carry it past every
-    running sum: it stays on a token with weight), one at a block's exact end the next token with weight; a row with
-    no positive finite weight is a clear error."""
+    running sum: it stays on a token with weight), one at a block's exact end the next token with weight; a negative
+    weight or a row with no positive finite weight is a clear error."""
     weights, _ = _spread_row()
     draws = torch.tensor([[0.0], [1.0 - 2**-53], [1.0]], dtype=torch.float64)
     assert inverse_cdf(weights.expand(3, -1), draws).tolist() == [0, len(weights) - 1, len(weights) - 1]
@@ -151,6 +151,7 @@ def test_inverse_cdf_keeps_to_tokens_with_weight_at_the_ends_of_its_range():
     exact[[1023, 1024, 2047]] = torch.tensor([1.0, 1.0, 2.0])
     draws = torch.tensor([[0.0], [0.25 - 2**-54], [0.25], [0.5], [0.9]], dtype=torch.float64)
     assert inverse_cdf(exact.expand(5, -1), draws).tolist() == [1023, 1023, 1024, 2047, 2047]
-    for bad in (torch.zeros(1, 10), torch.tensor([[0.5, float("nan")]]), torch.tensor([[float("inf"), 1.0]])):
+    for bad in (torch.zeros(1, 10), torch.tensor([[0.5, float("nan")]]), torch.tensor([[float("inf"), 1.0]]),
+                torch.tensor([[0.5, -0.1, 1.0]])):
         with pytest.raises(ValueError, match="positive, finite total"):
             inverse_cdf(bad, torch.zeros(1, 1, dtype=torch.float64))

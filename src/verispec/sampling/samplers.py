@@ -35,8 +35,8 @@ CDF_BLOCK = 1024  # tokens a block of `inverse_cdf`'s two-level search
 
 def multinomial(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One draw per row from probs [n, vocab] (weights ≥ 0, any positive sum) -> [n] (on probs' device): one uniform
-    draw per row from `generator`, turned into a token by `inverse_cdf` (torch.multinomial takes ~2.7 ms for one row of
-    a 151,936-token vocabulary on 2 cores, a tenth of a decoding step; this ~0.1 ms)."""
+    draw per row from `generator`, turned into a token by `inverse_cdf`, a tenth of torch.multinomial's time over a
+    large vocabulary on the CPU (BENCHMARKS.md, "Sampled traffic under load")."""
     device = _draw_device(generator, probs.device)
     weights = probs.to(device)
     draws = torch.rand(weights.shape[0], 1, generator=generator, device=device, dtype=torch.float64)  # [n, 1]
@@ -48,15 +48,16 @@ def inverse_cdf(weights: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
     the row's total -> [n]: a draw from the row's distribution, never a token of weight 0. Two levels, so that no
     float32 running sum over the whole vocabulary rounds a token's mass: the masses of blocks of CDF_BLOCK tokens
     (pairwise sums) accumulated in float64 pick the block, a float64 running sum inside it the token. Raises
-    ValueError for a row without positive finite mass."""
+    ValueError for a negative weight or a row without positive finite mass."""
     rows, vocab = weights.shape
     blocks = -(-vocab // CDF_BLOCK)
     padded = torch.nn.functional.pad(weights.float(), (0, blocks * CDF_BLOCK - vocab)).view(rows, blocks, CDF_BLOCK)
     masses = padded.sum(-1, dtype=torch.float64)  # [n, blocks]
     ends = masses.cumsum(-1)  # [n, blocks]
     total = ends[:, -1:]  # [n, 1]
-    if not bool(((total > 0) & torch.isfinite(total)).all()):
-        raise ValueError("a distribution to sample needs a positive, finite total weight (got a row of zeros, inf or NaN)")
+    if not bool(((total > 0) & torch.isfinite(total)).all()) or bool((padded < 0).any()):
+        raise ValueError("a distribution to sample needs weights ≥ 0 and a positive, finite total "
+                         "(got a negative weight, a row of zeros, inf or NaN)")
     target = draws.to(torch.float64) * total  # [n, 1]
     # the first block whose end passes the target (rounding may put it at the end: then the last block with mass)
     block = torch.minimum(torch.searchsorted(ends, target, right=True), (ends < total).sum(-1, keepdim=True))  # [n, 1]
