@@ -1,16 +1,17 @@
 """A busy server's prompt chunk riding in the decoding requests' pass (`Turn.mixed`) against a pass of its own.
 
 Two parts, on the plan's engine (as `verispec serve` loads it):
-1. The pass: k decoding rows of one position after `--context` cached ones, and a prompt chunk of the size a pass of
-   its own fits in the busy budget, in ONE `forward_ragged` pass against the k rows' pass followed by the chunk's own
-   (best of `--repeats`, in turns): the seconds a ride saves per turn that carries a chunk.
+1. The pass: k decoding rows of one position after `--context` cached ones and a prompt chunk, each alone and in ONE
+   `forward_ragged` pass (best of `--repeats`, in turns), at the chunk a pass of its own fits in the busy budget and at
+   each riding chunk: what a pass of the chunk alone costs, and what the chunk adds to the rows' pass it rides in.
 2. Serving: `--clients` closed-loop clients through the real `Scheduler` (each sends the next of `--requests` public
    prompts, cycled, greedy, `--max-tokens` new tokens, when its last answer ends), apart and riding (at each of
-   `--chunks`) in turns for `--rounds` rounds: tok/s, mean seconds to a first token; predicted for riding at the apart
-   run's chunk: the apart run's time less its turns that fed a chunk beside a step times part 1's saving (at the mean
-   rows such a turn stepped). Each run's prompts carry a note of their own in front, so that no run takes another's
-   prompts from the prompt cache (the answers differ by it: identity under load is `loadtest --mode identity`'s and
-   the tests' to check).
+   `--chunks`) in turns for `--rounds` rounds: tok/s, mean seconds to a first token; predicted for each riding run:
+   the apart run's time less, for each of its turns that fed a chunk beside a step, that chunk's own pass, plus what
+   its tokens add riding at the riding run's chunk (part 1, at the mean rows such a turn stepped). The prediction
+   counts passes only: a prompt in sooner also decodes beside the others sooner. Each run's prompts carry a note of
+   their own in front, so that no run takes another's prompts from the prompt cache (the answers differ by it:
+   identity under load is `loadtest --mode identity`'s and the tests' to check).
 
     python benchmarks/probes/prompt_riding.py --questions question.jsonl,humaneval --clients 4,8 --chunks apart,auto
 """
@@ -31,29 +32,24 @@ from verispec.serving.http.scheduler import PREFILL_BUDGET_SECONDS, Scheduler, a
 from verispec.tools.bench.questions import load_sources, select
 
 
-def pass_saving(runner, rows: int, chunk: int, context: int, repeats: int) -> tuple[float, float]:
-    """(seconds of `rows` one-position rows then a `chunk`-token prompt in passes of their own, in one pass): best of
-    `repeats`, in turns, every cache rolled back after each."""
+def pass_seconds(runner, rows: int, chunk: int, context: int, repeats: int) -> tuple[float, float, float]:
+    """(seconds of `rows` one-position rows alone, of a `chunk`-token prompt alone, of both in ONE pass): best of
+    `repeats` each, in turns, every cache rolled back after each."""
     caches = [runner.placeholder_cache(context, context + chunk + 1) for _ in range(rows + 1)]
     feeds = [torch.zeros(1, dtype=torch.long) for _ in range(rows)]
     prompt = torch.zeros(chunk, dtype=torch.long)
-
-    def apart():
-        runner.forward_ragged(caches[:rows], feeds)
-        runner.forward(caches[rows], prompt, logits="none")
-
-    def together():
-        runner.forward_ragged(caches, feeds + [prompt], logits=["all"] * rows + ["none"])
-
-    best = {apart: float("inf"), together: float("inf")}
+    ways = [lambda: runner.forward_ragged(caches[:rows], feeds),
+            lambda: runner.forward(caches[rows], prompt, logits="none"),
+            lambda: runner.forward_ragged(caches, feeds + [prompt], logits=["all"] * rows + ["none"])]
+    best = [float("inf")] * len(ways)
     for _ in range(repeats):
-        for way in best:
+        for i, way in enumerate(ways):
             started = time.perf_counter()
             way()
-            best[way] = min(best[way], time.perf_counter() - started)
+            best[i] = min(best[i], time.perf_counter() - started)
             for cache in caches:
                 cache.truncate(context)
-    return best[apart], best[together]
+    return best[0], best[1], best[2]
 
 
 async def serve(engine, prompts: list[list[int]], clients: int, max_tokens: int, mixes: bool, chunk: int) -> dict:
@@ -111,12 +107,16 @@ def main() -> None:
     print(f"{cpu_summary()} · {torch.get_num_threads()} threads · {engine.target.name} on {engine.target.precision} · "
           f"the target mixes prompts: {mixes_prompts(runner)} · busy chunk {apart_chunk} tokens in a pass of its own, "
           f"{riding_chunk} riding (budget {PREFILL_BUDGET_SECONDS} s)", flush=True)
-    savings = {}
+    # per k rows: a pass of the apart chunk alone; per (k, c): what a c-token chunk adds to the rows' pass it rides in
+    alone, adds = {}, {}
     for k in sorted({1, *map(int, args.clients.split(","))}):
-        apart, together = pass_saving(runner, k, apart_chunk, args.context, args.repeats)
-        savings[k] = apart - together
-        print(f"pass · {k} rows + {apart_chunk} prompt tokens: apart {apart * 1e3:.1f} ms, one pass {together * 1e3:.1f} ms "
-              f"(×{together / apart:.3f})", flush=True)
+        for chunk in sorted({apart_chunk, *chunks}):
+            rows, prompt, both = pass_seconds(runner, k, chunk, args.context, args.repeats)
+            if chunk == apart_chunk:
+                alone[k] = prompt
+            adds[k, chunk] = both - rows
+            print(f"pass · {k} rows + {chunk} prompt tokens: apart {(rows + prompt) * 1e3:.1f} ms, one pass "
+                  f"{both * 1e3:.1f} ms (×{both / (rows + prompt):.3f})", flush=True)
     texts = [p.text for p in select(load_sources(args.questions), None, args.per_category)]
     variants = [("apart", False, apart_chunk)] + [(f"riding {c}", True, c) for c in chunks]
 
@@ -129,15 +129,16 @@ def main() -> None:
                            for j in range(args.requests)]
                     runs[name] = await serve(engine, ids, clients, args.max_tokens, mixes, chunk)
                 off = runs["apart"]
-                saving = savings[min(savings, key=lambda k: abs(k - off["rows"]))]
-                predicted = off["seconds"] / (off["seconds"] - off["beside"] * saving)
+                k = min(alone, key=lambda rows: abs(rows - off["rows"]))  # the rows such a turn stepped, measured nearest
                 print(f"{clients} clients, round {rounds}: apart {off['tok/s']:.1f} tok/s (first token {off['first']:.2f} s, "
                       f"{off['beside']} chunks beside a step of {off['rows']:.1f} rows)", flush=True)
                 for name, _, chunk in variants[1:]:
                     on = runs[name]
-                    guess = f" / ×{predicted:.3f} predicted" if chunk == apart_chunk else ""
+                    # each apart chunk's own pass gone, its tokens fed riding at `chunk` a turn
+                    saved = off["beside"] * (alone[k] - apart_chunk / chunk * adds[k, chunk])
+                    predicted = off["seconds"] / (off["seconds"] - saved)
                     print(f"    {name}: {on['tok/s']:.1f} tok/s (first token {on['first']:.2f} s, {on['mixed']} turns mixed) · "
-                          f"×{on['tok/s'] / off['tok/s']:.3f} measured{guess}", flush=True)
+                          f"×{on['tok/s'] / off['tok/s']:.3f} measured / ×{predicted:.3f} predicted", flush=True)
 
     asyncio.run(run())
 

@@ -290,9 +290,9 @@ def _serve(args: argparse.Namespace) -> int:
     spec, limits = _check_serve(args)
     if args.ray:
         return _serve_on_ray(args, spec, limits)
+    from verispec.engine.together import mixes_prompts
     from verispec.errors import InvalidParameterError
     from verispec.serving.http import create_app
-    from verispec.engine.together import mixes_prompts
     from verispec.serving.http.scheduler import kv_bytes_per_token, memory_limits, prefill_chunks
     from verispec.serving.http.server import run
 
