@@ -1,6 +1,7 @@
 """A thread that hands the models over lets its OpenMP pool go (`models/openmp.py`): its worker threads end, and
 the server's scheduler does it as it starts, for the thread that loaded the engine, and for its own thread each time
-it falls idle; `load`, `prepare`, `generate`, `stream` and `generate_batch` do it for the thread that called them."""
+it falls idle; `load`, `prepare`, `generate`, `stream` and `generate_batch` do it for the thread that called them.
+The threads that draft side by side (`drafters/batching.py`) never start a pool."""
 
 from __future__ import annotations
 
@@ -51,6 +52,39 @@ def test_a_thread_lets_its_openmp_pool_go():
     assert seen["released"] and seen["released without a pool"] and seen["before, released"] == seen["before"]
     assert seen["with its pool"] == seen["before"] + 1  # one worker beside the thread itself
     assert seen["after"] == seen["before"]
+
+
+DRAFTING = textwrap.dedent("""
+    import os, threading, torch
+    from verispec.drafters.batching import draft_together
+    from verispec.models.openmp import _libgomp
+    torch.set_num_threads(2)
+    tasks = lambda: len(os.listdir("/proc/self/task"))
+    x = torch.randn(2048, 2048)
+
+    def work():  # a drafting task's host work, on a big enough tensor for a parallel region of two threads
+        (x * 2).sum()
+        return threading.current_thread().name, torch.get_num_threads()
+
+    draft_together([lambda: None] * 2)  # starts the drafting threads (kept for the next step), no parallel work yet
+    before = tasks()
+    results = draft_together([work, work])
+    print({"libgomp": _libgomp() is not None, "results": results, "new threads": tasks() - before,
+           "caller": torch.get_num_threads()})
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="threads counted in /proc; libgomp is torch's Linux runtime")
+def test_drafting_threads_start_no_openmp_pool():
+    """A drafting thread's parallel regions run on it alone: no pool beside the calling thread's, which runs every
+    forward (with one, the process held more OpenMP threads than CPUs and each pass woke its workers through the
+    kernel: a sampled batch 28 against 41 tok/s). The calling thread keeps its own count."""
+    out = subprocess.run([sys.executable, "-c", DRAFTING], capture_output=True, text=True, timeout=120, check=True).stdout
+    seen = eval(out)  # noqa: S307 - the dict our own child printed
+    if not seen["libgomp"]:
+        pytest.skip("torch runs on another OpenMP runtime than libgomp here")
+    assert seen["results"] == [("verispec-draft", 1)] * 2
+    assert seen["new threads"] == 0 and seen["caller"] == 2
 
 
 def test_the_scheduler_takes_over_from_the_loading_thread_and_lets_its_own_pool_go_when_idle(tiny_target, monkeypatch):

@@ -25,16 +25,18 @@ import time
 from unittest import mock
 
 import verispec.engine.together as together
-from verispec import GenerationConfig, load
+from verispec import GenerationConfig, SamplingParams, load
 from verispec.control.costs import interleaved_token_seconds
 from verispec.engine.loop import Generation
 from verispec.paths import cpu_summary
 
 
-def variant(name: str, max_new_tokens: int):
-    """(config, what stands in for `size_together`) of a `--variants` entry."""
+def variant(name: str, max_new_tokens: int, temperature: float):
+    """(config, what stands in for `size_together`) of a `--variants` entry; sampled at `temperature` (0: greedy),
+    unseeded (each request's draws in distribution only, as a server's unseeded requests)."""
+    base = {"max_new_tokens": max_new_tokens, "sampling": SamplingParams(temperature=temperature)}
     if name == "unsized":
-        return GenerationConfig(max_new_tokens=max_new_tokens), lambda outlooks, pass_cost: [o.gamma for o in outlooks]
+        return GenerationConfig(**base), lambda outlooks, pass_cost: [o.gamma for o in outlooks]
     settings = {"plan": {}, "none": {"drafter": "none"}}.get(name)
     if settings is None and name.startswith("gamma="):
         settings = {"gamma": int(name.removeprefix("gamma=")), "gamma_policy": "constant"}
@@ -42,7 +44,7 @@ def variant(name: str, max_new_tokens: int):
         settings = {"drafter": name.removeprefix("drafter=")}
     if settings is None:
         raise SystemExit(f"unknown variant {name!r}: plan, unsized, none, gamma=G or drafter=SPEC")
-    return GenerationConfig(max_new_tokens=max_new_tokens, **settings), together.size_together
+    return GenerationConfig(**base, **settings), together.size_together
 
 
 class Ledger:
@@ -131,13 +133,14 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--max-batch", default="4,8", help="comma list of requests stepped at once")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--temperature", type=float, default=0.0, help="sample unseeded at this temperature (0: greedy)")
     parser.add_argument("--variants", default="plan", help="comma list: plan, unsized, none, gamma=G, drafter=SPEC")
     parser.add_argument("--no-alone", action="store_true", help="skip one `generate` after another (and the comparison)")
     parser.add_argument("--ledger", action="store_true",
                         help="each batch's steps in parts, measured against `control/batch.py`'s prices")
     args = parser.parse_args()
     names = re.split(r",(?=plan\b|unsized\b|none\b|gamma=|drafter=)", args.variants)  # a drafter spec holds commas
-    variants = {name: variant(name, args.max_new_tokens) for name in names}
+    variants = {name: variant(name, args.max_new_tokens, args.temperature) for name in names}
     engine = load()
     print(cpu_summary(), "·", engine.plan.summary() if engine.plan is not None else "", flush=True)
     questions = [json.loads(line) for line in open(args.questions)]

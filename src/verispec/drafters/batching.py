@@ -28,6 +28,7 @@ from typing import TypeVar
 
 import torch
 
+from verispec.models.openmp import serial_thread
 from verispec.models.runner import Cache, Runner
 
 __all__ = ["draft_together", "feed"]
@@ -183,6 +184,7 @@ class _Workers:
         inbox.put(job)
 
     def _serve(self, inbox: queue.SimpleQueue) -> None:
+        serial_thread()  # a drafting thread's own work is small: a pool of its own would slow every pass (`models/openmp.py`)
         while True:
             inbox.get()()
             with self._lock:
