@@ -147,6 +147,18 @@ def test_a_wide_feed_runs_alone(engine, monkeypatch):
     assert [x.shape[0] for x in logits] == [1, 2, 1] and [c.length for c in caches] == [len(wide), 2, 1]
 
 
+def test_each_feed_of_a_shared_pass_gets_the_logits_it_asks_for(engine, monkeypatch):
+    """Feeds asking "none", "last" and "all" share one pass, each scored as it asks: the bits `forward` gives it alone."""
+    runner = engine.drafter.model.runner
+    feeds = [torch.tensor([5, 9, 2]), torch.tensor([22, 3]), torch.tensor([40, 7, 7, 11])]
+    modes = ["none", "last", "all"]
+    alone = [runner.forward(runner.new_cache(), tokens, logits=mode) for tokens, mode in zip(feeds, modes)]
+    passes, caches = counting_passes(runner, monkeypatch), [runner.new_cache() for _ in feeds]
+    shared = draft_together([lambda i=i: feed(runner, caches[i], feeds[i], modes[i]) for i in range(len(feeds))])
+    assert passes == [3] and shared[0] is None and alone[0] is None
+    assert all(torch.equal(a, b) for a, b in zip(alone[1:], shared[1:])) and [x.shape[0] for x in shared[1:]] == [1, 4]
+
+
 def test_a_task_without_a_model_runs_on_the_calling_thread_and_threads_are_kept():
     here = threading.current_thread()
     before = threading.active_count()

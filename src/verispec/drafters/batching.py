@@ -139,18 +139,19 @@ class _Gate:
 
 
 def _forward(items: list[_Feed]) -> None:
-    """`items` (feeds of one runner) in one pass, each item's logits as `forward` gives them; a lone item, or each
+    """`items` (feeds of one runner) in one pass, each scored as it asks (`row_logits`) and given its logits as `forward`
+    gives them; a lone item, or each
     item if the pass fails (a cache moves only when its forward succeeds), through `forward` itself."""
     runner = items[0].runner
     if len(items) > 1:
-        wanted = "all" if any(item.logits == "all" for item in items) else "last"
         try:
-            rows = runner.forward_ragged([item.cache for item in items], [item.tokens for item in items], logits=wanted)
+            rows = runner.forward_ragged([item.cache for item in items], [item.tokens for item in items],
+                                         logits=[item.logits for item in items])
         except Exception:  # noqa: BLE001 - each item alone below: only the faulty one fails
             rows = None
         if rows is not None:
             for item, logits in zip(items, rows):
-                item.out = None if item.logits == "none" else logits[-1:] if item.logits == "last" else logits
+                item.out = logits
             return
     for item in items:
         try:
