@@ -78,7 +78,7 @@ DRAFTING = textwrap.dedent("""
 def test_drafting_threads_start_no_openmp_pool():
     """A drafting thread's parallel regions run on it alone: no pool beside the calling thread's, which runs every
     forward (with one, the process held more OpenMP threads than CPUs and each pass woke its workers through the
-    kernel: a sampled batch 28 against 41 tok/s). The calling thread keeps its own count."""
+    kernel: BENCHMARKS.md, "AMX", sampled traffic under load). The calling thread keeps its own count."""
     out = subprocess.run([sys.executable, "-c", DRAFTING], capture_output=True, text=True, timeout=120, check=True).stdout
     seen = eval(out)  # noqa: S307 - the dict our own child printed
     if not seen["libgomp"]:

@@ -7,11 +7,13 @@ they decode faster than one after the other; each result must still be what `gen
 `control/batch.size_together`), `none` (plain decoding), `gamma=G` (a constant γ of G), `drafter=SPEC` (another
 drafter, its γ sized as the plan's). `--ledger` holds each batch's
 steps against the prices γ was sized by: the shared passes' seconds against `CostModel.pass_cost` by width, the
-drafting against γ·c, and what neither holds (verification, commits, per-request work on the host).
+drafting against γ·c, and what neither holds (verification, commits, per-request work on the host). `--temperature T`
+samples every request at T without a seed (a server's usual sampled traffic: sized for the batch like greedy ones).
 
     .venv/bin/python benchmarks/probes/generate_batch.py --per-category 1 --max-batch 4,8
     .venv/bin/python benchmarks/probes/generate_batch.py --max-batch 8 --rounds 3 --no-alone --variants plan,unsized,none,gamma=1
     .venv/bin/python benchmarks/probes/generate_batch.py --max-batch 8 --no-alone --variants plan,none --ledger
+    .venv/bin/python benchmarks/probes/generate_batch.py --temperature 0.8 --max-batch 4,8 --no-alone --variants plan,none --ledger
 """
 
 from __future__ import annotations
@@ -168,7 +170,7 @@ def main() -> None:
                 kept = sum(r.stats.acceptance.accepted for r in results)
                 line = (f"round {round_} · generate_batch(max_batch={k}) {name}: {sum(len(r.token_ids) for r in results) / seconds:.1f}"
                         f" tok/s ({seconds:.1f} s), {drafted} drafted, {kept} accepted")
-                if alone is not None and name == next(iter(variants)):
+                if alone is not None and name == next(iter(variants)) and not args.temperature:  # unseeded draws differ
                     line += f", {sum(a.token_ids == b.token_ids for a, b in zip(alone, results))}/{len(prompts)} the same tokens as alone"
                 print(line, flush=True)
                 if args.ledger and ledger.steps:

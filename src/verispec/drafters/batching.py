@@ -139,9 +139,9 @@ class _Gate:
 
 
 def _forward(items: list[_Feed]) -> None:
-    """`items` (feeds of one runner) in one pass, each scored as it asks (`row_logits`) and given its logits as `forward`
-    gives them; a lone item, or each
-    item if the pass fails (a cache moves only when its forward succeeds), through `forward` itself."""
+    """`items` (feeds of one runner) in one pass, each scored as it asks (`row_logits`): its logits as `forward` gives
+    them. A lone item, or each item if the pass fails (a cache moves only when its forward succeeds), through `forward`
+    itself."""
     runner = items[0].runner
     if len(items) > 1:
         try:
