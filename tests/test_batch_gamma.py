@@ -1,5 +1,6 @@
-"""γ for requests stepped together (`control/batch.py`): cuts only where the batch's expected tokens per second gain,
-never for a request whose draws depend on γ (sampled) or whose policy prices nothing, never alone; and through
+"""γ for requests stepped together (`control/batch.py`): cuts only where the batch's score (Σ log of the requests'
+expected rates) gains, never for a request whose draws depend on γ (seeded) or whose policy prices nothing, never
+alone; and through
 `Engine.generate_batch`, a batch that cuts greedy requests' drafts still gives every request what it gets alone."""
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ def test_a_lone_request_and_fixed_requests_keep_their_gamma():
     steep = flat_then_steep(1, 1.0)  # every position costs a whole T(1): no draft pays
     assert size_together([Outlook(6, 0.3, fixed=False)], steep) == [6]
     assert size_together([Outlook(6, 0.3), Outlook(5, 0.3)], steep) == [6, 5]  # fixed: sampled, constant, probes
-    assert size_together([Outlook(6, 0.3), Outlook(5, 0.3, fixed=False)], steep) == [6, 0]
+    # the fixed one keeps 6 (a pass of 7 + the other's); the other keeps the one draft whose ×1.3 to its tokens outweighs
+    # the pass of 9 positions, not 8, for both (1.3 / (9/8)² > 1); a second would not (1.39 / 1.3 = 1.07 < (10/9)² = 1.23)
+    assert size_together([Outlook(6, 0.3), Outlook(5, 0.3, fixed=False)], steep) == [6, 1]
 
 
 def test_a_flat_pass_keeps_every_gamma_and_a_steep_one_cuts_the_least_accepted_first():
@@ -34,17 +37,31 @@ def test_a_flat_pass_keeps_every_gamma_and_a_steep_one_cuts_the_least_accepted_f
     assert cut[1] < cut[2] <= cut[0] and cut != [4, 4, 4] and all(0 <= g <= 4 for g in cut)
 
 
-def test_cuts_raise_the_batch_goodput_and_stop_where_no_cut_does():
+def test_cuts_raise_the_batch_score_and_stop_where_no_cut_does():
     from verispec.control.batch import _Batch
 
     outlooks = [Outlook(g, a, c, fixed=False) for g, a, c in [(6, 0.8, 0.0), (3, 0.5, 0.15), (5, 0.4, 0.15), (2, 0.7, 0.3)]]
     pass_cost = flat_then_steep(4, 0.08)
-    start = _Batch(outlooks, [o.gamma for o in outlooks], pass_cost).goodput()
+    start = _Batch(outlooks, [o.gamma for o in outlooks], pass_cost).score()
     sized = size_together(outlooks, pass_cost)
     end = _Batch(outlooks, list(sized), pass_cost)
-    assert end.goodput() > start
+    assert end.score() > start
     for i, g in enumerate(sized):  # a local optimum: no further single cut gains
-        assert g == 0 or end.goodput(i) <= end.goodput()
+        assert g == 0 or end.score(i) <= end.score()
+
+
+def test_a_request_keeps_only_the_drafts_that_gain_it_more_than_they_slow_the_others():
+    """Three plain requests beside one well-accepted request (α 0.9, γ 6) on a pass that costs 0.1 T(1) a position past
+    4: its 6 drafts give the step the most tokens a unit of time (the sum's choice), but slow the three others' single
+    token by 1.6×; the score keeps the 2 whose gain to it (2.71 tokens against 1) outweighs that for all four."""
+    outlooks = [Outlook(6, 0.9, fixed=False)] + [Outlook(0)] * 3
+    pass_cost = flat_then_steep(4, 0.1)
+
+    def tokens_per_time(gamma: int) -> float:  # the sum's measure, as the previous rule priced it
+        return (3 + (1 - 0.9 ** (gamma + 1)) / 0.1) / pass_cost(4 + gamma)
+
+    assert max(range(7), key=tokens_per_time) == 6
+    assert size_together(outlooks, pass_cost) == [2, 0, 0, 0]
 
 
 def test_drafting_and_tree_widths_are_priced():
@@ -52,7 +69,7 @@ def test_drafting_and_tree_widths_are_priced():
 
     batch = _Batch([Outlook(2, 0.5, 0.2, fixed=False), Outlook(3, 0.5, 0.0, 4.0, fixed=False)], [2, 3], lambda n: float(n))
     assert batch.drafting == pytest.approx(0.4) and batch.positions == 3 + 13  # a tree of 4 nodes a depth: 12 + 1
-    assert batch.goodput(1) == pytest.approx(_Batch(batch.outlooks, [2, 2], lambda n: float(n)).goodput())
+    assert batch.score(1) == pytest.approx(_Batch(batch.outlooks, [2, 2], lambda n: float(n)).score())
 
 
 def test_the_pass_cost_extrapolates_past_the_measured_curve():

@@ -1,11 +1,16 @@
-"""γ for requests stepped together: each request's γ, cut where the batch's tokens per second gain by it.
+"""γ for requests stepped together: each request's γ, cut where the batch's requests gain by it.
 
 Alone, a request's γ policy prices a step of γ drafts at γ·c + T(γ+1)/T(1). Stepped together (`engine/together.py`:
 the server's batch, `Engine.generate_batch`), k requests share ONE target pass over all their positions, so a draft
 position costs what it adds to that pass — on a curve that rises with the pass's width, more than it cost alone
-(8 requests each verifying γ+1 = 6 positions make a pass of 48). `size_together` starts from each request's own γ
-and cuts, one draft token at a time, the one whose removal raises the batch's expected tokens per unit of time most,
-until no cut does: the batch's goodput Σ E[tokens_i] / (drafting + T(Σ n_i)/T(1)), E[tokens] = (1 − α^(γ+1))/(1 − α).
+(8 requests each verifying γ+1 = 6 positions make a pass of 48) — and every request in the step pays it, since each
+waits for the whole pass. `size_together` starts from each request's own γ and cuts, one draft token at a time, the
+one whose removal raises the batch's score most, until no cut does. The score is Σ_i log(E[tokens_i] / t), the step's
+time t = drafting + T(Σ n_i)/T(1), E[tokens] = (1 − α^(γ+1))/(1 − α): the product of the requests' expected rates
+(proportional fairness), not their sum. A request's drafts stay where they raise its own rate by a larger factor than
+they slow the step for all k; the sum kept drafts of a well-accepted request that slowed the others by almost as much
+as they gained, and the least accepted requests, whose tokens come one a step, made the latency's tail
+(BENCHMARKS.md, "AMX": the batch's score).
 
 Each draft token is priced at its c, as alone: requests draft side by side and share a draft model's pass only
 where they meet in one (`drafters/batching.py`), which no step can count on, so no saving is assumed. The target's
@@ -18,6 +23,7 @@ not a probe); a lone request is never resized.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -38,35 +44,36 @@ class Outlook:
 
 
 class _Batch:
-    """The step's expected tokens and its time in T(1) at the current γs, updated a cut at a time."""
+    """The step's score (Σ log of the requests' expected rates) at the current γs, updated a cut at a time."""
 
     def __init__(self, outlooks: Sequence[Outlook], gammas: list[int], pass_cost: Callable[[int], float]):
         self.outlooks, self.gammas, self.pass_cost = outlooks, gammas, pass_cost
-        self.tokens = sum(self._tokens(o, g) for o, g in zip(outlooks, gammas))
+        self.log_tokens = sum(self._log_tokens(o, g) for o, g in zip(outlooks, gammas))
         self.positions = sum(self._positions(o, g) for o, g in zip(outlooks, gammas))
         self.drafting = sum(g * o.c for o, g in zip(outlooks, gammas))
 
     @staticmethod
-    def _tokens(o: Outlook, g: int) -> float:
-        return expected_tokens(o.alpha, g)  # 1 at γ 0: a plain step
+    def _log_tokens(o: Outlook, g: int) -> float:
+        return math.log(expected_tokens(o.alpha, g))  # 0 at γ 0: a plain step's one token
 
     @staticmethod
     def _positions(o: Outlook, g: int) -> int:
         return round(g * o.width) + 1
 
     def _cut(self, i: int) -> tuple[float, int, float]:
-        """What request i drafting one token fewer changes: (tokens, positions, drafting)."""
+        """What request i drafting one token fewer changes: (log tokens, positions, drafting)."""
         o, g = self.outlooks[i], self.gammas[i]
-        return self._tokens(o, g - 1) - self._tokens(o, g), self._positions(o, g - 1) - self._positions(o, g), -o.c
+        return self._log_tokens(o, g - 1) - self._log_tokens(o, g), self._positions(o, g - 1) - self._positions(o, g), -o.c
 
-    def goodput(self, i: int | None = None) -> float:
-        """Expected tokens per unit of time (T(1)) of the step at the current γs (with request i drafting one fewer)."""
-        tokens, positions, drafting = self._cut(i) if i is not None else (0.0, 0, 0.0)
-        return (self.tokens + tokens) / (self.drafting + drafting + self.pass_cost(self.positions + positions))
+    def score(self, i: int | None = None) -> float:
+        """Σ_i log(E[tokens_i] / the step's time in T(1)) at the current γs (with request i drafting one fewer)."""
+        log_tokens, positions, drafting = self._cut(i) if i is not None else (0.0, 0, 0.0)
+        step_time = self.drafting + drafting + self.pass_cost(self.positions + positions)  # in T(1)
+        return self.log_tokens + log_tokens - len(self.gammas) * math.log(step_time)
 
     def cut(self, i: int) -> None:
-        tokens, positions, drafting = self._cut(i)
-        self.tokens, self.positions, self.drafting = self.tokens + tokens, self.positions + positions, self.drafting + drafting
+        log_tokens, positions, drafting = self._cut(i)
+        self.log_tokens, self.positions, self.drafting = self.log_tokens + log_tokens, self.positions + positions, self.drafting + drafting
         self.gammas[i] -= 1
 
 
@@ -77,9 +84,9 @@ def size_together(outlooks: Sequence[Outlook], pass_cost: Callable[[int], float]
     if len(outlooks) < 2 or all(o.fixed for o in outlooks):
         return gammas
     batch = _Batch(outlooks, gammas, functools.cache(pass_cost))  # each cut asks every request's: a few widths, many times
-    best = batch.goodput()
+    best = batch.score()
     while True:
-        cuts = [(batch.goodput(i), i) for i, o in enumerate(outlooks) if not o.fixed and gammas[i] > 0]
+        cuts = [(batch.score(i), i) for i, o in enumerate(outlooks) if not o.fixed and gammas[i] > 0]
         if not cuts or (top := max(cuts))[0] <= best:
             return gammas
         best = top[0]
