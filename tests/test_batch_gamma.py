@@ -1,7 +1,7 @@
 """γ for requests stepped together (`control/batch.py`): cuts only where the batch's score (Σ log of the requests'
 expected rates) gains, never for a request whose draws depend on γ (seeded) or whose policy prices nothing, never
-alone; and through
-`Engine.generate_batch`, a batch that cuts greedy requests' drafts still gives every request what it gets alone."""
+alone; and through `Engine.generate_batch`, a batch that cuts greedy requests' drafts still gives every request what
+it gets alone."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def flat_then_steep(knee: int, slope: float):
 
 
 def test_a_lone_request_and_fixed_requests_keep_their_gamma():
-    steep = flat_then_steep(1, 1.0)  # every position costs a whole T(1): no draft pays
+    steep = flat_then_steep(1, 1.0)  # every position costs a whole T(1)
     assert size_together([Outlook(6, 0.3, fixed=False)], steep) == [6]
     assert size_together([Outlook(6, 0.3), Outlook(5, 0.3)], steep) == [6, 5]  # fixed: sampled, constant, probes
     # the fixed one keeps 6 (a pass of 7 + the other's); the other keeps the one draft whose ×1.3 to its tokens outweighs
