@@ -24,7 +24,7 @@ def flat_then_steep(knee: int, slope: float):
 def test_a_lone_request_and_fixed_requests_keep_their_gamma():
     steep = flat_then_steep(1, 1.0)  # every position costs a whole T(1)
     assert size_together([Outlook(6, 0.3, fixed=False)], steep) == [6]
-    assert size_together([Outlook(6, 0.3), Outlook(5, 0.3)], steep) == [6, 5]  # fixed: sampled, constant, probes
+    assert size_together([Outlook(6, 0.3), Outlook(5, 0.3)], steep) == [6, 5]  # fixed: seeded sampled, constant, probes
     # the fixed one keeps 6 (a pass of 7 + the other's); the other keeps the one draft whose ×1.3 to its tokens outweighs
     # the pass of 9 positions, not 8, for both (1.3 / (9/8)² > 1); a second would not (1.39 / 1.3 = 1.07 < (10/9)² = 1.23)
     assert size_together([Outlook(6, 0.3), Outlook(5, 0.3, fixed=False)], steep) == [6, 1]

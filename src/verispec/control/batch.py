@@ -73,7 +73,9 @@ class _Batch:
 
     def cut(self, i: int) -> None:
         log_tokens, positions, drafting = self._cut(i)
-        self.log_tokens, self.positions, self.drafting = self.log_tokens + log_tokens, self.positions + positions, self.drafting + drafting
+        self.log_tokens += log_tokens
+        self.positions += positions
+        self.drafting += drafting
         self.gammas[i] -= 1
 
 

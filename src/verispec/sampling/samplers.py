@@ -1,4 +1,5 @@
-"""Samplers: argmax, multinomial (by inverse transform) and Gumbel-max draws, and Gumbel-top-k (k distinct tokens in one pass).
+"""Samplers: argmax, multinomial (by inverse transform) and Gumbel-max draws, and Gumbel-top-k (k distinct tokens in
+one pass).
 
 All randomness flows through an explicit `torch.Generator` owned by the request: never a global
 reseed, so one seed reproduces one output. The generator lives on the target's device (`torch.Generator`
@@ -35,8 +36,8 @@ CDF_BLOCK = 1024  # tokens a block of `inverse_cdf`'s two-level search
 
 def multinomial(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One draw per row from probs [n, vocab] (weights ≥ 0, any positive sum) -> [n] (on probs' device): one uniform
-    draw per row from `generator`, turned into a token by `inverse_cdf`, a tenth of torch.multinomial's time over a
-    large vocabulary on the CPU (BENCHMARKS.md, "Sampled traffic under load")."""
+    draw per row from `generator`, turned into a token by `inverse_cdf`, faster than torch.multinomial over a large
+    vocabulary on the CPU (`benchmarks/probes/sampler_speed.py`)."""
     device = _draw_device(generator, probs.device)
     weights = probs.to(device)
     draws = torch.rand(weights.shape[0], 1, generator=generator, device=device, dtype=torch.float64)  # [n, 1]
