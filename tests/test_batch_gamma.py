@@ -37,7 +37,7 @@ def test_a_flat_pass_keeps_every_gamma_and_a_steep_one_cuts_the_least_accepted_f
     assert cut[1] < cut[2] <= cut[0] and cut != [4, 4, 4] and all(0 <= g <= 4 for g in cut)
 
 
-def test_cuts_raise_the_batch_score_and_stop_where_no_cut_does():
+def test_cuts_raise_the_batch_score_and_end_where_no_single_cut_gains():
     from verispec.control.batch import _Batch
 
     outlooks = [Outlook(g, a, c, fixed=False) for g, a, c in [(6, 0.8, 0.0), (3, 0.5, 0.15), (5, 0.4, 0.15), (2, 0.7, 0.3)]]
@@ -48,6 +48,24 @@ def test_cuts_raise_the_batch_score_and_stop_where_no_cut_does():
     assert end.score() > start
     for i, g in enumerate(sized):  # a local optimum: no further single cut gains
         assert g == 0 or end.score(i) <= end.score()
+
+
+def test_cuts_go_past_a_losing_cut_to_the_best_gammas_on_a_concave_pass():
+    """A pass whose first position past one a row costs the most (T 1 for two rows of one position, 1.6 for three, then
+    0.01 a position): two requests at γ 3 and α 0.3 score 2·log 1.417 − 2·log 1.65 = −0.30, a single cut lowers that
+    (−0.31: the pass barely cheaper, a token's worth lost), but no drafts at all score 0. A descent that stopped at the
+    first losing cut kept every draft (the positive control); the cuts go on to the bottom and keep the best."""
+    from verispec.control.batch import _Batch
+
+    outlooks = [Outlook(3, 0.3, fixed=False), Outlook(3, 0.3, fixed=False)]
+
+    def pass_cost(positions: int) -> float:
+        return 1.0 if positions <= 2 else 1.6 + 0.01 * (positions - 3)
+
+    own = _Batch(outlooks, [3, 3], pass_cost)
+    assert own.score(0) < own.score() and own.score(1) < own.score()  # every single cut loses
+    assert _Batch(outlooks, [0, 0], pass_cost).score() > own.score()
+    assert size_together(outlooks, pass_cost) == [0, 0]
 
 
 def test_a_request_keeps_only_the_drafts_that_gain_it_more_than_they_slow_the_others():

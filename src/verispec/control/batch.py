@@ -5,7 +5,10 @@ the server's batch, `Engine.generate_batch`), k requests share ONE target pass o
 position costs what it adds to that pass — on a curve that rises with the pass's width, more than it cost alone
 (8 requests each verifying γ+1 = 6 positions make a pass of 48) — and every request in the step pays it, since each
 waits for the whole pass. `size_together` starts from each request's own γ and cuts, one draft token at a time, the
-one whose removal raises the batch's score most, until no cut does. The score is Σ_i log(E[tokens_i] / t), the step's
+one whose removal leaves the batch's score highest, down to no drafts at all, and keeps the best γs it met: the
+pass's curve is concave (the first position past one a row costs the most), so near the top each single cut may lose
+where cutting them all gains, and a descent that stopped at the first losing cut kept drafts the batch was better
+without (BENCHMARKS.md, "AMX": the batch's descent). The score is Σ_i log(E[tokens_i] / t), the step's
 time t = drafting + T(Σ n_i)/T(1), E[tokens] = (1 − α^(γ+1))/(1 − α): the product of the requests' expected rates
 (proportional fairness), not their sum. A request's drafts stay where they raise its own rate by a larger factor than
 they slow the step for all k; the sum kept drafts of a well-accepted request that slowed the others by almost as much
@@ -82,14 +85,13 @@ class _Batch:
 def size_together(outlooks: Sequence[Outlook], pass_cost: Callable[[int], float]) -> list[int]:
     """Each request's γ for a step taken together (module docstring): its own, or less where the batch gains;
     `pass_cost(n)`: T(n)/T(1) of one target pass over n positions."""
-    gammas = [o.gamma for o in outlooks]
     if len(outlooks) < 2 or all(o.fixed for o in outlooks):
-        return gammas
-    batch = _Batch(outlooks, gammas, functools.cache(pass_cost))  # each cut asks every request's: a few widths, many times
-    best = batch.score()
-    while True:
-        cuts = [(batch.score(i), i) for i, o in enumerate(outlooks) if not o.fixed and gammas[i] > 0]
-        if not cuts or (top := max(cuts))[0] <= best:
-            return gammas
-        best = top[0]
-        batch.cut(top[1])
+        return [o.gamma for o in outlooks]
+    batch = _Batch(outlooks, [o.gamma for o in outlooks], functools.cache(pass_cost))  # each cut asks every request's
+    best, best_gammas = batch.score(), list(batch.gammas)
+    while cuts := [(batch.score(i), i) for i, o in enumerate(outlooks) if not o.fixed and batch.gammas[i] > 0]:
+        score, i = max(cuts)
+        batch.cut(i)
+        if score > best:
+            best, best_gammas = score, list(batch.gammas)
+    return best_gammas
