@@ -224,7 +224,7 @@ def _keep_at_least_top1(remove: torch.Tensor, probs: torch.Tensor) -> torch.Tens
 def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """logits / temperature, shifted so that each row's largest is 0: nothing overflows to +inf however
     small the temperature (softmax is the same), and a huge temperature does not turn −inf into NaN."""
-    return (logits - logits.max(dim=-1, keepdim=True).values) / min(temperature, FLOAT32_MAX)
+    return (logits - logits.amax(dim=-1, keepdim=True)).div_(min(temperature, FLOAT32_MAX))  # a fresh tensor: divided in place
 
 
 def to_probs(logits: torch.Tensor, params: SamplingParams, penalties: Penalties | None = None) -> torch.Tensor:
@@ -239,6 +239,8 @@ def to_probs(logits: torch.Tensor, params: SamplingParams, penalties: Penalties 
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [n, 1]
         logits = logits.masked_fill(logits < kth, neg_inf)
     probs = torch.softmax(logits, dim=-1)
+    if params.top_p >= 1.0 and params.min_p <= 0 and params.epsilon <= 0 and params.eta <= 0:
+        return probs  # nothing removed: softmax's rows are already normalised
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [n, vocab]

@@ -56,7 +56,7 @@ def inverse_cdf(weights: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
     masses = padded.sum(-1, dtype=torch.float64)  # [n, blocks]
     ends = masses.cumsum(-1)  # [n, blocks]
     total = ends[:, -1:]  # [n, 1]
-    if not bool(((total > 0) & torch.isfinite(total)).all()) or bool((padded < 0).any()):
+    if not bool(((total > 0) & torch.isfinite(total)).all()) or bool(padded.amin() < 0):
         raise ValueError("a distribution to sample needs weights ≥ 0 and a positive, finite total "
                          "(got a negative weight, a row of zeros, inf or NaN)")
     target = draws.to(torch.float64) * total  # [n, 1]

@@ -55,6 +55,8 @@ def verify_sampled(
 ) -> Verdict:
     """draft_tokens [γ]; draft_probs [γ, vocab] or None (point mass); target_probs [γ+1, vocab]."""
     gamma = draft_tokens.shape[0]
+    if gamma == 0:  # plain decoding: a draw from the target's row (no other tensor work: each op costs after a forward)
+        return Verdict(0, int(multinomial(target_probs[:1], generator)), Origin.BONUS)
     device = target_probs.device  # the whole rule runs there; only the accepted count and the next token come back
     positions = torch.arange(gamma, device=device)
     draft_tokens = draft_tokens.to(device)
