@@ -90,6 +90,36 @@ def test_drafting_and_tree_widths_are_priced():
     assert batch.score(1) == pytest.approx(_Batch(batch.outlooks, [2, 2], lambda n: float(n)).score())
 
 
+def test_a_draft_model_behind_the_sequence_pays_its_catching_up_with_its_first_draft():
+    """Two requests alike but for one's draft model, 40 tokens behind (cut in the steps before) at 0.02 T(1) a token:
+    0.8 T(1) before its first draft, more than its drafts gain it, so it stays cut; priced without that (the positive
+    control) both keep the same γs."""
+    from verispec.control.batch import _Batch
+
+    pass_cost = flat_then_steep(2, 0.05)
+    behind = [Outlook(3, 0.6, 0.1, fixed=False), Outlook(3, 0.6, 0.1, catch_up=40 * 0.02, fixed=False)]
+    level = [behind[0], behind[0]]
+    assert _Batch(behind, [0, 1], pass_cost).drafting == pytest.approx(0.1 + 0.8)
+    assert _Batch(behind, [2, 0], pass_cost).drafting == pytest.approx(0.2)  # no drafts: no catching up
+    sized = size_together(level, pass_cost)
+    assert sized[0] == sized[1] > 0
+    assert size_together(behind, pass_cost) == [sized[0], 0]
+
+
+def test_a_model_session_counts_the_committed_tokens_its_draft_lacks(tiny_target, tiny_draft):
+    target, draft = load_model(tiny_target, "int8"), load_model(tiny_draft, "int8")
+    prompt = PROMPTS[1]
+    session = DraftModelDrafter(draft, target.vocab_size).start(prompt)
+    assert session.lag(prompt) == 0  # prefilled but for the last token, which every step feeds
+    later = prompt + [4, 6, 8, 10, 12]  # five tokens committed in steps the draft model sat out
+    session.commit(later)
+    assert session.lag(later) == 5
+    session.propose(later, 2, SamplingParams(), None)
+    assert session.lag(later) == 0
+    assert DraftModelDrafter(draft, target.vocab_size).start_chunked(prompt).lag(prompt) == len(prompt) - 1  # no prefill yet
+    assert NgramDrafter().start(prompt).lag(later) == 0
+
+
 def test_the_pass_cost_extrapolates_past_the_measured_curve():
     costs = CostModel([1.0, 1.0, 1.0, 1.0, 1.2, 1.4, 1.6, 1.8])  # T(n) for n = 1…8
     assert costs.pass_cost(8) == pytest.approx(1.8) and costs.pass_cost(3) == 1.0
@@ -192,6 +222,9 @@ def test_an_analytic_policy_offers_its_class_alpha_and_cost_and_holds_a_paused_c
     drafted, looked_up = policy.outlook(3), policy.outlook(3, Hint(key=2, prior=0.9, free=True))
     assert not drafted.fixed and drafted.c == pytest.approx(0.2) and drafted.alpha == pytest.approx(0.7)
     assert not looked_up.fixed and looked_up.c == 0.0 and looked_up.alpha == pytest.approx(0.9)
+    behind = AnalyticGamma(CostModel([1.0] * 8, 0.2, 1.1), gamma=3).outlook(3, None, lag=10)  # T_d(2)/T_d(1) 1.1
+    assert behind.catch_up == pytest.approx(0.2 * 0.1 * 10)
+    assert policy.outlook(3, Hint(key=2, prior=0.9, free=True), lag=10).catch_up == 0.0  # lookup runs no draft model
     for _ in range(40):  # every draft rejected: the class pauses, its steps (plain or a probe) keep their γ
         policy.update(3, 0)
     assert policy.overall.gamma == 0 and policy.outlook(1).fixed

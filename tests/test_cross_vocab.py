@@ -103,6 +103,26 @@ def test_greedy_is_token_identical_to_the_reference(pair, gamma):
         assert engine.generate(prompt, GenerationConfig(max_new_tokens=16)).token_ids == expected
 
 
+def test_a_session_counts_the_tokens_committed_since_its_draft_last_fed(pair):
+    """`lag` (what the batch prices a draft's catching up by, `control/batch.py`): 0 right after a proposal fed the
+    cache, one more for each token committed in steps it drafted nothing in; the whole prompt before a chunked prefill."""
+    target, draft, _, _, _ = pair
+    prompt = PROMPTS[1]
+    session = CrossVocabDrafter(draft, target).start(prompt)
+    ids = prompt + [6]  # the first token: it and the prompt's last one fed with the first proposal, as a same-vocabulary draft's
+    assert session.lag(ids) == 1
+    drafted = session.propose(ids, 2, SamplingParams(), None).tokens.tolist()
+    ids = ids + drafted[:1] + [7]  # one draft token accepted, then the target's
+    session.commit(ids)
+    assert session.lag(ids) == 0
+    for token in (2, 4, 9):  # three steps without a proposal
+        ids = ids + [token]
+        session.commit(ids)
+    assert session.lag(ids) == 3
+    chunked = CrossVocabDrafter(draft, target).start_chunked(prompt)
+    assert chunked.lag(prompt) >= len(prompt) - 1  # its prefill not fed yet: about the prompt, in the draft's ids
+
+
 def test_a_renamed_copy_of_the_target_is_accepted_in_full(pair, renamed_target):
     """If the text bridge dropped, shifted or mistranslated tokens, the renamed copy would miss."""
     target, _, hf, _, _ = pair

@@ -52,8 +52,9 @@ def variant(name: str, max_new_tokens: int, temperature: float):
 class Ledger:
     """Each step taken together, timed in its parts (drafting, the shared pass, the rest) and priced as
     `control/batch.py` prices it: the pass at `CostModel.pass_cost(positions, rows, context)`, a drafted token at c
-    (0 where the step's class is free), in T(1); and the requests' prefills (the target's, then the draft model's).
-    Installed by patching `engine/together.py`'s step functions and `Generation.prefill_step`."""
+    (0 where the step's class is free) and a drafting request's catching up (`Outlook.catch_up`), in T(1); and the
+    requests' prefills (the target's, then the draft model's). Installed by patching `engine/together.py`'s step
+    functions and sizing (the variant's, wrapped) and `Generation.prefill_step`."""
 
     BUCKETS = (1, 9, 17, 25, 33, 49, 65)  # pass widths (positions) reported apart: a bucket from each to the next
 
@@ -64,7 +65,13 @@ class Ledger:
     @contextlib.contextmanager
     def installed(self):
         draft_plans, verify_together, step_together = together.draft_plans, together.verify_together, together.step_together
+        size_together = together.size_together  # the variant's
         step = {}
+
+        def priced_size_together(outlooks, pass_cost):
+            gammas = size_together(outlooks, pass_cost)
+            step["catching up"] = sum(o.catch_up for o, gamma in zip(outlooks, gammas) if gamma)
+            return gammas
 
         def timed_draft_plans(generations):
             start = time.perf_counter()
@@ -82,7 +89,8 @@ class Ledger:
             costs = costs if costs is not None and costs.target_seconds else self.costs  # plain decoding measures none
             step["predicted pass"] = costs.pass_cost(step["positions"], len(plans), step["context"])
             c = costs.draft_cost_ratio() or 0.0
-            step["predicted draft"] = sum((len(p.feed) - 1) * (0.0 if p.hint is not None and p.hint.free else c) for p in plans)
+            step["predicted draft"] = (sum((len(p.feed) - 1) * (0.0 if p.hint is not None and p.hint.free else c) for p in plans)
+                                       + step.get("catching up", 0.0))
             return rows
 
         def timed_step_together(generations):
@@ -104,6 +112,7 @@ class Ledger:
 
         with (mock.patch.object(Generation, "prefill_step", timed_prefill_step),
               mock.patch.object(together, "draft_plans", timed_draft_plans),
+              mock.patch.object(together, "size_together", priced_size_together),
               mock.patch.object(together, "verify_together", timed_verify_together),
               mock.patch.object(together, "step_together", timed_step_together)):
             yield self

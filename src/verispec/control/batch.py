@@ -16,7 +16,9 @@ as they gained, and the least accepted requests, whose tokens come one a step, m
 (BENCHMARKS.md, "AMX": the batch's score).
 
 Each draft token is priced at its c, as alone: requests draft side by side and share a draft model's pass only
-where they meet in one (`drafters/batching.py`), which no step can count on, so no saving is assumed. The target's
+where they meet in one (`drafters/batching.py`), which no step can count on, so no saving is assumed; a request whose
+draft model fell behind the sequence in steps it drafted nothing in pays its catching up (`Outlook.catch_up`) with its
+first draft token, so a request once cut stays cut while the batch is better without its drafts. The target's
 pass is priced on its measured costs (`CostModel.pass_cost`: the curve, its wide points and what a row adds). γ only
 ever falls, never below 0, and only for requests whose output γ cannot change (`Outlook.fixed` False: greedy, or
 sampled without a seed, whose draws are promised only in distribution, which γ never changes; an analytic policy,
@@ -43,6 +45,7 @@ class Outlook:
     alpha: float = 0.0  # its step class's acceptance estimate
     c: float = 0.0  # seconds a draft token / T(1); 0 where its proposals cost no forward (prompt lookup)
     width: float = 1.0  # positions verified per depth (a token tree's nodes per depth; 1 for a chain)
+    catch_up: float = 0.0  # T(1)s its draft model spends on committed tokens it lacks before its first draft (`DraftSession.lag`)
     fixed: bool = True  # its γ must stay (seeded sampled: γ changes the draws; a constant policy; a probe)
 
 
@@ -53,11 +56,15 @@ class _Batch:
         self.outlooks, self.gammas, self.pass_cost = outlooks, gammas, pass_cost
         self.log_tokens = sum(self._log_tokens(o, g) for o, g in zip(outlooks, gammas))
         self.positions = sum(self._positions(o, g) for o, g in zip(outlooks, gammas))
-        self.drafting = sum(g * o.c for o, g in zip(outlooks, gammas))
+        self.drafting = sum(self._drafting(o, g) for o, g in zip(outlooks, gammas))
 
     @staticmethod
     def _log_tokens(o: Outlook, g: int) -> float:
         return math.log(expected_tokens(o.alpha, g))  # 0 at γ 0: a plain step's one token
+
+    @staticmethod
+    def _drafting(o: Outlook, g: int) -> float:
+        return g * o.c + (o.catch_up if g else 0.0)  # a draft model behind the sequence catches up before drafting
 
     @staticmethod
     def _positions(o: Outlook, g: int) -> int:
@@ -66,7 +73,8 @@ class _Batch:
     def _cut(self, i: int) -> tuple[float, int, float]:
         """What request i drafting one token fewer changes: (log tokens, positions, drafting)."""
         o, g = self.outlooks[i], self.gammas[i]
-        return self._log_tokens(o, g - 1) - self._log_tokens(o, g), self._positions(o, g - 1) - self._positions(o, g), -o.c
+        return (self._log_tokens(o, g - 1) - self._log_tokens(o, g), self._positions(o, g - 1) - self._positions(o, g),
+                self._drafting(o, g - 1) - self._drafting(o, g))
 
     def score(self, i: int | None = None) -> float:
         """Σ_i log(E[tokens_i] / the step's time in T(1)) at the current γs (with request i drafting one fewer)."""

@@ -45,9 +45,9 @@ class GammaPolicy(ABC):
         path), how many tokens the sequence holds now (the context the next step attends; None: unknown), the
         step's hint and, for a token tree, how many nodes it held."""
 
-    def outlook(self, gamma: int, hint: Hint | None = None) -> Outlook:
-        """The next step (`gamma` drafts, of the class `hint`) for sizing it among others (`control/batch.py`).
-        Default: its γ stays (a policy that measures no costs)."""
+    def outlook(self, gamma: int, hint: Hint | None = None, lag: int = 0) -> Outlook:
+        """The next step (`gamma` drafts, of the class `hint`, its draft model `lag` tokens behind: `DraftSession.lag`)
+        for sizing it among others (`control/batch.py`). Default: its γ stays (a policy that measures no costs)."""
         return Outlook(gamma)
 
 
@@ -134,13 +134,17 @@ class AnalyticGamma(GammaPolicy):
             steps.seen.add(proposed, accepted)
         self._retune(steps, context)
 
-    def outlook(self, gamma: int, hint: Hint | None = None) -> Outlook:
-        """Its class's α and the costs it is priced at; γ stays while the class is paused (a probe, a plain step)
-        or before costs are known."""
+    def outlook(self, gamma: int, hint: Hint | None = None, lag: int = 0) -> Outlook:
+        """Its class's α and the costs it is priced at, the draft model's `lag` tokens to catch up at what each token
+        past one adds to its forward (T_d(2)/T_d(1) − 1, as `theory.draft_step_cost`); γ stays while the class is
+        paused (a probe, a plain step) or before costs are known."""
         steps, c = self._steps(hint), self.costs.draft_cost_ratio()
         if c is None or steps.gamma == 0 or gamma == 0:
             return Outlook(gamma)
-        return Outlook(gamma, self._alpha(steps), 0.0 if steps.free else c, self.positions(gamma) / gamma, fixed=False)
+        if steps.free:  # no draft forward: nothing to pay, nothing to catch up
+            return Outlook(gamma, self._alpha(steps), 0.0, self.positions(gamma) / gamma, fixed=False)
+        catch_up = c * (self.costs.draft_catch_up - 1.0) * lag
+        return Outlook(gamma, self._alpha(steps), c, self.positions(gamma) / gamma, catch_up, fixed=False)
 
     def positions(self, gamma: int) -> int:
         """The draft positions a step of depth γ verifies: γ for a chain, γ times the nodes per depth of the

@@ -67,6 +67,12 @@ class DraftSession(ABC):
         step is alike."""
         return None
 
+    def lag(self, ids: list[int]) -> int:
+        """The committed tokens of `ids` a draft model of this session must still feed before its next draft, past
+        the one every step feeds (a model's cache behind the sequence after steps it drafted nothing in, or its
+        prefill unfinished): what its next draft costs more than a step's. Default: 0 (nothing to feed)."""
+        return 0
+
     def commit(self, ids: list[int]) -> None:
         """`ids` is the committed sequence after verification; drop state past it."""
 
@@ -193,6 +199,9 @@ class ModelSession(DraftSession):
         ids = self.view(ids)
         return self._feed(list(ids[len(self.cached) :]) + list(extra), logits)
 
+    def lag(self, ids):
+        return max(0, len(self.view(ids)) - len(self.cached) - 1)
+
     def _rollback(self, length: int) -> None:
         """Keep the first `length` cached positions."""
         self.cache.truncate(length)
@@ -223,6 +232,9 @@ class ComposedSession(DraftSession):
     def commit(self, ids):
         for session in self.sessions:
             session.commit(ids)
+
+    def lag(self, ids):
+        return sum(session.lag(ids) for session in self.sessions)
 
     def prefill_step(self, max_tokens=None):
         """The parts' own prefills (those opened chunked), one after the other: a chunk goes to the first part

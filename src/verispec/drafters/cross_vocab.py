@@ -200,6 +200,12 @@ class _CrossVocabSession(ModelSession):
         if not context or len(read) >= drafter.model.context_length:  # no text yet, or too long to draft for
             context = [0]  # an empty cache: a prefilled cache holds all but the last id
         super().__init__(drafter.model, context, prefill, drafter.window)
+        self.synced, self.fed = len(prompt_ids) - 1, False  # the target's tokens whose text the cache holds; fed this step
+
+    def lag(self, ids):
+        """As a draft model's (`DraftSession.lag`), counted in the target's tokens committed since the cache last fed:
+        the draft's for that text are about as many, and counting them exactly would re-encode the text each step."""
+        return max(0, len(self._prompt) - len(self.cached)) + max(0, len(ids) - self.synced - 1)
 
     def _sync(self, context: list[int]) -> torch.Tensor:
         """Cut the cache back to what it shares with `context`, feed the rest; logits [1, vocab] after it."""
@@ -207,7 +213,8 @@ class _CrossVocabSession(ModelSession):
         return self._feed(context[len(self.cached) :])
 
     def commit(self, ids):
-        pass
+        if self.fed:  # the cache holds the text up to the step's own token (what it accepted of the draft, at least)
+            self.synced, self.fed = len(ids) - 1, False
 
     def propose(self, ids, gamma, params, generator):
         context = self.view(self.context.ids(ids))
@@ -215,6 +222,7 @@ class _CrossVocabSession(ModelSession):
         if gamma <= 0 or not context or len(context) + gamma >= model.context_length:
             return Draft.empty()
         logits = self._sync(context)  # [1, draft vocab]
+        self.fed = True
         params = params.in_draft_vocabulary()
         if params.greedy:
             return self._greedy(ids, context, logits, gamma, params)

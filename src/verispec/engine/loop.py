@@ -618,7 +618,7 @@ class Generation:
         if self.session is not None:  # the policy's γ for this class of step, or what the session's free source may take
             hint = self.session.hint(self.ids)
             gamma = min(self.session.budget(self.ids, self.policy.next_gamma(hint), self.engine.max_gamma), remaining - 1)
-        outlook = self.policy.outlook(gamma, hint)
+        outlook = self.policy.outlook(gamma, hint, self.session.lag(self.ids) if self.session is not None else 0)
         outlook = replace(outlook, fixed=outlook.fixed or (not self.params.greedy and self.config.seed is not None))
         return Proposal(hint, outlook, time.perf_counter() - start)
 
