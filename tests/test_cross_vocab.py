@@ -18,7 +18,7 @@ from distribution import assert_rejected, assert_same_distribution, sample_seque
 from transformers import AutoModelForCausalLM
 
 from verispec import Engine, GenerationConfig, SamplingParams
-from verispec.drafters import make_drafter
+from verispec.drafters import HybridDrafter, make_drafter
 from verispec.errors import InvalidParameterError
 from verispec.drafters.cross_vocab import CrossVocabDrafter, SharedVocabulary, retokenize, shared_vocabulary
 from verispec.models.loading import load_model
@@ -101,6 +101,18 @@ def test_greedy_is_token_identical_to_the_reference(pair, gamma):
     for prompt in PROMPTS:
         expected = reference_generate(hf, prompt, 16, eos_ids=target.eos_ids)
         assert engine.generate(prompt, GenerationConfig(max_new_tokens=16)).token_ids == expected
+
+
+def test_the_shared_vocabulary_is_built_before_the_first_sampled_proposal_when_asked(pair):
+    """`prepare_sampling` (what a server calls at start) builds the shared vocabulary, through a hybrid drafter too, so
+    that no sampled request waits for it; without it, nothing is built before a sampled proposal asks."""
+    target, draft, _, _, _ = pair
+    lazy, ready = CrossVocabDrafter(draft, target), CrossVocabDrafter(draft, target)
+    ready.prepare_sampling()
+    assert "shared" not in vars(lazy) and "shared" in vars(ready)
+    hybrid = HybridDrafter(CrossVocabDrafter(draft, target))
+    hybrid.prepare_sampling()
+    assert "shared" in vars(hybrid.model_drafter)
 
 
 def test_a_session_counts_the_tokens_committed_since_its_draft_last_fed(pair):

@@ -158,8 +158,11 @@ def main() -> None:
     prompts = []
     for category in dict.fromkeys(q["category"] for q in questions):
         prompts += [q["turns"][0] for q in questions if q["category"] == category][: args.per_category]
-    # a warm-up batch (it also measures the batch's pass costs the first time: `CostModel.pass_cost`), not timed
+    # a warm-up batch (it also measures the batch's pass costs the first time: `CostModel.pass_cost`), not timed, and
+    # what sampled drafts need built, as a server builds it at start (`Drafter.prepare_sampling`)
     engine.generate_batch(prompts[:2], GenerationConfig(max_new_tokens=16), max_batch=2)
+    if engine.drafter is not None:
+        engine.drafter.prepare_sampling()
     for round_ in range(args.rounds):
         alone = None
         if not args.no_alone:

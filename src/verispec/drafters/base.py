@@ -123,6 +123,11 @@ class Drafter(ABC):
         Default: `start` (the whole prefill now)."""
         return self.start(prompt_ids)
 
+    def prepare_sampling(self) -> None:
+        """Build now what a sampled proposal needs and a greedy one does not (a cross-vocabulary draft's shared
+        vocabulary: half a second of reading both vocabularies), so that a server's first sampled request does not
+        wait for it. Default: nothing to build."""
+
 
 SINK = 4  # prompt tokens a draft window keeps from the start (the chat template's opening; StreamingLLM's sinks)
 

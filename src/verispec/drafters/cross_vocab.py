@@ -180,6 +180,9 @@ class CrossVocabDrafter(Drafter):
         of reading both vocabularies; greedy drafting goes through the text and never needs it)."""
         return shared_vocabulary(self.target.tokenizer, self.model.tokenizer, self.target.vocab_size, self.model.vocab_size)
 
+    def prepare_sampling(self) -> None:
+        self.shared  # noqa: B018 - built once, kept
+
     def start(self, prompt_ids: list[int]) -> DraftSession:
         return _CrossVocabSession(self, prompt_ids)
 

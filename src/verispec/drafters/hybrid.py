@@ -58,6 +58,9 @@ class HybridDrafter(Drafter):
         self.min_match, self.min_rate = min_match, min_rate / 100
         self.name = f"hybrid:min_match={min_match},min_rate={min_rate},draft={self.model.name}" + (f",window={window}" if window else "")
 
+    def prepare_sampling(self) -> None:
+        self.model_drafter.prepare_sampling()
+
     def start(self, prompt_ids: list[int]) -> DraftSession:
         return _HybridSession(self, prompt_ids)
 

@@ -192,6 +192,8 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = engine_or_loader if isinstance(engine_or_loader, Engine) else engine_or_loader()
         engine.prepare()  # every measurement the engine's own drafter needs: now, not inside the first request
+        if engine.drafter is not None:  # and what its sampled proposals need (`Drafter.prepare_sampling`)
+            engine.drafter.prepare_sampling()
         if limits.max_batch > 1:  # and what a batch's pass costs (`control/batch.py`), not inside the first batch
             try:
                 engine.costs_for(engine.drafter, engine.gamma_policy).prepare_batches()
