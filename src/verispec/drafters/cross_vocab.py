@@ -176,8 +176,9 @@ class CrossVocabDrafter(Drafter):
 
     @cached_property
     def shared(self) -> SharedVocabulary:
-        """The tokens both tokenizers hold as the same string, built on the first sampled proposal (a second or so
-        of reading both vocabularies; greedy drafting goes through the text and never needs it)."""
+        """The tokens both tokenizers hold as the same string, built on the first sampled proposal or by
+        `prepare_sampling` (a server's start): half a second of reading both vocabularies, which greedy drafting,
+        going through the text, never needs."""
         return shared_vocabulary(self.target.tokenizer, self.model.tokenizer, self.target.vocab_size, self.model.vocab_size)
 
     def prepare_sampling(self) -> None:
