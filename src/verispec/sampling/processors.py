@@ -91,6 +91,11 @@ class SamplingParams:
         """Whether any penalty looks at the tokens before a position."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
+    @property
+    def truncates(self) -> bool:
+        """Whether a rule past top-k removes tokens after the softmax (top-p, min-p, ε, η): its rows renormalised."""
+        return self.top_p < 1.0 or self.min_p > 0 or self.epsilon > 0 or self.eta > 0
+
     def in_draft_vocabulary(self) -> SamplingParams:
         """These parameters for a draft model of another vocabulary: the logit bias names the target's ids, so
         it is left out (a draft only proposes: what it leaves out lowers acceptance, never exactness)."""
@@ -239,7 +244,7 @@ def to_probs(logits: torch.Tensor, params: SamplingParams, penalties: Penalties 
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [n, 1]
         logits = logits.masked_fill(logits < kth, neg_inf)
     probs = torch.softmax(logits, dim=-1)
-    if params.top_p >= 1.0 and params.min_p <= 0 and params.epsilon <= 0 and params.eta <= 0:
+    if not params.truncates:
         return probs  # nothing removed: softmax's rows are already normalised
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
