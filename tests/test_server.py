@@ -177,11 +177,11 @@ def test_worker_survives_a_failure_outside_any_request(tiny_target):
     scheduler = Scheduler(tiny_engine(tiny_target))
     record_step, calls = scheduler.metrics.record_step, []
 
-    def explode_once(rows, seconds):
+    def explode_once(rows, account):
         calls.append(rows)
         if len(calls) == 1:
             raise RuntimeError("metrics exploded")
-        record_step(rows, seconds)
+        record_step(rows, account)
     scheduler.metrics.record_step = explode_once
 
     async def run():
@@ -332,6 +332,8 @@ def test_metrics_report_speculation(client, server):
                  "verispec_queue_length", "verispec_request_latency_seconds_bucket", "verispec_time_to_first_token_seconds_count"):
         assert name in text, name
     assert metric(server, "verispec_mean_accepted_length") > 1
+    text = httpx.get(server.url + "/metrics").text  # every step's seconds by part (a constant γ prices none)
+    assert float(re.search(r'^verispec_step_part_seconds_total\{part="target_pass"\} (\S+)$', text, flags=re.M)[1]) > 0
 
 
 # ---- the CLI, the OpenAPI schema, the playground ---------------------------------------------------
@@ -473,6 +475,8 @@ def test_loadtest_measures_any_openai_server(monkeypatch):
     from verispec.tools.bench import loadtest
 
     def answer(request: httpx.Request) -> httpx.Response:
+        if request.method == "GET":  # no /metrics of verispec's: nothing priced
+            return httpx.Response(404)
         body = json.loads(request.content)
         if "seed" not in body:  # `seeded=False` below
             return httpx.Response(400, json={"error": {"message": "this mock answers seeded requests only"}})
@@ -485,7 +489,7 @@ def test_loadtest_measures_any_openai_server(monkeypatch):
                         functools.partial(httpx.AsyncClient, transport=httpx.MockTransport(answer)))
     row = asyncio.run(loadtest.run_level("http://test", "m", 2, 6, {"max_tokens": 4, "temperature": 0}, chat=True, prompts=["a", "b"]))
     assert row["failures"] == 0 and row["mean_accepted_length"] is None and row["tokens_per_second"] > 0
-    assert row["garbled"] == 1  # request 3 (prompt "b") differs from b's other two answers
+    assert row["measured_over_priced"] == {} and row["garbled"] == 1  # request 3 (prompt "b") differs from b's other two answers
     row = asyncio.run(loadtest.run_level("http://test", "m", 2, 6, {"max_tokens": 4, "temperature": 0}, chat=True,
                                          prompts=["a", "b"], seeded=False))
     assert row["failures"] == 6  # no seed sent

@@ -6,8 +6,9 @@ they decode faster than one after the other; each result must still be what `gen
 `--variants` adds other settings to each batch size, in turns: `unsized` (each request at its own γ, as alone: no
 `control/batch.size_together`), `none` (plain decoding), `gamma=G` (a constant γ of G), `drafter=SPEC` (another
 drafter, its γ sized as the plan's). `--ledger` holds each batch's
-steps against the prices γ was sized by: the shared passes' seconds against `CostModel.pass_cost` by width, the
-drafting against γ·c, and what neither holds (verification, commits, per-request work on the host). `--temperature T`
+steps against the prices γ was sized by (`StepAccount`): the shared passes' seconds against `CostModel.pass_cost` by
+width, the drafting against γ·c and the draft model's catching up, and what neither holds (verification, commits,
+per-request work on the host). `--temperature T`
 samples every request at T without a seed (a server's usual sampled traffic: sized for the batch like greedy ones).
 
     .venv/bin/python benchmarks/probes/generate_batch.py --per-category 1 --max-batch 4,8
@@ -30,6 +31,7 @@ import verispec.engine.together as together
 from verispec import GenerationConfig, SamplingParams, load
 from verispec.control.costs import interleaved_token_seconds
 from verispec.engine.loop import Generation
+from verispec.engine.together import StepAccount
 from verispec.paths import cpu_summary
 
 
@@ -50,58 +52,30 @@ def variant(name: str, max_new_tokens: int, temperature: float):
 
 
 class Ledger:
-    """Each step taken together, timed in its parts (drafting, the shared pass, the rest) and priced as
-    `control/batch.py` prices it: the pass at `CostModel.pass_cost(positions, rows, context)`, a drafted token at c
-    (0 where the step's class is free) and a drafting request's catching up (`Outlook.catch_up`), in T(1); and the
-    requests' prefills (the target's, then the draft model's). Installed by patching `engine/together.py`'s step
-    functions and sizing (the variant's, wrapped) and `Generation.prefill_step`."""
+    """Each step taken together, in its parts and priced as `control/batch.py` prices it (`StepAccount`; a plain
+    step, which no policy prices, on the plan's costs), and the requests' prefills (the target's, then the draft
+    model's). Installed by patching `engine/together.py`'s `step_together` and `Generation.prefill_step`."""
 
     BUCKETS = (1, 9, 17, 25, 33, 49, 65)  # pass widths (positions) reported apart: a bucket from each to the next
 
     def __init__(self, costs):
-        self.costs, self.steps = costs, []  # the plan's (where a step's policy prices none); per step: sizes, prices, seconds
+        self.costs, self.steps = costs, []  # the plan's (where a step's policy prices none); per step its StepAccount
         self.prefill = {"target": 0.0, "draft": 0.0}  # seconds of the requests' prefills, outside the steps
 
     @contextlib.contextmanager
     def installed(self):
-        draft_plans, verify_together, step_together = together.draft_plans, together.verify_together, together.step_together
-        size_together = together.size_together  # the variant's
-        step = {}
+        step_together, prefill_step = together.step_together, Generation.prefill_step
 
-        def priced_size_together(outlooks, pass_cost):
-            gammas = size_together(outlooks, pass_cost)
-            step["catching up"] = sum(o.catch_up for o, gamma in zip(outlooks, gammas) if gamma)
-            return gammas
-
-        def timed_draft_plans(generations):
-            start = time.perf_counter()
-            plans = draft_plans(generations)
-            step["draft"] = time.perf_counter() - start
-            return plans
-
-        def timed_verify_together(runner, generations, plans):
-            start = time.perf_counter()
-            rows = verify_together(runner, generations, plans)
-            step["pass"] = time.perf_counter() - start
-            step["positions"] = sum(len(p.feed) for p in plans)
-            step["rows"], step["context"] = len(plans), sum(len(g.ids) for g in generations) // len(plans)
-            costs = getattr(generations[0].policy, "costs", None)  # a `drafter=` variant's own c
-            costs = costs if costs is not None and costs.target_seconds else self.costs  # plain decoding measures none
-            step["predicted pass"] = costs.pass_cost(step["positions"], len(plans), step["context"])
-            c = costs.draft_cost_ratio() or 0.0
-            step["predicted draft"] = (sum((len(p.feed) - 1) * (0.0 if p.hint is not None and p.hint.free else c) for p in plans)
-                                       + step.get("catching up", 0.0))
-            return rows
-
-        def timed_step_together(generations):
-            step.clear()
-            start = time.perf_counter()
-            outcomes = step_together(generations)
-            if "pass" in step:
-                self.steps.append({**step, "step": time.perf_counter() - start})
+        def accounted_step_together(generations, account=None):
+            account = StepAccount()
+            outcomes = step_together(generations, account)
+            if account.rows:
+                if account.priced_pass is None:  # plain decoding or a constant γ: priced on the plan's costs
+                    drafted = account.positions - account.rows
+                    account.priced_drafting = (self.costs.draft_cost_ratio() or 0.0) * drafted * self.costs.one_seconds()
+                    account.priced_pass = account.pass_price(self.costs)
+                self.steps.append(account)
             return outcomes
-
-        prefill_step = Generation.prefill_step
 
         def timed_prefill_step(generation, *args, **kwargs):
             part = "draft" if generation._session_opened else "target"  # the target's prompt first, then the draft's
@@ -111,28 +85,29 @@ class Ledger:
             return done
 
         with (mock.patch.object(Generation, "prefill_step", timed_prefill_step),
-              mock.patch.object(together, "draft_plans", timed_draft_plans),
-              mock.patch.object(together, "size_together", priced_size_together),
-              mock.patch.object(together, "verify_together", timed_verify_together),
-              mock.patch.object(together, "step_together", timed_step_together)):
+              mock.patch.object(together, "step_together", accounted_step_together)):
             yield self
 
     def report(self, one: float) -> str:
-        """Measured against predicted, `one` the target's T(1) in seconds timed now: per bucket of pass widths the
-        passes' seconds against their predicted T/T(1) × `one`; then a step's parts."""
-        lines = []
+        """Measured against priced, the prices rescaled to `one`, the target's T(1) in seconds timed now after the
+        steps' median context (what the machine's drift since the costs were measured leaves out): per bucket of pass
+        widths the passes' seconds, then a step's parts."""
+        context = int(statistics.median(s.context for s in self.steps))
+        scale = one / self.costs.one_seconds(context)
+        lines = [f"    T(1) after {context} tokens, timed now: {one * 1e3:.1f} ms (×{scale:.2f} the costs' own)"]
         for low, high in zip(self.BUCKETS, self.BUCKETS[1:] + (10**9,)):
-            passes = [s for s in self.steps if low <= s["positions"] < high]
+            passes = [s for s in self.steps if low <= s.positions < high]
             if passes:
-                measured, predicted = sum(s["pass"] for s in passes), sum(s["predicted pass"] for s in passes) * one
-                lines.append(f"    passes of {low}–{min(high - 1, max(s['positions'] for s in passes))} positions: {len(passes)},"
-                             f" {sum(s['rows'] for s in passes) / len(passes):.1f} rows, measured {measured:.2f} s,"
+                measured, predicted = sum(s.target_pass for s in passes), sum(s.priced_pass for s in passes) * scale
+                lines.append(f"    passes of {low}–{min(high - 1, max(s.positions for s in passes))} positions: {len(passes)},"
+                             f" {sum(s.rows for s in passes) / len(passes):.1f} rows, measured {measured:.2f} s,"
                              f" predicted {predicted:.2f} s ({measured / predicted:.2f}×)")
-        total = {part: sum(s[part] for s in self.steps) for part in ("step", "draft", "pass", "predicted pass", "predicted draft")}
-        rest = total["step"] - total["draft"] - total["pass"]
-        lines.append(f"    {len(self.steps)} steps {total['step']:.2f} s: drafting {total['draft']:.2f} s (predicted"
-                     f" {total['predicted draft'] * one:.2f}), pass {total['pass']:.2f} s (predicted"
-                     f" {total['predicted pass'] * one:.2f}), the rest {rest:.2f} s ({rest / len(self.steps) * 1e3:.1f} ms a step)")
+        total = {part: sum(getattr(s, part) for s in self.steps)
+                 for part in ("total", "drafting", "target_pass", "priced_drafting", "priced_pass")}
+        rest = total["total"] - total["drafting"] - total["target_pass"]
+        lines.append(f"    {len(self.steps)} steps {total['total']:.2f} s: drafting {total['drafting']:.2f} s (predicted"
+                     f" {total['priced_drafting'] * scale:.2f}), pass {total['target_pass']:.2f} s (predicted"
+                     f" {total['priced_pass'] * scale:.2f}), the rest {rest:.2f} s ({rest / len(self.steps) * 1e3:.1f} ms a step)")
         lines.append(f"    prefills outside the steps: the target's {self.prefill['target']:.2f} s, the draft's {self.prefill['draft']:.2f} s")
         return "\n".join(lines)
 
@@ -186,10 +161,8 @@ def main() -> None:
                     line += f", {sum(a.token_ids == b.token_ids for a, b in zip(alone, results))}/{len(prompts)} the same tokens as alone"
                 print(line, flush=True)
                 if args.ledger and ledger.steps:
-                    context = int(statistics.median(s["context"] for s in ledger.steps))
-                    one = interleaved_token_seconds([engine.target.runner], context=context)[0]
-                    print(f"    T(1) after {context} tokens, timed now: {one * 1e3:.1f} ms", flush=True)
-                    print(ledger.report(one), flush=True)
+                    context = int(statistics.median(s.context for s in ledger.steps))
+                    print(ledger.report(interleaved_token_seconds([engine.target.runner], context=context)[0]), flush=True)
 
 
 if __name__ == "__main__":

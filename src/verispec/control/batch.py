@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from verispec.control.theory import expected_tokens
 
-__all__ = ["Outlook", "size_together"]
+__all__ = ["Outlook", "drafting_cost", "size_together"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,12 @@ class Outlook:
     fixed: bool = True  # its γ must stay (seeded sampled: γ changes the draws; a constant policy; a probe)
 
 
+def drafting_cost(outlook: Outlook, gamma: int) -> float:
+    """T(1)s a request spends drafting `gamma` tokens: each at its c, and a draft model behind the sequence catching up
+    before its first."""
+    return gamma * outlook.c + (outlook.catch_up if gamma else 0.0)
+
+
 class _Batch:
     """The step's score (Σ log of the requests' expected rates) at the current γs, updated a cut at a time."""
 
@@ -56,15 +62,11 @@ class _Batch:
         self.outlooks, self.gammas, self.pass_cost = outlooks, gammas, pass_cost
         self.log_tokens = sum(self._log_tokens(o, g) for o, g in zip(outlooks, gammas))
         self.positions = sum(self._positions(o, g) for o, g in zip(outlooks, gammas))
-        self.drafting = sum(self._drafting(o, g) for o, g in zip(outlooks, gammas))
+        self.drafting = sum(drafting_cost(o, g) for o, g in zip(outlooks, gammas))
 
     @staticmethod
     def _log_tokens(o: Outlook, g: int) -> float:
         return math.log(expected_tokens(o.alpha, g))  # 0 at γ 0: a plain step's one token
-
-    @staticmethod
-    def _drafting(o: Outlook, g: int) -> float:
-        return g * o.c + (o.catch_up if g else 0.0)  # a draft model behind the sequence catches up before drafting
 
     @staticmethod
     def _positions(o: Outlook, g: int) -> int:
@@ -74,7 +76,7 @@ class _Batch:
         """What request i drafting one token fewer changes: (log tokens, positions, drafting)."""
         o, g = self.outlooks[i], self.gammas[i]
         return (self._log_tokens(o, g - 1) - self._log_tokens(o, g), self._positions(o, g - 1) - self._positions(o, g),
-                self._drafting(o, g - 1) - self._drafting(o, g))
+                drafting_cost(o, g - 1) - drafting_cost(o, g))
 
     def score(self, i: int | None = None) -> float:
         """Σ_i log(E[tokens_i] / the step's time in T(1)) at the current γs (with request i drafting one fewer)."""

@@ -275,6 +275,17 @@ class CostModel:
         slope = (_ratio(self.long_target_seconds, gamma) - short) / (LONG_CONTEXT - SHORT_CONTEXT)
         return max(1.0, short + slope * (max(context, SHORT_CONTEXT) - SHORT_CONTEXT))
 
+    def one_seconds(self, context: int | None = None) -> float | None:
+        """T(1) in seconds after `context` cached tokens (None: SHORT_CONTEXT), linear in the context between and beyond
+        the two measured curves (as `verify_cost`); None when unmeasured. What a price in T(1)s is in seconds."""
+        if not self.target_seconds:
+            return None
+        short = self.target_seconds[0]
+        if context is None or not self.long_target_seconds:
+            return short
+        slope = (self.long_target_seconds[0] - short) / (LONG_CONTEXT - SHORT_CONTEXT)
+        return max(short, short + slope * (max(context, SHORT_CONTEXT) - SHORT_CONTEXT))
+
     def prepare_batches(self) -> None:
         """Measure (or read) what a batch's pass costs, if not yet: a server does at its start, not in its first step
         taken together. Once: a measurement that fails is not tried again (`pass_cost` extrapolates the curve)."""

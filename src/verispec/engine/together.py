@@ -11,6 +11,9 @@ the same whatever its γ; so may a sampled one without a seed (its output is pro
 no γ changes); a seeded one's γ never moves, since its draws depend on it. A pass is a list of
 `Row`s: the server adds a piece of another request's prompt to its decoding requests' verification rows where the
 runner keeps every row and every prompt cut exact (`mixes_prompts`).
+
+A step may keep its account (`StepAccount`): its seconds by part beside what the cost model its batch was sized on
+priced them at, so that a server shows where a step's time goes and whether its costs still hold on this machine.
 """
 
 from __future__ import annotations
@@ -19,25 +22,57 @@ import functools
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from verispec.control.batch import size_together
+from verispec.control.batch import drafting_cost, size_together
+from verispec.control.costs import CostModel
 from verispec.drafters.batching import draft_together
 from verispec.engine.loop import Engine, Generation, GenerationConfig, PromptChunk, Proposal, StepPlan
 from verispec.models.runner import Cache, Runner
 from verispec.types import GenerationResult, TokenEvent
 
-__all__ = ["Row", "draft_plans", "forward_rows", "generate_together", "mixes_prompts", "prompt_row", "step_together", "verification_row",
-           "verify_together"]
+__all__ = ["Row", "StepAccount", "draft_plans", "forward_rows", "generate_together", "mixes_prompts", "prompt_row", "step_together",
+           "verification_row"]
 
 
-def draft_plans(generations: list[Generation]) -> list[StepPlan | BaseException]:
+@dataclass
+class StepAccount:
+    """One step taken together, in seconds: what it took by part, and what the cost model its batch was sized on
+    (`control/batch.py`) priced it at: each draft token at its c with a draft model's catching up, the pass at
+    T(positions)/T(1) after the rows' mean context. A price stays None where no request's policy measured costs
+    (plain decoding). Where measured and priced part, the machine runs other than when its costs were measured, or
+    the cost model misses a cost."""
+
+    drafting: float = 0.0  # the requests' proposals and drafts (`draft_plans`)
+    target_pass: float = 0.0  # the shared target pass
+    total: float = 0.0  # the whole step, commits included
+    priced_drafting: float | None = None
+    priced_pass: float | None = None
+    costs: CostModel | None = None  # what the batch was sized on
+    context: int = 0  # the rows' mean context (tokens)
+    rows: int = 0  # in the pass, a riding prompt chunk's included
+    positions: int = 0
+
+    def passed(self, seconds: float, rows: Sequence[Row]) -> None:
+        """The target pass over `rows` took `seconds`: kept beside its price."""
+        self.target_pass, self.rows, self.positions = seconds, len(rows), sum(len(row.feed) for row in rows)
+        if self.costs is not None:
+            self.priced_pass = self.pass_price(self.costs)
+
+    def pass_price(self, costs: CostModel) -> float:
+        """Seconds `costs` price this step's pass at."""
+        return costs.one_seconds(self.context) * costs.pass_cost(self.positions, self.rows, self.context)
+
+
+def draft_plans(generations: list[Generation], account: StepAccount | None = None) -> list[StepPlan | BaseException]:
     """Each generation's plan (its drafts), side by side, at the γ that serves the batch best (`control/batch.py`:
     a greedy request's γ cut where the shared pass's width costs more than its drafts gain): per generation its plan
-    or the exception it raised."""
+    or the exception it raised. `account`: given, it gets the drafting's seconds and price, and what prices the pass."""
+    started = time.perf_counter()
     proposals: list[Proposal | BaseException] = []
     for generation in generations:
         try:
@@ -46,16 +81,23 @@ def draft_plans(generations: list[Generation]) -> list[StepPlan | BaseException]
             proposals.append(error)
     ready = [i for i, p in enumerate(proposals) if not isinstance(p, BaseException)]
     outlooks = [proposals[i].outlook for i in ready]
+    costs = _costs(generations, ready)
+    context = sum(len(generations[i].ids) for i in ready) // max(1, len(ready))
     try:
-        sized = size_together(outlooks, _pass_cost(generations, proposals, ready))
+        sized = size_together(outlooks, _pass_cost(costs, len(ready), context))
     except Exception as error:  # noqa: BLE001 - pricing the batch (measuring its costs) failed: each at its own γ
         warnings.warn(f"requests stepped together at their own γ: {error}", RuntimeWarning, stacklevel=2)
         sized = [outlook.gamma for outlook in outlooks]
     gammas = dict(zip(ready, sized))
     tasks = [functools.partial(_failed, p) if isinstance(p, BaseException) else functools.partial(g.plan, p, gammas[i])
              for i, (g, p) in enumerate(zip(generations, proposals))]
-    return draft_together(tasks, [g.batches_drafts and gammas.get(i, 0) > 0 and not _free(proposals[i])
-                                  for i, g in enumerate(generations)])
+    plans = draft_together(tasks, [g.batches_drafts and gammas.get(i, 0) > 0 and not _free(proposals[i])
+                                   for i, g in enumerate(generations)])
+    if account is not None:
+        account.drafting, account.costs, account.context = time.perf_counter() - started, costs, context
+        if costs is not None:
+            account.priced_drafting = costs.one_seconds() * sum(map(drafting_cost, outlooks, sized))
+    return plans
 
 
 def _free(proposal: Proposal) -> bool:
@@ -64,14 +106,18 @@ def _free(proposal: Proposal) -> bool:
     return proposal.hint is not None and proposal.hint.free
 
 
-def _pass_cost(generations: list[Generation], proposals: list, ready: list[int]) -> Callable[[int], float]:
-    """T(n)/T(1) of the target pass over n positions of the batch's rows after their mean context, on the measured
-    costs of the first request whose policy prices costs (1: none does, and every γ stays)."""
-    costs = next((generations[i].policy.costs for i in ready if not proposals[i].outlook.fixed), None)
+def _costs(generations: list[Generation], ready: list[int]) -> CostModel | None:
+    """The measured costs of the first ready request whose policy measured any; None where none did (plain decoding,
+    a constant γ)."""
+    return next((c for i in ready if (c := getattr(generations[i].policy, "costs", None)) is not None and c.target_seconds),
+                None)
+
+
+def _pass_cost(costs: CostModel | None, rows: int, context: int) -> Callable[[int], float]:
+    """T(n)/T(1) of the target pass over n positions of `rows` rows after `context` tokens (1 unpriced: every γ stays)."""
     if costs is None:
         return lambda positions: 1.0
-    context = sum(len(generations[i].ids) for i in ready) // len(ready)  # ready is not empty: a request priced costs
-    return lambda positions: costs.pass_cost(positions, len(ready), context)
+    return lambda positions: costs.pass_cost(positions, rows, context)
 
 
 def _failed(error: BaseException) -> StepPlan:
@@ -122,22 +168,19 @@ def forward_rows(runner: Runner, rows: list[Row]) -> list[torch.Tensor | None | 
         return out
 
 
-def verify_together(runner: Runner, generations: list[Generation], plans: list[StepPlan]) -> list[torch.Tensor | BaseException]:
-    """One target pass for every generation's plan: [n_i+1, vocab] logits each (`forward_rows`)."""
-    return forward_rows(runner, [verification_row(g, p) for g, p in zip(generations, plans)])
-
-
-def step_together(generations: list[Generation]) -> list[list[TokenEvent] | BaseException]:
+def step_together(generations: list[Generation], account: StepAccount | None = None) -> list[list[TokenEvent] | BaseException]:
     """One step of every generation (each prefilled, not done): draft, verify in one pass, commit. Per generation the
-    events it emitted, or the exception that ended its step (the others go on)."""
-    outcomes: list[list[TokenEvent] | BaseException] = list(draft_plans(generations))
+    events it emitted, or the exception that ended its step (the others go on). `account`: given, it is kept."""
+    started = time.perf_counter()
+    outcomes: list[list[TokenEvent] | BaseException] = list(draft_plans(generations, account))
     ready = [i for i, plan in enumerate(outcomes) if not isinstance(plan, BaseException)]
     if not ready:
         return outcomes
-    started = time.perf_counter()
-    rows = verify_together(generations[0].target.runner, [generations[i] for i in ready], [outcomes[i] for i in ready])
-    seconds = time.perf_counter() - started
-    for i, logits in zip(ready, rows):
+    rows = [verification_row(generations[i], outcomes[i]) for i in ready]
+    target_started = time.perf_counter()
+    logits_rows = forward_rows(generations[0].target.runner, rows)
+    seconds = time.perf_counter() - target_started
+    for i, logits in zip(ready, logits_rows):
         if isinstance(logits, BaseException):
             outcomes[i] = logits
             continue
@@ -145,6 +188,9 @@ def step_together(generations: list[Generation]) -> list[list[TokenEvent] | Base
             outcomes[i] = generations[i].commit(outcomes[i], logits, seconds)
         except Exception as error:  # noqa: BLE001
             outcomes[i] = error
+    if account is not None:
+        account.passed(seconds, rows)
+        account.total = time.perf_counter() - started
     return outcomes
 
 

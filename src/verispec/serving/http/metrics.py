@@ -12,6 +12,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from verispec.engine.together import StepAccount
 from verispec.types import AcceptanceStats
 
 __all__ = ["Metrics", "LATENCY_BUCKETS"]
@@ -19,6 +20,8 @@ __all__ = ["Metrics", "LATENCY_BUCKETS"]
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 RATE_WINDOW_SECONDS = 10.0
+COST_WINDOW_STEPS = 256  # the latest priced steps the cost ratio is taken over
+STEP_PARTS = ("drafting", "target_pass", "rest")  # `StepAccount`'s parts; the rest: verification, commits, the loop
 
 
 class _Histogram:
@@ -59,6 +62,10 @@ class Metrics:
         self.time_to_first_token = _Histogram(LATENCY_BUCKETS)
         self.step_seconds = _Histogram(LATENCY_BUCKETS)
         self.batch_rows = _Histogram(BATCH_BUCKETS)
+        self.step_parts = dict.fromkeys(STEP_PARTS, 0.0)  # seconds of every step, by part
+        # steps the cost model priced: (part, "measured" | "priced") → seconds; the latest ones' parts, priced and measured
+        self.priced_parts = {(part, kind): 0.0 for part in STEP_PARTS[:2] for kind in ("measured", "priced")}
+        self._recent_priced: deque[tuple[float, float, float, float]] = deque(maxlen=COST_WINDOW_STEPS)
         self._recent_tokens: deque[tuple[float, int]] = deque()
         self.gauges: dict[str, tuple[str, Callable[[], float]]] = {}
 
@@ -75,10 +82,26 @@ class Metrics:
         with self._lock:
             self.time_to_first_token.observe(seconds)
 
-    def record_step(self, rows: int, seconds: float) -> None:
+    def record_step(self, rows: int, account: StepAccount) -> None:
+        """One step of `rows` requests, its seconds by part and, where the cost model priced it, its price."""
+        parts = (account.drafting, account.target_pass, account.total - account.drafting - account.target_pass)
         with self._lock:
             self.batch_rows.observe(rows)
-            self.step_seconds.observe(seconds)
+            self.step_seconds.observe(account.total)
+            for part, seconds in zip(STEP_PARTS, parts):
+                self.step_parts[part] += seconds
+            if account.priced_drafting is not None and account.priced_pass is not None:
+                recent = (account.drafting, account.priced_drafting, account.target_pass, account.priced_pass)
+                self._recent_priced.append(recent)
+                for i, key in enumerate(self.priced_parts):
+                    self.priced_parts[key] += recent[i]
+
+    def cost_ratios(self) -> dict[str, float]:
+        """{part: measured ÷ priced seconds} over the latest COST_WINDOW_STEPS priced steps (a part priced at 0 left out)."""
+        with self._lock:
+            recent = list(self._recent_priced)
+        sums = [sum(column) for column in zip(*recent)] if recent else []
+        return {part: sums[2 * i] / sums[2 * i + 1] for i, part in enumerate(STEP_PARTS[:2]) if sums and sums[2 * i + 1] > 0}
 
     def record_verification(self, proposed: int, accepted: int, emitted: int) -> None:
         """One row of one step: `proposed` draft tokens, `accepted` kept, `emitted` tokens streamed."""
@@ -116,7 +139,7 @@ class Metrics:
             return sum(n for _, n in self._recent_tokens) / RATE_WINDOW_SECONDS
 
     def render(self) -> str:
-        tokens_per_second = self.tokens_per_second()
+        tokens_per_second, cost_ratios = self.tokens_per_second(), self.cost_ratios()
         out: list[str] = []
 
         def metric(name: str, kind: str, help_text: str, lines: list[str]) -> None:
@@ -154,5 +177,14 @@ class Metrics:
                    self.time_to_first_token.render("verispec_time_to_first_token_seconds"))
             metric("verispec_step_seconds", "histogram", "One batched step: drafts, one target pass, verification.",
                    self.step_seconds.render("verispec_step_seconds"))
+            metric("verispec_step_part_seconds_total", "counter", "Seconds of the batched steps by part: the drafts, the shared "
+                   "target pass, the rest (verification, commits).",
+                   [f'verispec_step_part_seconds_total{{part="{p}"}} {t:.6f}' for p, t in self.step_parts.items()])
+            metric("verispec_step_priced_seconds_total", "counter", "The steps the cost model priced (a drafting policy's): "
+                   "seconds measured and priced by part.",
+                   [f'verispec_step_priced_seconds_total{{part="{p}",value="{k}"}} {t:.6f}' for (p, k), t in self.priced_parts.items()])
+            metric("verispec_step_cost_ratio", "gauge", f"Measured over priced seconds of the latest {COST_WINDOW_STEPS} priced "
+                   "steps, by part: far from 1, the machine runs other than when its costs were measured.",
+                   [f'verispec_step_cost_ratio{{part="{p}"}} {r:.4f}' for p, r in cost_ratios.items()])
             metric("verispec_batch_rows", "histogram", "Requests verified together in one target pass.", self.batch_rows.render("verispec_batch_rows"))
         return "\n".join(out) + "\n"

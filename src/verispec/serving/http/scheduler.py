@@ -73,7 +73,7 @@ import torch
 from verispec.control.costs import prefill_seconds_per_token, riding_seconds
 from verispec.engine import Engine, Generation, GenerationConfig, StepPlan
 from verispec.engine.loop import PromptChunk
-from verispec.engine.together import draft_plans, forward_rows, mixes_prompts, prompt_row, verification_row
+from verispec.engine.together import StepAccount, draft_plans, forward_rows, mixes_prompts, prompt_row, verification_row
 from verispec.errors import PromptError, VerispecError
 from verispec.models.openmp import release_thread_pool
 from verispec.models.prefixes import MIN_REUSE, shared_length
@@ -583,9 +583,10 @@ class Scheduler:
         """One step of every `decoding` request, in ONE target pass with `rider`'s prompt chunk if given:
         (the job ids stepped, {rider's job id: tokens fed})."""
         started = time.perf_counter()
+        account = StepAccount()
         jobs: list[Job] = []
         plans: list[StepPlan] = []
-        for job, plan in zip(decoding, draft_plans([job.generation for job in decoding])):
+        for job, plan in zip(decoding, draft_plans([job.generation for job in decoding], account)):
             if isinstance(plan, BaseException):
                 self._fail(job, plan, "error")
                 continue
@@ -600,6 +601,7 @@ class Scheduler:
         target_started = time.perf_counter()
         out = forward_rows(self.engine.target.runner, rows)
         target_seconds = time.perf_counter() - target_started
+        account.passed(target_seconds, rows)
         prefilled = self._rider_fed(rider, out.pop(), target_seconds) if rider is not None else {}
         for job, plan, logits in zip(jobs, plans, out):
             if isinstance(logits, BaseException):
@@ -607,7 +609,8 @@ class Scheduler:
                 continue
             self._commit(job, plan, logits, target_seconds)
         if jobs:
-            self.metrics.record_step(len(jobs), time.perf_counter() - started)
+            account.total = time.perf_counter() - started
+            self.metrics.record_step(len(jobs), account)
         return tuple(job.id for job in jobs), prefilled
 
     def _rider_fed(self, rider: _Rider, logits: torch.Tensor | None | BaseException, seconds: float) -> dict[int, int]:

@@ -8,7 +8,8 @@ long prompt holds up short requests.
 
 levels (default): for each client count, exactly `--requests` completions are sent (by that many
 concurrent clients) and the run stops by itself. Reports requests/s, generated tokens/s, p50/p99
-latency, and τ. Under greedy decoding (the default) every response to one prompt must be the same
+latency, τ, and (a verispec server's `/metrics`) the level's steps measured against what its cost model priced
+them at: the shared target passes and the drafting (– where nothing was priced: plain decoding). Under greedy decoding (the default) every response to one prompt must be the same
 text, batched or not: `garbled` counts the responses that differ from the most common one of their prompt.
 `--questions` sends public prompts (request i the i-th, cycling) instead of `--prompt`; any OpenAI-compatible
 server can be measured this way (`benchmarks/probes/against_llama_server.py`: llama.cpp's own server).
@@ -38,6 +39,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import re
 import statistics
 import time
 from collections import Counter
@@ -56,6 +58,27 @@ BAD_REQUESTS = [  # (body bytes, path): answers must be 4xx, never 5xx
     (b'{"model": "%s", "prompt": "t5', "/v1/completions"),
     (b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "max_token": 5}', "/v1/chat/completions"),
 ]
+
+
+STEP_SECONDS = re.compile(r'^verispec_step_priced_seconds_total\{part="(\w+)",value="(\w+)"\} (\S+)$', re.M)
+
+
+async def priced_seconds(http: httpx.AsyncClient) -> dict[tuple[str, str], float]:
+    """{(part, "measured" | "priced"): seconds} of the steps a verispec server's cost model priced, from its `/metrics`
+    ({} from another server)."""
+    try:
+        response = await http.get("/metrics")
+    except httpx.HTTPError:
+        return {}
+    found = STEP_SECONDS.findall(response.text) if response.status_code == 200 else []
+    return {(part, value): float(seconds) for part, value, seconds in found}
+
+
+def measured_over_priced(before: dict, after: dict) -> dict[str, float]:
+    """{part: measured ÷ priced seconds} of the steps between two `priced_seconds` readings (parts priced at 0 left out)."""
+    spent = {key: after[key] - before.get(key, 0.0) for key in after}
+    return {part: spent[(part, "measured")] / spent[(part, "priced")] for part, value in spent
+            if value == "priced" and spent[(part, value)] > 0 and (part, "measured") in spent}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -99,10 +122,12 @@ async def run_level(url: str, model: str, clients: int, requests: int, body: dic
             tokens, prompt_tokens = tokens + usage["completion_tokens"], prompt_tokens + usage["prompt_tokens"]
             steps = None if steps is None or "steps" not in usage else steps + usage["steps"]
 
-    started = time.perf_counter()
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        before = await priced_seconds(http)
+        started = time.perf_counter()
         await asyncio.gather(*(worker(http) for _ in range(clients)))
-    seconds = time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        priced = measured_over_priced(before, await priced_seconds(http))
     # greedy: each prompt's answers are one text, batched or not
     garbled = sum(len(group) - max(group.count(t) for t in set(group)) for group in texts.values()) if body.get("temperature", 0) == 0 else 0
     return {
@@ -112,6 +137,7 @@ async def run_level(url: str, model: str, clients: int, requests: int, body: dic
         "mean_latency_s": round(statistics.mean(latencies), 3),
         "mean_accepted_length": round(tokens / steps, 3) if steps else None,
         "mean_prompt_tokens": round(prompt_tokens / (requests - failures), 1) if requests > failures else None,
+        "measured_over_priced": {part: round(ratio, 3) for part, ratio in priced.items()},  # {} unpriced
     }
 
 
@@ -357,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(row, indent=None if args.json else 1))
         return 0
     if not args.json:
-        print(f"{'clients':>7} {'req/s':>8} {'tok/s':>8} {'p50 s':>8} {'p99 s':>8} {'τ':>6} {'failed':>6} {'garbled':>7}")
+        print(f"{'clients':>7} {'req/s':>8} {'tok/s':>8} {'p50 s':>8} {'p99 s':>8} {'τ':>6} {'failed':>6} {'garbled':>7}"
+              f" {'pass ×priced':>12} {'draft ×priced':>13}")
     prompts = None
     if args.questions:
         from verispec.tools.bench.questions import load_sources, select
@@ -368,8 +395,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             print(json.dumps(row))
         else:
+            priced = [f"{row['measured_over_priced'][part]:.2f}" if part in row["measured_over_priced"] else "–"
+                      for part in ("target_pass", "drafting")]
             print(f"{row['clients']:>7} {row['requests_per_second']:>8.2f} {row['tokens_per_second']:>8.1f} "
-                  f"{row['p50_latency_s']:>8.3f} {row['p99_latency_s']:>8.3f} {tau:>6} {row['failures']:>6} {row['garbled']:>7}")
+                  f"{row['p50_latency_s']:>8.3f} {row['p99_latency_s']:>8.3f} {tau:>6} {row['failures']:>6} {row['garbled']:>7}"
+                  f" {priced[0]:>12} {priced[1]:>13}")
     return 0
 
 
