@@ -171,3 +171,21 @@ def test_cli_sampling_options_reach_the_engine_and_bad_ones_are_clear_errors(cap
         assert main(["generate", "hi", "--logit-bias", bad]) == 2  # before any model is loaded
         assert words in capsys.readouterr().err
     assert main(["generate", "hi", "--presence-penalty", "3"]) == 2 and "presence_penalty" in capsys.readouterr().err
+
+
+def test_the_summary_holds_the_steps_against_their_price():
+    """`steps 2.00× priced`: the steps' measured draft and target seconds over what the γ policy's cost model prices
+    them at (the first token's record, the prefill's, left out); nothing where no policy priced them."""
+    from types import SimpleNamespace
+
+    from verispec.cli import _priced
+    from verispec.control import CostModel
+    from verispec.types import GenerationStats, StepRecord
+
+    stats = GenerationStats(prompt_tokens=10)
+    for record in [StepRecord(0, 0, 0.0, 0.0), StepRecord(2, 1, 0.2, 2.3), StepRecord(1, 1, 0.1, 2.3)]:
+        stats.record(record)
+    costs = CostModel([1.0, 1.1, 1.2], 0.05)  # priced: drafts 3 × 0.05 s, passes T(3) + T(2) = 2.3 s; measured 4.9 s
+    assert _priced(SimpleNamespace(policy=SimpleNamespace(costs=costs), stats=stats)) == "steps 2.00× priced · "
+    assert _priced(SimpleNamespace(policy=SimpleNamespace(), stats=stats)) == ""  # a constant γ prices nothing
+    assert _priced(SimpleNamespace(policy=SimpleNamespace(costs=CostModel()), stats=stats)) == ""

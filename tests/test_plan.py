@@ -219,6 +219,23 @@ def test_the_cost_model_predicts_the_steps_a_generation_took():
     steps[2].width = None
     catching = CostModel([1.0, 1.2, 1.4], 0.1, draft_catch_up=1.5, long_target_seconds=costs.long_target_seconds)
     assert catching.speedup_of_steps(steps, SHORT_CONTEXT) == pytest.approx(5 / (cost + 0.1 * 0.5))  # after the whole draft
+    for step in steps[1:]:  # prompt lookup's steps (`hybrid`'s): no draft forward to pay, none to catch up
+        step.free = True
+    assert catching.speedup_of_steps(steps, SHORT_CONTEXT) == pytest.approx(5 / (cost - 3 * 0.1))
+
+
+def test_the_steps_a_generation_took_are_priced_in_seconds():
+    """Drafting at the draft's seconds a token, each verification at T(1) after its own context (here 2 s a T(1) at
+    SHORT_CONTEXT, 4 s at LONG_CONTEXT): what `verispec generate` holds its measured steps against."""
+    from verispec.types import StepRecord
+
+    costs = CostModel([2.0, 2.4], 0.5, long_target_seconds=[4.0, 4.8])  # T(2)/T(1) 1.2 at both; c 0.25
+    steps = [StepRecord(1, 1, 0.0, 0.0), StepRecord(1, 0, 0.0, 0.0)]
+    halfway = (SHORT_CONTEXT + LONG_CONTEXT) // 2  # T(1) 3 s there
+    drafting, verification = costs.priced_seconds(steps, halfway - 2)  # the second step verifies at `halfway`
+    assert drafting == pytest.approx(2 * 0.5)
+    assert verification == pytest.approx(1.2 * costs.one_seconds(halfway - 2) + 1.2 * 3.0)
+    assert CostModel().priced_seconds(steps, 10) is None
 
 
 def test_the_long_curve_is_measured_and_cached_beside_the_short_one(tiny_target, tmp_path, monkeypatch):

@@ -117,6 +117,18 @@ def _stream(generation, out: Console | None) -> bool:
     return False
 
 
+def _priced(generation) -> str:
+    """"steps 1.03× priced · " where the γ policy priced them (measured draft and target seconds over what its cost
+    model prices the steps at, `CostModel.priced_seconds`): far from 1, the machine runs other than when its costs
+    were measured, or the model misses a cost."""
+    costs, s = getattr(generation.policy, "costs", None), generation.stats
+    steps = [record for record in s.records if record.target_seconds > 0]  # not the first token's: the prefill gave it
+    priced = costs.priced_seconds(steps, s.prompt_tokens + 1) if costs is not None and steps else None
+    if not priced or not sum(priced):
+        return ""
+    return f"steps {(s.draft_seconds + s.target_seconds) / sum(priced):.2f}× priced · "
+
+
 def _summary(generation) -> None:
     """The one-line summary of a finished generation, on stderr."""
     s = generation.stats
@@ -124,7 +136,7 @@ def _summary(generation) -> None:
     Console(stderr=True, highlight=False).print(
         f"[dim]{s.new_tokens} tokens in {s.wall_seconds:.2f}s ({s.tokens_per_second:.2f} tok/s) · "
         f"{s.steps} steps · τ {s.mean_accepted_length:.2f} · α {s.acceptance_rate:.2f} · c {s.cost_ratio:.2f} · "
-        f"prefill {s.prefill_seconds:.2f}s{f' ({s.cached_tokens} cached)' if s.cached_tokens else ''} · "
+        f"{_priced(generation)}prefill {s.prefill_seconds:.2f}s{f' ({s.cached_tokens} cached)' if s.cached_tokens else ''} · "
         f"finish: {generation.finish_reason} ·[/dim]",
         legend,
     )

@@ -311,25 +311,43 @@ class CostModel:
         cost = self.verify_cost(positions - 1, context) if positions <= measured else _along(points, positions)
         return cost + row * (rows - 1)
 
-    def speedup_of_steps(self, steps: Sequence[StepRecord], context: int) -> float | None:
-        """The speedup over plain decoding that this model predicts for the steps a generation took (after
-        `context` prompt tokens): its tokens over Σ (draft depth · c + T(n)/T(1) at the step's context), n the
-        positions the step verified (its draft tokens, a tree's nodes, + 1), a step after one that kept its whole
-        draft paying its draft model's catching-up forward (`draft_catch_up`, as `theory.draft_step_cost`).
-        What a measured speedup is held against: acceptance as it happened, costs as measured. None without a
-        cost ratio."""
+    def step_prices(self, steps: Sequence[StepRecord], context: int) -> list[tuple[float, float, int]] | None:
+        """Each step a generation took (after `context` prompt tokens) as this model prices it: (its drafting, its
+        verification, in T(1); the context it verified after). Drafting: draft depth · c (0 for a step proposed by no
+        draft model's forward: prompt lookup), a model-drafted step after one that kept its whole draft paying its draft
+        model's catching-up forward (`draft_catch_up`, as `theory.draft_step_cost`); verification: T(n)/T(1) at the
+        step's context, n the positions it verified (its draft tokens, a tree's nodes, + 1). None without a cost ratio."""
         c = self.draft_cost_ratio()
-        if c is None or not steps:
+        if c is None:
             return None
-        tokens, cost, whole = 0, 0.0, False  # whole: the previous step kept every draft token
+        prices, whole = [], False  # whole: the previous step kept every draft token
         for step in steps:
             width = step.proposed if step.width is None else step.width
-            catching_up = c * (self.draft_catch_up - 1.0) if whole and step.proposed else 0.0
-            cost += step.proposed * c + catching_up + self.verify_cost(width, context)
+            paid = 0.0 if step.free else c
+            catching_up = paid * (self.draft_catch_up - 1.0) if whole and step.proposed else 0.0
+            prices.append((step.proposed * paid + catching_up, self.verify_cost(width, context), context))
             context += step.accepted + 1
-            tokens += step.accepted + 1
             whole = step.proposed > 0 and step.accepted == step.proposed
-        return tokens / cost
+        return prices
+
+    def speedup_of_steps(self, steps: Sequence[StepRecord], context: int) -> float | None:
+        """The speedup over plain decoding that this model predicts for the steps a generation took (after `context`
+        prompt tokens): its tokens over Σ of the steps' prices in T(1) (`step_prices`). What a measured speedup is held
+        against: acceptance as it happened, costs as measured. None without a cost ratio."""
+        prices = self.step_prices(steps, context)
+        if not prices:
+            return None
+        return sum(step.accepted + 1 for step in steps) / sum(drafting + verification for drafting, verification, _ in prices)
+
+    def priced_seconds(self, steps: Sequence[StepRecord], context: int) -> tuple[float, float] | None:
+        """(drafting, verification) seconds this model prices the steps a generation took at (`step_prices`, each
+        verification at T(1) after its context): what their measured `draft_seconds` and `target_seconds` are held
+        against. None without a cost ratio."""
+        prices = self.step_prices(steps, context)
+        if not prices:
+            return None
+        drafting = sum(price[0] for price in prices) * self.one_seconds()
+        return drafting, sum(verification * self.one_seconds(at) for _, verification, at in prices)
 
     def draft_cost_ratio(self) -> float | None:
         """c = seconds per draft token / T(1), or None before both are known."""
