@@ -167,6 +167,19 @@ def test_the_profile_accounts_for_every_step(tiny_target):
     assert "1: 1.00 (1.00)" in loop and "(1.50)" in loop  # the curve's T(4)/T(1) beside the loop's
 
 
+def test_the_profile_prices_prompt_lookup_steps_without_a_draft_forward():
+    """A `hybrid`'s steps proposed by prompt lookup draft for nothing: the prediction from the steps as taken charges c
+    only to the draft model's (here 1 of 2 steps of γ 2; α 1, no catching up)."""
+    from verispec.tools.profile import MethodProfile, format_profile
+
+    plain = MethodProfile("none", steps=4, tokens=4, seconds=4.0, widths=[0] * 4, free=[False] * 4, forwards={1: [1.0] * 4})
+    hybrid = MethodProfile("hybrid", steps=2, tokens=6, seconds=2.4, proposed=4, accepted=4, judged=4, widths=[2, 2],
+                           free=[True, False], forwards={3: [1.0, 1.0]})
+    row = format_profile([plain, hybrid], [1.0, 1.0, 1.0], {"hybrid": 0.5}).splitlines()[3].split("|")
+    assert row[1].strip() == "hybrid" and row[-5].strip() == "2.500×"  # measured: 1 s a token plain, 0.4 s here
+    assert row[-4].strip() == f"{6 / (2 * 0.5 + 2 * 1.0):.3f}×"  # as taken: 2.000×, not 6 / (4 · 0.5 + 2) = 1.500×
+
+
 def test_the_profile_command_runs_every_method_on_every_prompt(tiny_target, tmp_path, capsys):
     """`analyze --profile` end to end: plain decoding first, each method over the same prompts
     (interleaved per prompt), and the curve the predictions use."""

@@ -42,6 +42,7 @@ class MethodProfile:
     accepted: int = 0
     judged: int = 0
     widths: list[int] = field(default_factory=list)  # draft tokens proposed at each step
+    free: list[bool] = field(default_factory=list)  # at each step: proposed by no draft model's forward (prompt lookup)
     contexts: list[int] = field(default_factory=list)  # tokens before each step (the verification's context)
     forwards: dict[int, list[float]] = field(default_factory=dict)  # positions n a step verified -> its target seconds
 
@@ -57,6 +58,7 @@ class MethodProfile:
         self.accepted += stats.accepted_tokens
         self.judged += stats.judged_tokens
         self.widths += [record.proposed for record in stats.records[1:]]  # records[0]: the prefill's first token
+        self.free += [record.free for record in stats.records[1:]]
         context = stats.prompt_tokens + 1  # each step's context: the prompt, the prefill's token, then each step's
         for record in stats.records[1:]:
             self.contexts.append(context)
@@ -104,9 +106,10 @@ def format_profile(rows: list[MethodProfile], curve: list[float], draft_seconds:
                    catch_ups: dict[str, float] | None = None) -> str:
     """A Markdown table: ms per step for each phase, ms per token, τ, α, measured and predicted speedup
     over the first row (plain decoding), from the target's curve T(n) and each method's draft cost
-    (seconds per token, and its draft model's T_d(2)/T_d(1) in `catch_ups`: `theory.draft_step_cost`):
-    with the tokens and widths the steps took (what the costs alone predict), then with E[tokens] from
-    α at each step's γ (what the plan predicts), then with the per-step work outside the forwards."""
+    (seconds per token, and its draft model's T_d(2)/T_d(1) in `catch_ups`: `theory.draft_step_cost`; a step proposed
+    by prompt lookup, `hybrid`'s, drafts for nothing): with the tokens and widths the steps took (what the costs
+    alone predict), then with E[tokens] from α at each step's γ (what the plan predicts), then with the per-step
+    work outside the forwards."""
     from verispec.control.theory import curve_verify_cost, draft_step_cost, expected_tokens
 
     verify = curve_verify_cost(curve)
@@ -120,11 +123,12 @@ def format_profile(rows: list[MethodProfile], curve: list[float], draft_seconds:
         per_step = [1e3 * row.phases.get(phase, 0.0) / max(row.steps, 1) for phase in GenerationStats.PHASES]
         c, catch_up = draft_seconds.get(row.method, 0.0) / curve[0], (catch_ups or {}).get(row.method, 1.0)
         widths = row.widths or [0]  # each step's draft length: the model's terms averaged over the steps taken
-        step_cost = sum(draft_step_cost(row.alpha, g, c, catch_up) + verify(g) for g in widths) / len(widths)  # in T(1)
+        drafting = [draft_step_cost(row.alpha, g, 0.0 if free else c, catch_up)
+                    for g, free in zip(widths, row.free or [True])]
+        step_cost = (sum(drafting) + sum(map(verify, widths))) / len(widths)  # in T(1)
         tokens = sum(expected_tokens(row.alpha, g) for g in widths) / len(widths)
         forwards = tokens / step_cost
-        taken = sum(draft_step_cost(row.alpha, g, c, catch_up) for g in row.widths) + sum(
-            len(seconds) * verify(n - 1) for n, seconds in row.forwards.items())  # the steps' widths as verified
+        taken = sum(drafting) + sum(len(seconds) * verify(n - 1) for n, seconds in row.forwards.items())  # as verified
         as_taken = row.tokens / taken if taken else 1.0
         honest = tokens * (1 + plain_overhead) / (step_cost + row.overhead / curve[0])
         cells = [row.method, str(row.steps), *(f"{ms:.2f}" for ms in per_step),
