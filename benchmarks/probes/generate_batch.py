@@ -5,11 +5,11 @@ Throughput of a script with many prompts: k requests stepped together share the 
 they decode faster than one after the other; each result must still be what `generate` gives that prompt alone.
 `--variants` adds other settings to each batch size, in turns: `unsized` (each request at its own γ, as alone: no
 `control/batch.size_together`), `none` (plain decoding), `gamma=G` (a constant γ of G), `drafter=SPEC` (another
-drafter, its γ sized as the plan's). `--ledger` holds each batch's
-steps against the prices γ was sized by (`StepAccount`): the shared passes' seconds against `CostModel.pass_cost` by
-width, the drafting against γ·c and the draft model's catching up, and what neither holds (verification, commits,
-per-request work on the host). `--temperature T`
-samples every request at T without a seed (a server's usual sampled traffic: sized for the batch like greedy ones).
+drafter, its γ sized as the plan's). `--ledger` holds each batch's steps against the prices γ was sized by
+(`StepAccount`): the shared passes' seconds against `CostModel.pass_cost` by width, the drafting against γ·c and the
+draft model's catching up, and what neither holds (verification, commits, per-request work on the host).
+`--temperature T` samples every request at T without a seed (a server's usual sampled traffic: sized for the batch
+like greedy ones).
 
     .venv/bin/python benchmarks/probes/generate_batch.py --per-category 1 --max-batch 4,8
     .venv/bin/python benchmarks/probes/generate_batch.py --max-batch 8 --rounds 3 --no-alone --variants plan,unsized,none,gamma=1

@@ -118,9 +118,9 @@ def _stream(generation, out: Console | None) -> bool:
 
 
 def _priced(generation) -> str:
-    """"steps 1.03× priced · " where the γ policy priced them (measured draft and target seconds over what its cost
-    model prices the steps at, `CostModel.priced_seconds`): far from 1, the machine runs other than when its costs
-    were measured, or the model misses a cost."""
+    """The summary's `steps 1.03× priced · ` where the γ policy priced the steps: their measured draft and target
+    seconds over what its cost model prices them at (`CostModel.priced_seconds`). Far from 1, the machine runs other
+    than when its costs were measured, or the model misses a cost."""
     costs, s = getattr(generation.policy, "costs", None), generation.stats
     steps = [record for record in s.records if record.target_seconds > 0]  # not the first token's: the prefill gave it
     priced = costs.priced_seconds(steps, s.prompt_tokens + 1) if costs is not None and steps else None

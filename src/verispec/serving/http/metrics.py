@@ -93,8 +93,8 @@ class Metrics:
             if account.priced_drafting is not None and account.priced_pass is not None:
                 recent = (account.drafting, account.priced_drafting, account.target_pass, account.priced_pass)
                 self._recent_priced.append(recent)
-                for i, key in enumerate(self.priced_parts):
-                    self.priced_parts[key] += recent[i]
+                for key, seconds in zip(self.priced_parts, recent):  # the keys in the same order
+                    self.priced_parts[key] += seconds
 
     def cost_ratios(self) -> dict[str, float]:
         """{part: measured ÷ priced seconds} over the latest COST_WINDOW_STEPS priced steps (a part priced at 0 left out)."""

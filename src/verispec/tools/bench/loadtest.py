@@ -9,8 +9,9 @@ long prompt holds up short requests.
 levels (default): for each client count, exactly `--requests` completions are sent (by that many
 concurrent clients) and the run stops by itself. Reports requests/s, generated tokens/s, p50/p99
 latency, τ, and (a verispec server's `/metrics`) the level's steps measured against what its cost model priced
-them at: the shared target passes and the drafting (– where nothing was priced: plain decoding). Under greedy decoding (the default) every response to one prompt must be the same
-text, batched or not: `garbled` counts the responses that differ from the most common one of their prompt.
+them at: the shared target passes and the drafting (– where nothing was priced: plain decoding). Under greedy
+decoding (the default) every response to one prompt must be the same text, batched or not: `garbled` counts the
+responses that differ from the most common one of their prompt.
 `--questions` sends public prompts (request i the i-th, cycling) instead of `--prompt`; any OpenAI-compatible
 server can be measured this way (`benchmarks/probes/against_llama_server.py`: llama.cpp's own server).
 
