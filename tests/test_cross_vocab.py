@@ -153,6 +153,44 @@ def test_retokenize_reads_the_draft_text_after_the_committed_tokens(pair):
     assert retokenize(tt, dt, [5, 3], context, []) == []
 
 
+def trained_tokenizer(kind: str):
+    """A small BPE tokenizer trained here: byte-level (Qwen's, GPT-2's kind) or SentencePiece-like (a "▁" before each
+    word, bytes for what the vocabulary lacks: Llama's, Gemma's kind), whose pieces split multi-byte characters."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = ["naïve café — 東京 🚀 def f(x): return x ** 2", "Hello, world! The quick brown fox.", "résumé 日本語 ✓"] * 20
+    if kind == "byte-level":
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    else:
+        tokenizer = Tokenizer(models.BPE(byte_fallback=True))
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+        tokenizer.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace()])
+        trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[f"<0x{b:02X}>" for b in range(256)])
+    tokenizer.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+def test_the_draft_context_decodes_only_what_is_new_and_gives_the_whole_text(kind):
+    """`DraftContext.text` after each committed token is the whole sequence's text (an unfinished character left
+    out), though it decodes only the ids past a known prefix, which moves forward (the positive control: it did); a
+    sequence that does not extend it (a new request) starts over."""
+    from verispec.drafters.cross_vocab import DraftContext, _decode
+
+    tokenizer = trained_tokenizer(kind)
+    ids = tokenizer.encode("naïve café — 東京 🚀 résumé 日本語 ✓ Hello, world! " * 6, add_special_tokens=False)
+    assert len(ids) > 4 * DraftContext.KEEP
+    context = DraftContext(tokenizer, tokenizer)
+    for n in range(len(ids) + 1):
+        assert context.text(ids[:n]) == _decode(tokenizer, ids[:n]).rstrip("\ufffd"), n
+    assert len(context.known_ids) > 2 * DraftContext.KEEP
+    other = tokenizer.encode("Hello, world! The quick brown fox.", add_special_tokens=False)
+    assert context.text(other) == _decode(tokenizer, other) and context.known_ids == []
+
+
 @pytest.mark.parametrize("chunk", [1, 4, 100])
 def test_a_chunked_prefill_gives_the_same_tokens(pair, chunk):
     """The server's chunked prefill (the draft's own prefill fed a chunk per call too), greedy and sampled."""

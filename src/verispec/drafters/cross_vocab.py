@@ -1,8 +1,8 @@
 """Drafting with a model of another tokenizer (another family): lossless in both decoding modes.
 
 The draft reads the committed text, not the target's token ids: the target's sequence is decoded to
-text and re-encoded with the draft's tokenizer (`DraftContext`, incrementally: only the tail after a
-stable anchor is re-encoded each step). How its guesses become target tokens depends on the decoding:
+text and re-encoded with the draft's tokenizer (`DraftContext`, incrementally: only the ids past a known
+prefix are decoded and only the tail after a stable anchor is re-encoded each step). How its guesses become target tokens depends on the decoding:
 
 - **Greedy: text re-tokenization.** The draft drafts γ tokens of its own; their text is appended to the
   text of the target's last few tokens and encoded with the target's tokenizer, and whatever follows
@@ -110,15 +110,19 @@ def _encode(tokenizer, text: str) -> list[int]:
 
 
 class DraftContext:
-    """The draft's token ids for the target's committed text, re-encoded incrementally.
+    """The draft's token ids for the target's committed text, decoded and re-encoded incrementally.
 
-    The text before `anchor` keeps its draft ids; each call re-encodes only the text after it, and the
-    anchor moves forward (to a space, where tokenizations agree) once that tail grows past 2 × TAIL
-    characters. Any tokenization of the text is a valid context for the draft; this one stays close to
-    the canonical one and costs O(tail) per step beyond one decode of the target's ids.
+    Decoding: the text of a prefix of the target's ids is kept (`known_ids`, `known_text`, ending on a whole
+    character); each call decodes only the ids after it, with a few before them (`LEAD`: a SentencePiece word's space,
+    a character's first bytes), and the prefix moves forward once KEEP × 2 ids follow it. Encoding: the text before
+    `anchor` keeps its draft ids; each call re-encodes only the text after it, and the anchor moves forward (to a
+    space, where tokenizations agree) once that tail grows past 2 × TAIL characters. Any tokenization of the text is
+    a valid context for the draft; this one stays close to the canonical one and costs O(tail) per step, not
+    O(context).
     """
 
     TAIL = 256  # characters kept re-encodable behind the end of the text
+    KEEP, LEAD = 32, 4  # target ids kept decodable behind the end; ids before the new ones decoded with them
 
     def __init__(self, target_tokenizer, draft_tokenizer):
         self.target_tokenizer, self.draft_tokenizer = target_tokenizer, draft_tokenizer
@@ -126,10 +130,32 @@ class DraftContext:
         self.prefix = [bos] if bos is not None and _encode_with_specials(draft_tokenizer) == [bos] else []
         self.skip = {target_tokenizer.bos_token_id} - {None}  # the target's BOS is not text
         self.anchor_text, self.anchor_ids = "", []
+        self.known_ids: list[int] = []  # a prefix of the target's ids (past a BOS) whose text is known_text
+        self.known_text = ""
 
     def text(self, target_ids: list[int]) -> str:
-        start = 1 if target_ids and target_ids[0] in self.skip else 0
-        return _decode(self.target_tokenizer, target_ids[start:]).rstrip("\ufffd")  # an unfinished character waits
+        """The committed text, an unfinished character left out (it waits for its next bytes)."""
+        ids = list(target_ids[1:] if target_ids and target_ids[0] in self.skip else target_ids)
+        known = len(self.known_ids)
+        if ids[:known] != self.known_ids:  # not an extension (a new request): start over
+            self.known_ids, self.known_text, known = [], "", 0
+        text = self._after_known(ids)
+        cut = len(ids) - self.KEEP
+        if cut - known > self.KEEP:  # move the known prefix forward where its text ends on a whole character
+            prefix = self._after_known(ids[:cut])
+            if not prefix.endswith("\ufffd") and text.startswith(prefix):
+                self.known_ids, self.known_text = ids[:cut], prefix
+        return text.rstrip("\ufffd")
+
+    def _after_known(self, ids: list[int]) -> str:
+        """The text of `ids` (which extend `known_ids`): the known text, then what the ids after it add to the LEAD ids
+        before them (decoded alone, a piece's leading space or first bytes would come out otherwise)."""
+        known = len(self.known_ids)
+        if not known:
+            return _decode(self.target_tokenizer, ids)
+        lead = self.known_ids[-self.LEAD :]
+        head, tail = _decode(self.target_tokenizer, lead), _decode(self.target_tokenizer, lead + ids[known:])
+        return self.known_text + tail[len(head) :] if tail.startswith(head) else _decode(self.target_tokenizer, ids)
 
     def ids(self, target_ids: list[int]) -> list[int]:
         """The draft's context for the committed `target_ids`."""
