@@ -2,7 +2,8 @@
 
 The draft reads the committed text, not the target's token ids: the target's sequence is decoded to
 text and re-encoded with the draft's tokenizer (`DraftContext`, incrementally: only the ids past a known
-prefix are decoded and only the tail after a stable anchor is re-encoded each step). How its guesses become target tokens depends on the decoding:
+prefix are decoded and only the tail after a stable anchor is re-encoded each step). How its guesses
+become target tokens depends on the decoding:
 
 - **Greedy: text re-tokenization.** The draft drafts γ tokens of its own; their text is appended to the
   text of the target's last few tokens and encoded with the target's tokenizer, and whatever follows
