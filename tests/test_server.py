@@ -366,6 +366,8 @@ def test_cli_serve_loads_once_and_answers(tiny_target):
         response = httpx.post(url, json=body, headers=key)
         assert response.status_code == 200 and response.json()["usage"]["prompt_tokens"] == 3
         assert httpx.post(url, json={**body, "max_tokens": 6}, headers=key).json()["error"]["param"] == "max_tokens"
+        process.terminate()  # a graceful stop: one line of what the server did
+        assert "served 1 requests (1 not)," in " ".join(process.communicate(timeout=30)[0].decode().split())
     finally:
         process.terminate()
         process.wait(10)

@@ -115,3 +115,14 @@ def test_a_load_test_holds_a_server_s_steps_against_their_prices(tiny_target, ti
             row = asyncio.run(run_level(server.url, MODEL, 3, 6, body))
         assert row["failures"] == 0 and set(row["measured_over_priced"]) == priced
         assert all(ratio > 0 for ratio in row["measured_over_priced"].values())
+
+
+def test_a_server_s_stop_says_what_it_did_in_one_line():
+    metrics = Metrics()
+    metrics.record_request("/v1/completions", 200)
+    metrics.record_request("/v1/completions", 400)
+    metrics.record_verification(3, 2, 3)
+    metrics.record_step(1, StepAccount(0.5, 2.0, 3.0, 0.25, 1.0))
+    assert metrics.summary() == ("served 1 requests (1 not), 3 tokens in 1 steps · τ 3.00 · α 0.67 · steps: drafting 0.5 s · "
+                                 "target pass 2.0 s · rest 0.5 s · 2.00× priced")
+    assert "priced" not in Metrics().summary()  # nothing priced, nothing said

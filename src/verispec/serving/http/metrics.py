@@ -103,6 +103,18 @@ class Metrics:
         sums = [sum(column) for column in zip(*recent)] if recent else []
         return {part: sums[2 * i] / sums[2 * i + 1] for i, part in enumerate(STEP_PARTS[:2]) if sums and sums[2 * i + 1] > 0}
 
+    def summary(self) -> str:
+        """One line of what the server did, for its stop: requests, tokens, τ and α, the steps' seconds by part, and
+        measured over priced where its cost model priced them."""
+        with self._lock:
+            served = sum(n for (_, status), n in self.requests.items() if status == 200)
+            failed = sum(self.requests.values()) - served
+            parts = " · ".join(f"{part.replace('_', ' ')} {seconds:.1f} s" for part, seconds in self.step_parts.items())
+            measured, priced = (sum(self.priced_parts[(part, kind)] for part in STEP_PARTS[:2]) for kind in ("measured", "priced"))
+            line = (f"served {served} requests{f' ({failed} not)' if failed else ''}, {self.generated_tokens} tokens in "
+                    f"{self.acceptance.steps} steps · τ {self.acceptance.tau:.2f} · α {self.acceptance.alpha:.2f} · steps: {parts}")
+        return line + (f" · {measured / priced:.2f}× priced" if priced > 0 else "")
+
     def record_verification(self, proposed: int, accepted: int, emitted: int) -> None:
         """One row of one step: `proposed` draft tokens, `accepted` kept, `emitted` tokens streamed."""
         now = time.monotonic()
