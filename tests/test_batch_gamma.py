@@ -253,3 +253,27 @@ def test_steps_that_run_no_draft_model_plan_on_the_calling_thread(tiny_target, t
     assert flags == [[False, True, False]] and len(plans[0].draft) == 0 and len(plans[1].draft) > 0
     for generation in generations:
         generation.close()
+
+
+def test_a_prompt_chunk_riding_in_the_pass_is_priced_with_it(tiny_target, monkeypatch):
+    """The γs of a step whose pass also holds a prompt chunk (`draft_plans(riding=)`) are sized on that pass: its
+    positions and its row priced with the drafts'. On a curve whose first positions past one cost the most, the drafts a
+    bare pass cuts are kept beside a chunk that has paid for the width already (the positive control: without it, cut)."""
+    import verispec.engine.together as together
+
+    target = load_model(tiny_target, "int8")
+    engine = Engine(target, NgramDrafter(max_n=3), gamma=3, gamma_policy="constant")
+    generations = [engine.start(prompt, GenerationConfig(max_new_tokens=8)) for prompt in PROMPTS[:2]]
+    costs = CostModel([1.0, 1.5, 1.7, 1.8], 0.1)
+    monkeypatch.setattr(together, "_costs", lambda generations, ready: costs)
+    seen = []
+    monkeypatch.setattr(together, "size_together", lambda outlooks, pass_cost: seen.append(pass_cost) or [o.gamma for o in outlooks])
+    together.draft_plans(generations, riding=16)
+    context = sum(len(g.ids) for g in generations) // 2
+    assert seen[0](5) == costs.pass_cost(5 + 16, 3, context) and seen[0](5) != costs.pass_cost(5, 2, context)
+    for generation in generations:
+        generation.close()
+    concave = lambda positions: 1.0 + 0.5 * min(positions - 1, 3)  # noqa: E731 - 1.5 at 2 positions, 2.5 from 4 on
+    outlooks = [Outlook(3, 0.4, fixed=False), Outlook(3, 0.4, fixed=False)]
+    assert size_together(outlooks, concave) == [0, 0]  # a bare pass: the drafts' width costs more than they gain
+    assert size_together(outlooks, lambda positions: concave(positions + 16)) == [3, 3]  # beside a chunk: free

@@ -68,10 +68,11 @@ class StepAccount:
         return costs.one_seconds(self.context) * costs.pass_cost(self.positions, self.rows, self.context)
 
 
-def draft_plans(generations: list[Generation], account: StepAccount | None = None) -> list[StepPlan | BaseException]:
+def draft_plans(generations: list[Generation], account: StepAccount | None = None, riding: int = 0) -> list[StepPlan | BaseException]:
     """Each generation's plan (its drafts), side by side, at the γ that serves the batch best (`control/batch.py`:
     a greedy request's γ cut where the shared pass's width costs more than its drafts gain): per generation its plan
-    or the exception it raised. `account`: given, it gets the drafting's seconds and price, and what prices the pass."""
+    or the exception it raised. `riding`: the positions of a prompt chunk the pass will hold too (a row of its own,
+    `prompt_row`), priced with it. `account`: given, it gets the drafting's seconds and price, and what prices the pass."""
     started = time.perf_counter()
     proposals: list[Proposal | BaseException] = []
     for generation in generations:
@@ -84,7 +85,7 @@ def draft_plans(generations: list[Generation], account: StepAccount | None = Non
     costs = _costs(generations, ready)
     context = sum(len(generations[i].ids) for i in ready) // max(1, len(ready))
     try:
-        sized = size_together(outlooks, _pass_cost(costs, len(ready), context))
+        sized = size_together(outlooks, _pass_cost(costs, len(ready) + bool(riding), context, riding))
     except Exception as error:  # noqa: BLE001 - pricing the batch (measuring its costs) failed: each at its own γ
         warnings.warn(f"requests stepped together at their own γ: {error}", RuntimeWarning, stacklevel=2)
         sized = [outlook.gamma for outlook in outlooks]
@@ -113,11 +114,12 @@ def _costs(generations: list[Generation], ready: list[int]) -> CostModel | None:
                 None)
 
 
-def _pass_cost(costs: CostModel | None, rows: int, context: int) -> Callable[[int], float]:
-    """T(n)/T(1) of the target pass over n positions of `rows` rows after `context` tokens (1 unpriced: every γ stays)."""
+def _pass_cost(costs: CostModel | None, rows: int, context: int, riding: int = 0) -> Callable[[int], float]:
+    """T(n)/T(1) of the target pass over the requests' n positions and `riding` more, of `rows` rows after `context`
+    tokens (1 unpriced: every γ stays)."""
     if costs is None:
         return lambda positions: 1.0
-    return lambda positions: costs.pass_cost(positions, rows, context)
+    return lambda positions: costs.pass_cost(positions + riding, rows, context)
 
 
 def _failed(error: BaseException) -> StepPlan:

@@ -586,7 +586,8 @@ class Scheduler:
         account = StepAccount()
         jobs: list[Job] = []
         plans: list[StepPlan] = []
-        for job, plan in zip(decoding, draft_plans([job.generation for job in decoding], account)):
+        riding = len(rider.chunk.tokens) if rider is not None else 0  # priced with the drafts' positions
+        for job, plan in zip(decoding, draft_plans([job.generation for job in decoding], account, riding)):
             if isinstance(plan, BaseException):
                 self._fail(job, plan, "error")
                 continue
