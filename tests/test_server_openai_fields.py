@@ -243,7 +243,7 @@ def test_tokenize_and_detokenize_agree_with_generation(client, engine):
     text = httpx.post(url + "/detokenize", json={"model": MODEL, "tokens": plain["tokens"]}, timeout=60).json()["prompt"]
     assert engine.prompt_ids(text, chat=False) == plain["tokens"]
     for path, body, status, param in [("/tokenize", {"model": MODEL}, 422, None), ("/tokenize", {"model": "x", "prompt": "t5"}, 400, "model"),
-                                      ("/detokenize", {"model": MODEL, "tokens": [10**6]}, 400, "prompt")]:
+                                      ("/detokenize", {"model": MODEL, "tokens": [10**6]}, 400, "tokens")]:
         response = httpx.post(url + path, json=body, timeout=60)
         assert response.status_code == status and (param is None or response.json()["error"]["param"] == param), response.text
 

@@ -93,8 +93,8 @@ def _error_status(error: BaseException) -> tuple[int, str, str | None]:
         return 504, str(error), None
     if isinstance(error, ServerStoppingError):
         return 503, str(error), None
-    if isinstance(error, PromptError):
-        return 400, str(error), "prompt"
+    if isinstance(error, PromptError):  # about the request's prompt unless it names another field
+        return 400, str(error), error.param or "prompt"
     if isinstance(error, VerispecError):
         return 400, str(error), error.param
     return 500, f"internal error in this generation ({type(error).__name__}: {error}); other requests are unaffected", None
@@ -374,7 +374,7 @@ def create_app(
         def decode(engine: Engine) -> dict:
             vocab = engine.target.vocab_size
             if any(token >= vocab for token in body.tokens):
-                raise PromptError(f"token ids must lie in [0, {vocab})")
+                raise PromptError(f"token ids must lie in [0, {vocab})", param="tokens")
             return {"prompt": engine.target.tokenizer.decode(body.tokens)}
         return await on_tokenizer_thread(request, body.model, decode)
 
