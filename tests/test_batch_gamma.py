@@ -116,8 +116,36 @@ def test_a_model_session_counts_the_committed_tokens_its_draft_lacks(tiny_target
     assert session.lag(later) == 5
     session.propose(later, 2, SamplingParams(), None)
     assert session.lag(later) == 0
-    assert DraftModelDrafter(draft, target.vocab_size).start_chunked(prompt).lag(prompt) == len(prompt) - 1  # no prefill yet
+    unread = DraftModelDrafter(draft, target.vocab_size).start_chunked(prompt)  # no prefill yet
+    assert unread.lag(prompt) == 0 and unread.lag(later) == 5  # a prompt not read yet is not counted: it is read once
     assert NgramDrafter().start(prompt).lag(later) == 0
+
+
+def test_hybrids_draft_model_reads_the_prompt_at_its_first_proposal(tiny_target, tiny_draft, monkeypatch):
+    """`hybrid` opened by the engine (`start_chunked`) feeds its draft model nothing until that model proposes
+    (`ModelSession.defer_prefill`): a request served by prompt lookup throughout never runs its draft's prefill; the
+    first proposal feeds prompt and output at once, and the draft is the one a session prefilled at start makes."""
+    from verispec.drafters import HybridDrafter
+
+    target, draft = load_model(tiny_target, "int8"), load_model(tiny_draft, "int8")
+    drafter = HybridDrafter(DraftModelDrafter(draft, target.vocab_size))
+    forwards = []
+    ragged = draft.runner.forward_ragged
+    monkeypatch.setattr(draft.runner, "forward_ragged", lambda caches, feeds, *rest, **kw: forwards.append(len(feeds[0]))
+                        or ragged(caches, feeds, *rest, **kw))
+    forward = draft.runner.forward
+    monkeypatch.setattr(draft.runner, "forward", lambda cache, feed, *rest, **kw: forwards.append(len(feed))
+                        or forward(cache, feed, *rest, **kw))
+    prompt = PROMPTS[1]
+    session = drafter.start_chunked(prompt)
+    assert session.prefill_step(0) and session.prefill_step(None) and forwards == []  # nothing read yet
+    later = prompt + [4, 6, 8]  # three tokens prompt lookup (or a plain step) committed
+    session.commit(later)
+    assert session.lag(later) == 3 and forwards == []
+    lazy = session.model.propose(later, 2, SamplingParams(), None)
+    assert forwards[0] == len(later)  # prompt and output in one feed
+    eager = drafter.start(prompt).model.propose(later, 2, SamplingParams(), None)
+    assert lazy.tokens.tolist() == eager.tokens.tolist() and len(lazy.tokens) == 2
 
 
 def test_the_pass_cost_extrapolates_past_the_measured_curve():

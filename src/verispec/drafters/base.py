@@ -68,9 +68,10 @@ class DraftSession(ABC):
         return None
 
     def lag(self, ids: list[int]) -> int:
-        """The committed tokens of `ids` a draft model of this session must still feed before its next draft, past
-        the one every step feeds (a model's cache behind the sequence after steps it drafted nothing in, or its
-        prefill unfinished): what its next draft costs more than a step's. Default: 0 (nothing to feed)."""
+        """The committed tokens of `ids` past the prompt that a draft model of this session must still feed before
+        its next draft, past the one every step feeds (a model's cache behind the sequence after steps it drafted
+        nothing in): what its next draft costs more than a step's. A prompt it has not read yet is not counted: it is
+        read once, whenever (`ModelSession.defer_prefill`). Default: 0 (nothing to feed)."""
         return 0
 
     def commit(self, ids: list[int]) -> None:
@@ -158,7 +159,8 @@ class ModelSession(DraftSession):
     Subclasses feed it with `_feed` (tokens appended to the sequence) and `_catch_up` (the committed
     ids it lacks first); `commit` keeps the part of `cached` the committed sequence agrees with, never
     the sequence's last token (the draft has not seen it yet, or it is fed again with the next step);
-    `finish` releases the cache.
+    `finish` releases the cache. Opened without its prefill, it may leave the prompt to its first proposal
+    (`defer_prefill`), which feeds whatever it lacks anyway.
     """
 
     def __init__(self, model: LoadedModel, prompt_ids: list[int], prefill: bool = True, window: int | None = None):
@@ -177,10 +179,19 @@ class ModelSession(DraftSession):
         # agrees with that one before its own last token (it only adds accepted drafts and one token), so
         # a commit compares only from there on: a few tokens, not the whole context
         self._checked = len(self.cached)
+        self._deferred = False
         if prefill:  # else prefill_step feeds the rest; a proposal would first feed whatever is still missing anyway
             self.prefill_step()
 
+    def defer_prefill(self) -> None:
+        """Leave the prompt to the first proposal (its catching up feeds it): `prefill_step` feeds nothing and says
+        done. For a draft model that may never draft (`hybrid`'s, while prompt lookup serves every step, or cut in
+        a busy batch: `control/batch.py`), whose prefill would be paid for nothing."""
+        self._deferred = True
+
     def prefill_step(self, max_tokens=None):
+        if self._deferred:
+            return True
         if len(self.cached) < len(self._prompt) and self._prompt[: len(self.cached)] == self.cached:
             end = len(self._prompt) if max_tokens is None else min(len(self._prompt), len(self.cached) + max_tokens)
             if end > len(self.cached):
@@ -205,7 +216,7 @@ class ModelSession(DraftSession):
         return self._feed(list(ids[len(self.cached) :]) + list(extra), logits)
 
     def lag(self, ids):
-        return max(0, len(self.view(ids)) - len(self.cached) - 1)
+        return max(0, len(self.view(ids)) - max(len(self.cached), len(self._prompt)) - 1)  # the prompt not counted
 
     def _rollback(self, length: int) -> None:
         """Keep the first `length` cached positions."""

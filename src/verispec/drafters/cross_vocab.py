@@ -236,7 +236,7 @@ class _CrossVocabSession(ModelSession):
     def lag(self, ids):
         """As a draft model's (`DraftSession.lag`), counted in the target's tokens committed since the cache last fed:
         the draft's for that text are about as many, and counting them exactly would re-encode the text each step."""
-        return max(0, len(self._prompt) - len(self.cached)) + max(0, len(ids) - self.synced - 1)
+        return max(0, len(ids) - self.synced - 1)
 
     def _sync(self, context: list[int]) -> torch.Tensor:
         """Cut the cache back to what it shares with `context`, feed the rest; logits [1, vocab] after it."""

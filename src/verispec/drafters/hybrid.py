@@ -8,7 +8,9 @@ accepted / judged tokens as `AcceptanceStats` counts it, with an optimistic prio
 30, long chains' rejected tails shut lookup out of summaries, 10 % slower there); otherwise the draft model
 proposes. Acceptance is measured by comparing each
 proposal with what was committed. The draft model's cache simply lags during n-gram steps and catches
-up on its next proposal.
+up on its next proposal; opened by the engine (`start_chunked`), it reads the prompt only at its first proposal
+(`ModelSession.defer_prefill`), so a request that prompt lookup serves throughout, or that a busy batch never lets
+draft with the model (`control/batch.py`), pays no draft prefill.
 
 The γ policy sizes the two sources' steps apart (`hint`): an n-gram step is in prompt lookup's class of its
 matched length and costs no draft forward (`Hint.free`: priced at c = 0), a draft model step is in a class of
@@ -72,7 +74,9 @@ class _HybridSession(ComposedSession):
     def __init__(self, drafter: HybridDrafter, prompt_ids: list[int], chunked: bool = False):
         self.drafter = drafter
         start = drafter.model_drafter.start_chunked if chunked else drafter.model_drafter.start
-        self.model = start(prompt_ids)  # chunked: its prefill fed by `prefill_step`
+        self.model = start(prompt_ids)
+        if chunked:  # the draft model reads the prompt at its first proposal: prompt lookup may serve every step
+            self.model.defer_prefill()
         self.ngram = drafter.ngram_drafter.start(prompt_ids)
         super().__init__([self.model, self.ngram])
         self.counts = {source: AcceptanceStats(proposed=2, accepted=1, judged=2) for source in ("ngram", "model")}  # prior 1/2

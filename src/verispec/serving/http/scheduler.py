@@ -19,7 +19,8 @@ Every turn of the worker:
      delays the decoding requests by at most one chunk per turn; the chunk with the prompt's last
      token gives the first new token (sent at once); when the target's prefill completes the request
      opens its drafter's session, whose own prefill (the `model` drafter's) follows in chunks the same
-     way (other drafters prefill their draft whole then). With a prompt cache (`models/prefixes.py`), a
+     way (other drafters prefill their draft whole then; `hybrid`'s draft model reads the prompt at its first
+     proposal, which prompt lookup or a busy batch may spare it). With a prompt cache (`models/prefixes.py`), a
      request starts from the longest prefix of its prompt that a running request's cache or the store
      holds, and one that has not begun waits while another request is prefilling at least `MIN_REUSE`
      tokens it shares (`_donor`), which then goes before other prompts: requests over one document, or
