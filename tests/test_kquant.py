@@ -158,7 +158,7 @@ def test_the_vector_code_gives_the_portable_codes_bits_for_each_row_alone(name):
                           KQuantWeight(Q6_K, torch.from_numpy(random_blocks(Q6_K, 24, 768, rng)), 768)])
     x = torch.randn(20, 768) * torch.logspace(-3, 3, 20)[:, None]  # rows of very different sizes
     x[3] = torch.where(torch.arange(768) % 2 == 0, 1.0, -1.0) * 50  # activations at ±127 (the int16 sums' worst case)
-    prompt = torch.randn(137, 768)  # a prefill's rows: eight 16-row groups of tile multiplies (AMX), then 9 rows
+    prompt = torch.randn(137, 768)  # a prefill's rows: four pairs of 16-row groups of tile multiplies (AMX), then 9 rows
     with kernels_of("portable"):
         portable, portable_prompt = layer(x), layer(prompt)  # [20, 88], [137, 88]
     with kernels_of(name):

@@ -442,15 +442,18 @@ bool amx_permitted() {
   return permitted;
 }
 
-// Tiles 0 and 1: the sums over the low and the high bytes, [rows × 16] int32; tile 2: `rows` rows of 64
-// activations; tile 3: 64 weights of the 16 columns (16 rows of 64 bytes).
-void configure_tiles(int rows) {
+// Two groups of up to 16 activation rows share each weight tile load: tiles 0 and 1 hold the first group's sums
+// over the low and the high bytes, [rows × 16] int32, tiles 2 and 3 the second's; tiles 4 and 5: the groups' 64
+// activations a row; tiles 6 and 7: 64 weights of the 16 columns, low and high bytes (16 rows of 64 bytes). Four
+// independent sums keep the tile unit busy where one group's two waited on each other and on their one weight tile.
+void configure_tiles(int first, int second) {
   struct alignas(64) {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};
     uint16_t colsb[16] = {};
     uint8_t rows[16] = {};
   } config;
-  for (int i = 0; i < 4; ++i) config.colsb[i] = 64, config.rows[i] = uint8_t(i < 3 ? rows : kWideRows);
+  const int rows[8] = {first, first, second, second, first, second, kWideRows, kWideRows};
+  for (int i = 0; i < 8; ++i) config.colsb[i] = 64, config.rows[i] = uint8_t(rows[i]);
   _tile_loadconfig(&config);
 }
 
@@ -501,9 +504,9 @@ void fold_q6k(const uint8_t* t, int subs, uint8_t* low, uint8_t* high) {  // the
 // y [rows × 16, row stride `ldy`] = every row of `a` through one tile of 16 columns (rows ≥ kAmxFromRows)
 void dot_tile_amx(int64_t kind, const uint8_t* tile, const Activations& a, int64_t rows, float* y, int64_t ldy) {
   alignas(64) uint8_t low[64 * 64], high[64 * 64];
-  alignas(64) int32_t sums_low[kWideRows * kCols], sums_high[kWideRows * kCols];
+  alignas(64) int32_t sums_low[2 * kWideRows * kCols], sums_high[2 * kWideRows * kCols];
   for (int64_t row = 0; row < rows; ++row) _mm512_storeu_ps(y + ldy * row, _mm512_setzero_ps());
-  int configured = 0;
+  int configured[2] = {0, 0};
   for (int64_t b = 0; b < a.blocks; ++b) {
     const uint8_t* t = tile + b * tile_bytes(kind);
     // the quarters (64 values) that hold any of the input; the rows a quarter holds past the last folded sub-block
@@ -516,20 +519,39 @@ void dot_tile_amx(int64_t kind, const uint8_t* tile, const Activations& a, int64
     __m512i min_pairs[4];  // Q4_K: the mins of sub-blocks (2i, 2i + 1), int16
     if (kind == Q4_K)
       for (int i = 0; i < 4; ++i) min_pairs[i] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 192 + 32 * i)));
-    for (int64_t row0 = 0; row0 < rows; row0 += kWideRows) {
-      const int n = int(std::min<int64_t>(kWideRows, rows - row0));
-      if (n != configured) configure_tiles(configured = n);
+    for (int64_t row0 = 0; row0 < rows; row0 += 2 * kWideRows) {
+      const int first = int(std::min<int64_t>(kWideRows, rows - row0));
+      const int second = int(std::clamp<int64_t>(rows - row0 - kWideRows, 0, kWideRows));
+      if (first != configured[0] || second != configured[1]) {
+        configured[0] = first, configured[1] = second;
+        configure_tiles(first, second ? second : kWideRows);  // no second group: its tiles stay unused
+      }
+      const int8_t* activations = a.q + row0 * a.k + b * kBlock;
       _tile_zero(0);
       _tile_zero(1);
+      if (second) {
+        _tile_zero(2);
+        _tile_zero(3);
+      }
       for (int quarter = 0; quarter < quarters; ++quarter) {
-        _tile_loadd(2, a.q + row0 * a.k + b * kBlock + 64 * quarter, a.k);
-        _tile_loadd(3, low + 1024 * quarter, 64);
-        _tile_dpbsud(0, 2, 3);
-        _tile_loadd(3, high + 1024 * quarter, 64);
-        _tile_dpbssd(1, 2, 3);
+        _tile_loadd(6, low + 1024 * quarter, 64);
+        _tile_loadd(7, high + 1024 * quarter, 64);
+        _tile_loadd(4, activations + 64 * quarter, a.k);
+        _tile_dpbsud(0, 4, 6);
+        _tile_dpbssd(1, 4, 7);
+        if (second) {
+          _tile_loadd(5, activations + kWideRows * a.k + 64 * quarter, a.k);
+          _tile_dpbsud(2, 5, 6);
+          _tile_dpbssd(3, 5, 7);
+        }
       }
       _tile_stored(0, sums_low, 64);
       _tile_stored(1, sums_high, 64);
+      if (second) {
+        _tile_stored(2, sums_low + kWideRows * kCols, 64);
+        _tile_stored(3, sums_high + kWideRows * kCols, 64);
+      }
+      const int n = first + second;
       for (int r = 0; r < n; ++r) {
         const int64_t row = row0 + r;
         __m512i dot = _mm512_add_epi32(_mm512_load_si512(sums_low + kCols * r), _mm512_slli_epi32(_mm512_load_si512(sums_high + kCols * r), 8));
