@@ -1,6 +1,7 @@
 """What prompt caching saves in a conversation: time to the first token of each turn of a chat, with the
 engine's prefix store (`models/prefixes.py`) and without it; with `--draft SPEC`, also the seconds the draft
-model's own prefill takes (in the first step, after the first token), with its store and without.
+model spends reading the conversation (its feeds of more than READ tokens: its own prefill after the first token, or,
+where it defers that to its first proposal as `hybrid`'s does, that proposal's catching up), with its store and without.
 
 Each turn's prompt is the whole conversation so far (the chat template applied, earlier answers
 included), so all but the new user message is what the previous turn left in the store. Prints, per
@@ -16,6 +17,8 @@ little above 1).
 from __future__ import annotations
 
 import argparse
+import time
+from unittest import mock
 
 from verispec import Engine, GenerationConfig
 from verispec.drafters import base, make_drafter
@@ -24,6 +27,7 @@ from verispec.models.registry import DEFAULT_TARGET
 from verispec.paths import cpu_summary
 
 draft_prefix_store = base.draft_prefix_store
+READ = 8  # a draft model's feed of more tokens than this reads the conversation (a step's feeds a few tokens)
 
 TURNS = [
     "Write a Python function that parses a CSV line with quoted fields.",
@@ -36,18 +40,29 @@ TURNS = [
 def conversation(engine: Engine, tokenizer, max_new_tokens: int) -> list[tuple[int, int, float, float]]:
     """One chat through TURNS; per turn (prompt tokens, cached tokens, seconds to the first token, seconds of the
     draft's prefill)."""
-    messages, rows = [], []
-    for turn in TURNS:
-        messages.append({"role": "user", "content": turn})
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        generation = engine.start(ids, GenerationConfig(max_new_tokens=max_new_tokens))  # prefilled: the first token
-        first_token = generation.stats.prefill_seconds
-        while not generation.done:
-            generation.step()
-        result = generation.result()
-        messages.append({"role": "assistant", "content": result.text})
-        rows.append((len(ids), result.stats.cached_tokens, first_token, result.stats.prefill_seconds - first_token))
+    messages, rows, reading = [], [], [0.0]
+    feed = base.ModelSession._feed
+
+    def timed_feed(session, tokens, logits="last"):
+        start = time.perf_counter()
+        out = feed(session, tokens, logits)
+        if len(tokens) > READ:
+            reading[0] += time.perf_counter() - start
+        return out
+
+    with mock.patch.object(base.ModelSession, "_feed", timed_feed):
+        for turn in TURNS:
+            messages.append({"role": "user", "content": turn})
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            reading[0] = 0.0
+            generation = engine.start(ids, GenerationConfig(max_new_tokens=max_new_tokens))  # prefilled: the first token
+            first_token = generation.stats.prefill_seconds
+            while not generation.done:
+                generation.step()
+            result = generation.result()
+            messages.append({"role": "assistant", "content": result.text})
+            rows.append((len(ids), result.stats.cached_tokens, first_token, reading[0]))
     return rows
 
 
@@ -62,7 +77,7 @@ def main() -> None:
     target = load_model(args.target, args.dtype, pack_rows=8)
     drafter = make_drafter(args.draft, target, args.dtype, ModelCache(target)) if args.draft else None
     print(f"{cpu_summary()} · {args.target} · {args.dtype} · {args.draft or 'no draft'} · per turn prompt "
-          "tokens:cached:seconds to the first token" + (" + of the draft's prefill" if drafter else ""))
+          "tokens:cached:seconds to the first token" + (" + the draft's reading" if drafter else ""))
     for _ in range(args.rounds):  # interleaved: with the stores, then without
         runs = {}
         for cached in (True, False):
