@@ -39,7 +39,7 @@ TURNS = [
 
 def conversation(engine: Engine, tokenizer, max_new_tokens: int) -> list[tuple[int, int, float, float]]:
     """One chat through TURNS; per turn (prompt tokens, cached tokens, seconds to the first token, seconds of the
-    draft's prefill)."""
+    draft model's reading of it: feeds of more than READ tokens)."""
     messages, rows, reading = [], [], [0.0]
     feed = base.ModelSession._feed
 
