@@ -232,6 +232,12 @@ def riding_seconds(model: LoadedModel, chunk: int) -> float:
     return _cached(key, 1, lambda: [measure_riding(model.runner, chunk)], "what a prompt chunk adds to a step")[0]
 
 
+def _in_context(short: float, long: float, context: int) -> float:
+    """A cost measured after SHORT_CONTEXT (`short`) and LONG_CONTEXT (`long`) cached tokens, after `context`: linear
+    between the two and beyond the long one (an attention's cost grows linearly with the context), `short` before."""
+    return short + (long - short) / (LONG_CONTEXT - SHORT_CONTEXT) * (max(context, SHORT_CONTEXT) - SHORT_CONTEXT)
+
+
 class CostModel:
     def __init__(self, target_seconds: list[float] | None = None, draft_token_seconds: float | None = None,
                  draft_catch_up: float = 1.0, long_target_seconds: list[float] | None = None,
@@ -272,8 +278,7 @@ class CostModel:
         short = _ratio(self.target_seconds, gamma)
         if context is None or not self.long_target_seconds:
             return short
-        slope = (_ratio(self.long_target_seconds, gamma) - short) / (LONG_CONTEXT - SHORT_CONTEXT)
-        return max(1.0, short + slope * (max(context, SHORT_CONTEXT) - SHORT_CONTEXT))
+        return max(1.0, _in_context(short, _ratio(self.long_target_seconds, gamma), context))
 
     def one_seconds(self, context: int | None = None) -> float | None:
         """T(1) in seconds after `context` cached tokens (None: SHORT_CONTEXT), linear in the context between and beyond
@@ -283,8 +288,7 @@ class CostModel:
         short = self.target_seconds[0]
         if context is None or not self.long_target_seconds:
             return short
-        slope = (self.long_target_seconds[0] - short) / (LONG_CONTEXT - SHORT_CONTEXT)
-        return max(short, short + slope * (max(context, SHORT_CONTEXT) - SHORT_CONTEXT))
+        return max(short, _in_context(short, self.long_target_seconds[0], context))
 
     def prepare_batches(self) -> None:
         """Measure (or read) what a batch's pass costs, if not yet: a server does at its start, not in its first step

@@ -94,6 +94,10 @@ class DraftSession(ABC):
         `Drafter.start_chunked` may have any left. Default: nothing to feed."""
         return True
 
+    def defer_prefill(self) -> None:
+        """Leave the prompt to the first proposal, which reads whatever it lacks (`ModelSession`'s); `prefill_step`
+        then says done at once. Default: nothing to defer (no prompt of its own to read)."""
+
 
 class Drafter(ABC):
     name: str = "drafter"
@@ -184,9 +188,9 @@ class ModelSession(DraftSession):
             self.prefill_step()
 
     def defer_prefill(self) -> None:
-        """Leave the prompt to the first proposal (its catching up feeds it): `prefill_step` feeds nothing and says
-        done. For a draft model that may never draft (`hybrid`'s, while prompt lookup serves every step, or cut in
-        a busy batch: `control/batch.py`), whose prefill would be paid for nothing."""
+        """Its catching up at the first proposal feeds the prompt: for a draft model that may never draft (`hybrid`'s,
+        while prompt lookup serves every step, or cut in a busy batch: `control/batch.py`), whose prefill would be
+        paid for nothing."""
         self._deferred = True
 
     def prefill_step(self, max_tokens=None):

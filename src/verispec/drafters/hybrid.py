@@ -27,7 +27,7 @@ import copy
 import torch
 
 from verispec.control.plan import ALPHA_PRIORS
-from verispec.drafters.base import ComposedSession, Drafter, DraftSession, ModelSession
+from verispec.drafters.base import ComposedSession, Drafter, DraftSession
 from verispec.drafters.ngram import NgramDrafter, match_hint
 from verispec.drafters.prefix import common_prefix_length
 from verispec.errors import InvalidParameterError
@@ -75,8 +75,8 @@ class _HybridSession(ComposedSession):
         self.drafter = drafter
         start = drafter.model_drafter.start_chunked if chunked else drafter.model_drafter.start
         self.model = start(prompt_ids)
-        if chunked and isinstance(self.model, ModelSession):  # it reads the prompt at its first proposal: prompt
-            self.model.defer_prefill()  # lookup may serve every step
+        if chunked:  # the draft model reads the prompt at its first proposal: prompt lookup may serve every step
+            self.model.defer_prefill()
         self.ngram = drafter.ngram_drafter.start(prompt_ids)
         super().__init__([self.model, self.ngram])
         self.counts = {source: AcceptanceStats(proposed=2, accepted=1, judged=2) for source in ("ngram", "model")}  # prior 1/2
