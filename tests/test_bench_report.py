@@ -148,14 +148,20 @@ def test_warm_up_runs_on_a_prompt_outside_the_measured_set():
     assert len(records) == 4
 
 
-def test_the_cpu_summary_names_the_vector_flags(monkeypatch):
+def test_the_cpu_summary_names_the_vector_flags_and_the_generation(monkeypatch, tmp_path):
     from verispec import paths
 
     flags = "flags\t\t: fpu sse2 avx avx2 fma f16c avx512f avx512_vnni amx_tile"
-    monkeypatch.setattr(paths, "cpu_flags", lambda: flags)
+    cpuinfo = tmp_path / "cpuinfo"
+    processor = "processor\t: {}\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\n" + flags + "\n"
+    cpuinfo.write_text("\n".join(processor.format(i) for i in range(2)))
+    monkeypatch.setattr(paths, "CPUINFO", cpuinfo)
     paths.cpu_summary.cache_clear()
+    paths.cpu_flags.cache_clear()
     try:
         summary = paths.cpu_summary()
     finally:
         paths.cpu_summary.cache_clear()
+        paths.cpu_flags.cache_clear()
+    assert summary.startswith("AMD EPYC (family 26 model 2), ")
     assert summary.endswith("CPUs, avx2 fma f16c avx512f avx512_vnni amx_tile")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import time
 from contextlib import contextmanager
 
 import numpy as np
@@ -30,7 +31,8 @@ from verispec.errors import InvalidParameterError, ModelNotFoundError
 from verispec.control import CostModel
 from verispec.engine.build import auto_backends
 from verispec.engine.together import mixes_prompts
-from verispec.models.kquant import KQUANT_TYPES, KQuantLinear, KQuantWeight, kquant_kernels, kquant_suits
+from verispec.models import kquant
+from verispec.models.kquant import KQUANT_TYPES, KQuantLinear, KQuantWeight, kquant_kernels, kquant_suits, prefetch_pays, settle_prefetch
 from verispec.models.gguf_weights import kquant_requantizes, kquant_runs
 from verispec.models.loading import load_model, parse_precision
 from verispec.models.requantize import quantize_q4_k, quantize_q6_k
@@ -174,6 +176,56 @@ def test_the_vector_code_gives_the_portable_codes_bits_for_each_row_alone(name):
         finally:
             torch.set_num_threads(threads)
     assert torch.equal(fast, portable)
+
+
+def test_prefetching_for_few_rows_moves_no_value():
+    kernels = kquant_kernels()
+    rng = np.random.default_rng(5)
+    layer = KQuantLinear([KQuantWeight(Q4_K, torch.from_numpy(random_blocks(Q4_K, 64, 768, rng)), 768),
+                          KQuantWeight(Q6_K, torch.from_numpy(random_blocks(Q6_K, 24, 768, rng)), 768)])
+    x = torch.randn(3, 768)
+    previous = kernels.prefetch_few_rows()
+    try:
+        assert kernels.set_prefetch_few_rows(True) and kernels.prefetch_few_rows()
+        prefetched = [layer(x[:rows]) for rows in (1, 2, 3)]
+        assert not kernels.set_prefetch_few_rows(False) and not kernels.prefetch_few_rows()
+        assert all(torch.equal(layer(x[:rows]), y) for rows, y in zip((1, 2, 3), prefetched))
+    finally:
+        kernels.set_prefetch_few_rows(previous)
+
+
+def test_prefetching_for_few_rows_is_measured_once_and_kept_where_it_pays(monkeypatch, tmp_path):
+    """`prefetch_pays` keeps the setting under which the layers ran faster (a layer slow without it, then one slow
+    with it: the control); `settle_prefetch` measures only a model large enough to stream from memory, once, and a
+    later model takes the kept choice unmeasured."""
+    kernels = kquant_kernels()
+    if kernels.kernels_in_use() not in ("amx", "avx512"):
+        pytest.skip("only the AVX-512 code prefetches")
+
+    class Layer:
+        in_features = 8
+
+        def __init__(self, slow_with: bool):
+            self.slow_with = slow_with
+
+        def __call__(self, x):
+            time.sleep(0.004 if kernels.prefetch_few_rows() == self.slow_with else 0.0)
+
+    assert prefetch_pays([Layer(slow_with=False)], rounds=3)[0]
+    assert not prefetch_pays([Layer(slow_with=True)], rounds=3)[0]
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    measured = []
+    monkeypatch.setattr(kquant, "prefetch_pays", lambda linears: (measured.append(linears), (True, 0.9))[1])
+    previous = kernels.prefetch_few_rows()
+    try:
+        assert not settle_prefetch(["small"], kquant.PREFETCH_MEASURED_FROM - 1) and not measured
+        assert settle_prefetch(["large"], kquant.PREFETCH_MEASURED_FROM) and measured == [["large"]]
+        assert settle_prefetch(["small"], 0) and kernels.prefetch_few_rows() and len(measured) == 1
+        (tmp_path / "file").write_text("not a folder")
+        monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "file"))  # nowhere to keep it: measured, used, not kept
+        assert settle_prefetch(["large"], kquant.PREFETCH_MEASURED_FROM) and len(measured) == 2
+    finally:
+        kernels.set_prefetch_few_rows(previous)
 
 
 @pytest.mark.parametrize("kind", [Q4_K, Q6_K])

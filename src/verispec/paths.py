@@ -19,6 +19,7 @@ __all__ = ["cache_dir", "cpu_flags", "cpu_summary", "files_stamp", "keyed_file",
 
 # The vector-instruction flags that decide which kernels run (x86: AVX2, AVX-512 with VNNI/BF16, AMX;
 # Arm: NEON, SVE): the part of the flags a reader compares.
+CPUINFO = Path("/proc/cpuinfo")
 VECTOR_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8",
                 "amx_bf16", "asimd", "sve")
 
@@ -63,7 +64,7 @@ def read_table(name: str) -> dict:
     there is none yet or it cannot be read."""
     try:
         return json.loads((cache_dir() / name).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+    except (OSError, json.JSONDecodeError):  # none yet, or a cache directory that is not one
         return {}
 
 
@@ -86,7 +87,7 @@ def cpu_flags() -> str:
     """The CPU's instruction-set flags: what a -march=native build and a measured kernel cost depend on
     (a cache shared by machines of different CPU kinds keeps one entry per kind)."""
     try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        lines = CPUINFO.read_text().splitlines()
         return next((line for line in lines if line.startswith("flags")), platform.processor())
     except OSError:
         return platform.processor()
@@ -99,12 +100,17 @@ def cpu_key() -> str:
 
 @cache
 def cpu_summary() -> str:
-    """The CPU's model name, logical CPU count and vector-instruction flags, e.g. "AMD EPYC 7B13, 2 CPUs, avx2 fma f16c"."""
+    """The CPU's model name with its x86 family and model numbers, logical CPU count and vector-instruction flags, e.g.
+    "AMD EPYC (family 26 model 2), 2 CPUs, avx2 fma f16c avx512f": a virtual machine's name ("AMD EPYC") does not
+    say which generation runs it, and two generations with the same flags measure differently."""
     flags = set(cpu_flags().split(":", 1)[-1].split())
     try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.processor())
+        fields = dict(line.split(":", 1) for line in CPUINFO.read_text().split("\n\n")[0].splitlines() if ":" in line)
     except OSError:
-        model = platform.processor()
+        fields = {}
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    model = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:
+        model += f" (family {fields['cpu family']} model {fields['model']})"
     vector = " ".join(flag for flag in VECTOR_FLAGS if flag in flags) or "no AVX2/AVX-512/AMX/NEON flags"
-    return f"{model or platform.machine()}, {os.cpu_count()} CPUs, {vector}"
+    return f"{model}, {os.cpu_count()} CPUs, {vector}"

@@ -27,15 +27,21 @@ sub-block scales folded into the weights, the same integer sums. All of them giv
 
 from __future__ import annotations
 
+import contextlib
 import os
+import statistics
+import time
 from dataclasses import dataclass
 
 import torch
 
 from verispec.errors import InvalidParameterError, ModelNotFoundError
-from verispec.models.kernels import extension
+from verispec.models.kernels import build_key, extension
+from verispec.paths import cpu_key, read_table, store_in_table
+from verispec.progress import status
 
-__all__ = ["KQUANT_TYPES", "KQuantWeight", "KQuantTiles", "KQuantLinear", "KQuantEmbedding", "concat_rows", "kquant_kernels", "kquant_suits"]
+__all__ = ["KQUANT_TYPES", "KQuantWeight", "KQuantTiles", "KQuantLinear", "KQuantEmbedding", "concat_rows", "kquant_kernels", "kquant_suits",
+           "settle_prefetch"]
 
 KQUANT_TYPES = {"Q4_K": 12, "Q6_K": 14}  # ggml type name -> type number (what the kernels take)
 TILE_COLUMNS = 16  # output columns per packed tile (`kCols` in kernels/kquant.cpp)
@@ -59,6 +65,54 @@ def kquant_kernels():
                                         f"{', '.join(module.kernels_built())}")
         module.use_kernels(wanted)
     return module
+
+
+KERNEL_CHOICES = "kernel_choices.json"  # choices measured on this CPU, per kernel build (the cache directory's table)
+# Prefetching for one or two rows is measured on a model that streams its weights from memory wherever it loads:
+# larger than the largest L3 measured (480 MiB on the AMX Xeon; the shipped 1.5B's layers hold 1.0 GB)
+PREFETCH_MEASURED_FROM = 512 << 20
+PREFETCH_GAIN = 0.97  # the median decode step's layers must take this share or less with it (an A/A moves ~1 %)
+
+
+def settle_prefetch(linears: list, linear_bytes: int) -> bool:
+    """Whether the AVX-512 kernels prefetch the weight stream for one and two rows too (`set_prefetch_few_rows`; they
+    always do from three): on the AMX Xeon that lost, on the Zen 5 EPYC it gained (BENCHMARKS.md), so it is measured
+    here, once per CPU kind, kernel build and thread count, on the first model loaded with `linear_bytes` ≥
+    PREFETCH_MEASURED_FROM (its `linears`, one row each, with and without, in turns: `prefetch_pays`), and kept in
+    the cache directory; a smaller model takes the kept choice, or none. The same bits either way."""
+    module = kquant_kernels()
+    if module.kernels_in_use() not in ("amx", "avx512"):  # the AVX2 and portable code never prefetch
+        return module.set_prefetch_few_rows(False)
+    key = (f"prefetch_few_rows|{build_key('kquant')}|{module.kernels_in_use()}|threads={torch.get_num_threads()}"
+           f"|cpu={cpu_key()}")
+    choice = read_table(KERNEL_CHOICES).get(key)
+    if choice is None and linear_bytes >= PREFETCH_MEASURED_FROM:
+        with status("measuring the kquant kernels' prefetching (once per CPU kind)"):
+            on, ratio = prefetch_pays(linears)
+        choice = {"on": on, "ratio": round(ratio, 4)}
+        with contextlib.suppress(OSError):  # a cache directory that cannot be written: the choice holds for this process
+            store_in_table(KERNEL_CHOICES, key, choice)
+    return module.set_prefetch_few_rows(bool(choice and choice["on"]))
+
+
+def prefetch_pays(linears: list, rounds: int = 7) -> tuple[bool, float]:
+    """(whether to prefetch for few rows, the median seconds of one row through every layer of `linears` with it over
+    without it), the two timed in turns (their order alternating) so a shared CPU's drift touches both alike."""
+    module = kquant_kernels()
+    inputs = [torch.randn(1, layer.in_features) for layer in linears]
+    seconds: dict[bool, list[float]] = {False: [], True: []}
+    try:
+        for round_ in range(rounds):
+            for on in (False, True) if round_ % 2 == 0 else (True, False):
+                module.set_prefetch_few_rows(on)
+                start = time.perf_counter()
+                for layer, x in zip(linears, inputs):
+                    layer(x)
+                seconds[on].append(time.perf_counter() - start)
+    finally:
+        module.set_prefetch_few_rows(False)
+    ratio = statistics.median(seconds[True]) / statistics.median(seconds[False])
+    return ratio <= PREFETCH_GAIN, ratio
 
 
 def kquant_suits(path) -> bool:

@@ -276,6 +276,8 @@ void dot_tile_portable(int64_t kind, const uint8_t* tile, const Activations& a, 
   }
 }
 
+bool prefetch_few_rows = false;  // the AVX-512 code prefetches for every row count (`set_prefetch_few_rows`)
+
 #if KQ_AVX512
 // ---------------------------------------------------------------------------------------------------
 // The AVX-512 VNNI tile kernels, for R rows at once (the weights of a sub-block are unpacked once into
@@ -289,12 +291,12 @@ inline __m512i dot4(__m512i acc, __m512i w, const int8_t* p) {
 }
 
 // Ask for the tile-block `kAhead` blocks further on, a share of its cache lines per sub-block step
-// (part `j` of `steps`), so the weight stream keeps reads in flight while a long block computes. Only
-// where a block's work is long (Q4_K from 3 rows, Q6_K from 2): for shorter work the hardware's
-// prefetcher keeps up and the extra instructions only cost (on the AVX-512 EPYC of BENCHMARKS.md, whole-model
-// T(4)/T(1) went from 1.65–1.89 to 1.42 with this rule; `kernel_candidates.py`, `kquant_streaming.py` measure it).
-// On the AMX Xeon a decode step's Q6_K blocks (6.56 bits a weight, more work a byte) gain from it too: a step's
-// linear layers 10 % faster there (BENCHMARKS.md, "AMX").
+// (part `j` of `steps`), so the weight stream keeps reads in flight while a long block computes. Always where a
+// block's work is long (Q4_K from 3 rows, Q6_K from 2: on the AVX-512 EPYC of BENCHMARKS.md, whole-model T(4)/T(1)
+// went from 1.65–1.89 to 1.42 with this rule; `kernel_candidates.py`, `kquant_streaming.py` measure it). For fewer
+// rows it depends on the CPU: on the AMX Xeon a decode step's Q6_K blocks gain (a step's linear layers 10 % faster)
+// and its Q4_K blocks lose (4 % at one row, 10 % at two), on the Zen 5 EPYC both gain (11 %); so there it is
+// `prefetch_few_rows`, which `models/kquant.py` sets from a measurement on this CPU (BENCHMARKS.md).
 constexpr int kAhead = 2;
 template <int R>
 constexpr bool kPrefetchQ4K = R >= 3;
@@ -336,7 +338,7 @@ inline void add_sub_block(const __m512i* w, __m512i scale, const Activations& a,
   for (int r = 0; r < R; ++r) dot[r] = _mm512_add_epi32(dot[r], _mm512_mullo_epi32(chain_sum<R>(sub[r]), scale));
 }
 
-template <int R>
+template <int R, bool Prefetch>
 void dot_tile_q4k(const uint8_t* tile, const Activations& a, int64_t row0, float* acc) {
   const __m512i low = _mm512_set1_epi8(0x0f);
   __m512i zeros[R];
@@ -349,7 +351,7 @@ void dot_tile_q4k(const uint8_t* tile, const Activations& a, int64_t row0, float
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
     for_sub_blocks<8>(a.sub_blocks(b, 32), [&](int j) {
-      if constexpr (kPrefetchQ4K<R>) prefetch_ahead(t, kQ4KTile, j, 8);
+      if constexpr (Prefetch) prefetch_ahead(t, kQ4KTile, j, 8);
       __m512i w[8];
       for (int tt = 0; tt < 4; ++tt) {
         const __m512i packed = _mm512_loadu_si512(nibbles + 256 * j + 64 * tt);
@@ -389,7 +391,7 @@ inline void unpack_q6k(const uint8_t* packed, __m512i* w) {
   w[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low1, 4), nibble), _mm512_and_si512(_mm512_srli_epi16(high, 2), top));
 }
 
-template <int R>
+template <int R, bool Prefetch>
 void dot_tile_q6k(const uint8_t* tile, const Activations& a, int64_t row0, float* acc) {
   __m512 y[R];
   for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
@@ -399,7 +401,7 @@ void dot_tile_q6k(const uint8_t* tile, const Activations& a, int64_t row0, float
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
     for_sub_blocks<16>(a.sub_blocks(b, 16), [&](int j) {
-      if constexpr (kPrefetchQ6K<R>) prefetch_ahead(t, kQ6KTile, j, 16);
+      if constexpr (Prefetch) prefetch_ahead(t, kQ6KTile, j, 16);
       __m512i w[4];  // the 6-bit values of the sub-block, unpacked
       unpack_q6k(values + 192 * j, w);
       const __m512i scale = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * j)));
@@ -418,8 +420,14 @@ void dot_tile_q6k(const uint8_t* tile, const Activations& a, int64_t row0, float
 
 void dot_tile_avx512(int64_t kind, const uint8_t* tile, const Activations& a, int64_t row0, int rows, float* acc) {
   with_rows(rows, [&](auto r) {
-    if (kind == Q4_K) dot_tile_q4k<decltype(r)::value>(tile, a, row0, acc);
-    else dot_tile_q6k<decltype(r)::value>(tile, a, row0, acc);
+    constexpr int R = decltype(r)::value;
+    if (kind == Q4_K) {
+      if (kPrefetchQ4K<R> || prefetch_few_rows) dot_tile_q4k<R, true>(tile, a, row0, acc);
+      else dot_tile_q4k<R, false>(tile, a, row0, acc);
+    } else {
+      if (kPrefetchQ6K<R> || prefetch_few_rows) dot_tile_q6k<R, true>(tile, a, row0, acc);
+      else dot_tile_q6k<R, false>(tile, a, row0, acc);
+    }
   });
 }
 #endif
@@ -1033,6 +1041,13 @@ std::string use_kernels(const std::string& name) {
   return name;
 }
 
+// Prefetch the weight stream for every row count of the AVX-512 code (else from 3 rows for Q4_K, 2 for Q6_K, 1 for
+// Q6_K on AMX builds); returns the setting. The same bits either way: prefetching moves no value.
+bool set_prefetch_few_rows(bool on) {
+  prefetch_few_rows = on;
+  return prefetch_few_rows;
+}
+
 std::string kernels_in_use() {
   return kernels == Kernels::amx ? "amx" : kernels == Kernels::avx512 ? "avx512" : kernels == Kernels::avx2 ? "avx2" : "portable";
 }
@@ -1045,6 +1060,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kernels_built", &kernels_built, "the kernels built here, fastest first (amx, avx512, avx2, portable)");
   m.def("use_kernels", &use_kernels, "run these kernels from now on (one of kernels_built())");
   m.def("kernels_in_use", &kernels_in_use, "the kernels that run");
+  m.def("set_prefetch_few_rows", &set_prefetch_few_rows, "prefetch the weight stream for every row count (AVX-512 code)", py::arg("on"));
+  m.def("prefetch_few_rows", [] { return prefetch_few_rows; }, "whether the AVX-512 code prefetches for every row count");
   m.def("attend", &exact_attention::attend, "q [heads, n, d] over one layer's cache [kv_heads, capacity, d] from slot `start` "
         "(mask: None for a chain, else bool [n, start + n]) -> [heads, n, d], each position on its own",
         py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("start"), py::arg("mask"), py::arg("scale"));
