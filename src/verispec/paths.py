@@ -19,7 +19,6 @@ __all__ = ["cache_dir", "cpu_flags", "cpu_summary", "files_stamp", "keyed_file",
 
 # The vector-instruction flags that decide which kernels run (x86: AVX2, AVX-512 with VNNI/BF16, AMX;
 # Arm: NEON, SVE): the part of the flags a reader compares.
-CPUINFO = Path("/proc/cpuinfo")
 VECTOR_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8",
                 "amx_bf16", "asimd", "sve")
 
@@ -80,6 +79,9 @@ def store_in_table(name: str, key: str, value) -> None:
         partial = file.with_name(f".{file.name}.{os.getpid()}.{threading.get_ident()}")
         partial.write_text(json.dumps(table, indent=1))
         os.replace(partial, file)
+
+
+CPUINFO = Path("/proc/cpuinfo")  # what the kernel says of the CPU (Linux)
 
 
 @cache
