@@ -75,13 +75,14 @@ PREFETCH_GAIN = 0.97  # the median decode step's layers must take this share or 
 
 
 def settle_prefetch(linears: list, linear_bytes: int) -> bool:
-    """Whether the AVX-512 kernels prefetch the weight stream for one and two rows too (`set_prefetch_few_rows`; they
-    always do from three): on the AMX Xeon that lost, on the Zen 5 EPYC it gained (BENCHMARKS.md), so it is measured
-    here, once per CPU kind, kernel build and thread count, on the first model loaded with `linear_bytes` ≥
-    PREFETCH_MEASURED_FROM (its `linears`, one row each, with and without, in turns: `prefetch_pays`), and kept in
-    the cache directory; a smaller model takes the kept choice, or none. The same bits either way."""
+    """Whether the vector kernels prefetch the weight stream for one and two rows (`set_prefetch_few_rows`; the AVX-512
+    code always does from three, the AVX2 code never): on the AMX Xeon that lost, on the Zen 5 EPYC it gained
+    (BENCHMARKS.md), so it is measured here, once per CPU kind, kernels, build and thread count, on the first model
+    loaded with `linear_bytes` ≥ PREFETCH_MEASURED_FROM (its `linears`, one row each, with and without, in turns:
+    `prefetch_pays`), and kept in the cache directory; a smaller model takes the kept choice, or none. The same bits
+    either way."""
     module = kquant_kernels()
-    if module.kernels_in_use() not in ("amx", "avx512"):  # the AVX2 and portable code never prefetch
+    if module.kernels_in_use() == "portable":  # the portable code never prefetches
         return module.set_prefetch_few_rows(False)
     key = (f"prefetch_few_rows|{build_key('kquant')}|{module.kernels_in_use()}|threads={torch.get_num_threads()}"
            f"|cpu={cpu_key()}")

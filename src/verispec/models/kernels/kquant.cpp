@@ -276,7 +276,19 @@ void dot_tile_portable(int64_t kind, const uint8_t* tile, const Activations& a, 
   }
 }
 
-bool prefetch_few_rows = false;  // the AVX-512 code prefetches for every row count (`set_prefetch_few_rows`)
+bool prefetch_few_rows = false;  // the vector code prefetches for one and two rows too (`set_prefetch_few_rows`)
+
+#if KQ_AVX512 || KQ_AVX2
+// Ask for the tile-block `kAhead` blocks further on, a share of its cache lines per sub-block step (part `j` of `steps`),
+// so the weight stream keeps reads in flight while a block computes (when: `kPrefetchQ4K` and `dot_tile_avx2` below)
+constexpr int kAhead = 2;
+inline void prefetch_ahead(const uint8_t* block, int bytes, int j, int steps) {
+  const int lines = (bytes + 63) / 64, per_step = (lines + steps - 1) / steps;
+  const uint8_t* ahead = block + kAhead * bytes;
+  for (int line = j * per_step; line < std::min(lines, (j + 1) * per_step); ++line)
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * line), _MM_HINT_T0);
+}
+#endif
 
 #if KQ_AVX512
 // ---------------------------------------------------------------------------------------------------
@@ -290,25 +302,17 @@ inline __m512i dot4(__m512i acc, __m512i w, const int8_t* p) {
   return acc;
 }
 
-// Ask for the tile-block `kAhead` blocks further on, a share of its cache lines per sub-block step
-// (part `j` of `steps`), so the weight stream keeps reads in flight while a long block computes. Always where a
-// block's work is long (Q4_K from 3 rows, Q6_K from 2: on the AVX-512 EPYC of BENCHMARKS.md, whole-model T(4)/T(1)
-// went from 1.65–1.89 to 1.42 with this rule; `kernel_candidates.py`, `kquant_streaming.py` measure it). For fewer
-// rows it depends on the CPU: on the AMX Xeon a decode step's Q6_K blocks gain (a step's linear layers 10 % faster)
-// and its Q4_K blocks lose (4 % at one row, 10 % at two), on the Zen 5 EPYC both gain (11 %); so there it is
-// `prefetch_few_rows`, which `models/kquant.py` sets from a measurement on this CPU (BENCHMARKS.md).
-constexpr int kAhead = 2;
+// When the AVX-512 code prefetches: always where a block's work is long (Q4_K from 3 rows, Q6_K from 2: on the
+// AVX-512 EPYC of BENCHMARKS.md, whole-model T(4)/T(1) went from 1.65–1.89 to 1.42 with this rule;
+// `kernel_candidates.py`, `kquant_streaming.py` measure it). For fewer rows it depends on the CPU: on the AMX Xeon a
+// decode step's Q6_K blocks gain (a step's linear layers 10 % faster) and its Q4_K blocks lose (4 % at one row, 10 % at
+// two), on the Zen 5 EPYC both gain (11 %); so there it is `prefetch_few_rows`, which `models/kquant.py` sets from a
+// measurement on this CPU (BENCHMARKS.md).
 template <int R>
 constexpr bool kPrefetchQ4K = R >= 3;
 template <int R>
 constexpr bool kPrefetchQ6K = R >= (KQ_AMX ? 1 : 2);
 
-inline void prefetch_ahead(const uint8_t* block, int bytes, int j, int steps) {
-  const int lines = (bytes + 63) / 64, per_step = (lines + steps - 1) / steps;
-  const uint8_t* ahead = block + kAhead * bytes;
-  for (int line = j * per_step; line < std::min(lines, (j + 1) * per_step); ++line)
-    _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * line), _MM_HINT_T0);
-}
 
 // Independent accumulation chains per row: with 1–2 rows a row's dot products are split over two chains
 // (a dot product's latency would stall one chain); with more rows, the rows' chains interleave.
@@ -606,7 +610,7 @@ inline __m256i broadcast4_avx2(const int8_t* p) { int32_t v; std::memcpy(&v, p, 
 // unpacked into eight registers once, then each row's eight products are summed in int16 and scaled into its
 // int32 dot product. The integer sums are exact in any order, and each column's float operations run in block
 // order as in the AVX-512 code, so the bits are the same.
-template <int R>
+template <int R, bool Prefetch>
 void dot_tile_q4k_avx2(const uint8_t* tile, const Activations& a, int64_t row0, float* acc) {
   const __m256i low = _mm256_set1_epi8(0x0f);
   for (int h = 0; h < 2; ++h) {
@@ -618,6 +622,7 @@ void dot_tile_q4k_avx2(const uint8_t* tile, const Activations& a, int64_t row0, 
       __m256i dot[R];
       for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
       for (int j = 0, subs = a.sub_blocks(b, 32); j < subs; ++j) {
+        if constexpr (Prefetch) if (h == 0) prefetch_ahead(t, kQ4KTile, j, 8);  // the second half finds the tile cached
         const __m256i scale = twice16(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + 64 + 16 * j + 8 * h))));
         __m256i w[8];  // w[i]: weights 4i … 4i + 3 of each column (low nibbles: i < 4; high: i ≥ 4)
         for (int i = 0; i < 4; ++i) {
@@ -656,7 +661,7 @@ void dot_tile_q4k_avx2(const uint8_t* tile, const Activations& a, int64_t row0, 
   }
 }
 
-template <int R>
+template <int R, bool Prefetch>
 void dot_tile_q6k_avx2(const uint8_t* tile, const Activations& a, int64_t row0, float* acc) {
   const __m256i nibble = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
   for (int h = 0; h < 2; ++h) {  // a half (8 columns) over every super-block, as in the Q4_K kernel
@@ -668,6 +673,7 @@ void dot_tile_q6k_avx2(const uint8_t* tile, const Activations& a, int64_t row0, 
       __m256i dot[R];
       for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
       for (int j = 0, subs = a.sub_blocks(b, 16); j < subs; ++j) {
+        if constexpr (Prefetch) if (h == 0) prefetch_ahead(t, kQ6KTile, j, 16);
         const __m256i scale = twice16(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + 32 + 16 * j + 8 * h))));
         const uint8_t* packed = values + 192 * j + 32 * h;
         const __m256i low0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed));
@@ -706,9 +712,11 @@ void dot_tile_q6k_avx2(const uint8_t* tile, const Activations& a, int64_t row0, 
 }
 
 void dot_tile_avx2(int64_t kind, const uint8_t* tile, const Activations& a, int64_t row0, int rows, float* acc) {
-  with_rows(rows, [&](auto r) {
-    if (kind == Q4_K) dot_tile_q4k_avx2<decltype(r)::value>(tile, a, row0, acc);
-    else dot_tile_q6k_avx2<decltype(r)::value>(tile, a, row0, acc);
+  with_rows(rows, [&](auto r) {  // prefetching for one and two rows where `prefetch_few_rows`, never from three
+    constexpr int R = decltype(r)::value;
+    const bool prefetch = R < 3 && prefetch_few_rows;
+    if (kind == Q4_K) prefetch ? dot_tile_q4k_avx2<R, true>(tile, a, row0, acc) : dot_tile_q4k_avx2<R, false>(tile, a, row0, acc);
+    else prefetch ? dot_tile_q6k_avx2<R, true>(tile, a, row0, acc) : dot_tile_q6k_avx2<R, false>(tile, a, row0, acc);
   });
 }
 #endif
@@ -1041,8 +1049,9 @@ std::string use_kernels(const std::string& name) {
   return name;
 }
 
-// Prefetch the weight stream for every row count of the AVX-512 code (else from 3 rows for Q4_K, 2 for Q6_K, 1 for
-// Q6_K on AMX builds); returns the setting. The same bits either way: prefetching moves no value.
+// Prefetch the weight stream for one and two rows too (the AVX-512 code always does from 3 rows for Q4_K, 2 for Q6_K, 1
+// for Q6_K on AMX builds; the AVX2 code only under this); returns the setting. The same bits either way: prefetching
+// moves no value.
 bool set_prefetch_few_rows(bool on) {
   prefetch_few_rows = on;
   return prefetch_few_rows;
@@ -1060,8 +1069,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kernels_built", &kernels_built, "the kernels built here, fastest first (amx, avx512, avx2, portable)");
   m.def("use_kernels", &use_kernels, "run these kernels from now on (one of kernels_built())");
   m.def("kernels_in_use", &kernels_in_use, "the kernels that run");
-  m.def("set_prefetch_few_rows", &set_prefetch_few_rows, "prefetch the weight stream for every row count (AVX-512 code)", py::arg("on"));
-  m.def("prefetch_few_rows", [] { return prefetch_few_rows; }, "whether the AVX-512 code prefetches for every row count");
+  m.def("set_prefetch_few_rows", &set_prefetch_few_rows, "prefetch the weight stream for one and two rows too", py::arg("on"));
+  m.def("prefetch_few_rows", [] { return prefetch_few_rows; }, "whether the vector code prefetches for one and two rows");
   m.def("attend", &exact_attention::attend, "q [heads, n, d] over one layer's cache [kv_heads, capacity, d] from slot `start` "
         "(mask: None for a chain, else bool [n, start + n]) -> [heads, n, d], each position on its own",
         py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("start"), py::arg("mask"), py::arg("scale"));
