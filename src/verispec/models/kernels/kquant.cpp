@@ -313,7 +313,6 @@ constexpr bool kPrefetchQ4K = R >= 3;
 template <int R>
 constexpr bool kPrefetchQ6K = R >= (KQ_AMX ? 1 : 2);
 
-
 // Independent accumulation chains per row: with 1–2 rows a row's dot products are split over two chains
 // (a dot product's latency would stall one chain); with more rows, the rows' chains interleave.
 template <int R>
