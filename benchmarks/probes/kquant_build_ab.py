@@ -23,6 +23,7 @@ import torch
 from torch.utils.cpp_extension import load
 
 from verispec.models.kernels import FLAGS
+from verispec.models.kquant import kquant_kernels
 from verispec.models.loading import load_model
 from verispec.models.registry import DEFAULT_TARGET
 from verispec.paths import cache_dir, cpu_summary
@@ -55,6 +56,9 @@ def main() -> None:
     kinds = {name: [getattr(layer, name) for layer in runner.layers] for name in ("qkv", "o", "gate_up", "down")}
     kinds["head"] = [runner.lm_head]
     builds = {"this checkout": runner.lm_head._linear, commit: other.linear}
+    # each build's prefetching for one and two rows as loading left it (`kquant.settle_prefetch`: this checkout's as
+    # measured on this CPU; off in another build; none before the switch): printed, as a timing compares both together
+    settings = [getattr(module, "prefetch_few_rows", lambda: None)() for module in (kquant_kernels(), other)]
     seconds = {(kind, build): [] for kind in kinds for build in builds}
     for round_ in range(args.rounds):
         for build in (list(builds) if round_ % 2 == 0 else list(builds)[::-1]):
@@ -64,7 +68,8 @@ def main() -> None:
                 for linear in linears:
                     builds[build](x, linear.packed, linear.kinds, linear.columns, linear.bias)
                 seconds[kind, build].append(time.perf_counter() - began)
-    print(f"{cpu_summary()} · {args.rows} row(s) · median of {args.rounds} rounds · ms: this checkout / {commit}")
+    print(f"{cpu_summary()} · {args.rows} row(s) · median of {args.rounds} rounds · ms: this checkout / {commit}"
+          f" · prefetching for few rows: {' / '.join('n/a' if on is None else 'on' if on else 'off' for on in settings)}")
     totals = dict.fromkeys(builds, 0.0)
     for kind in kinds:
         mine, theirs = (statistics.median(seconds[kind, build]) for build in builds)
