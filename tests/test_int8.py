@@ -206,6 +206,24 @@ def test_verification_costs_are_measured_apart_for_the_compiled_stack(target8, m
     assert sorted(",compiled|" in key for key in keys) == [False, True], keys
 
 
+def test_verification_costs_are_measured_anew_for_a_changed_kernel_build(target8, monkeypatch):
+    """A cached T(n) curve belongs to the build of the kernels it timed: the same build reads it back, another build
+    (a changed kernel, its prefetching) measures its own."""
+    from verispec.control import costs
+    from verispec.paths import read_table
+
+    def curves() -> set[str]:
+        return {key for key in read_table("verify_costs.json") if key.startswith(f"{target8.folder}{target8.runner.variant}")}
+
+    costs.CostModel.calibrated(target8, 2)
+    before = curves()
+    costs.CostModel.calibrated(target8, 2)
+    assert curves() == before and all(f"|kernels={costs.build_key('int8')}|" in key for key in before)
+    monkeypatch.setattr(costs, "build_key", lambda name: "another-build")
+    costs.CostModel.calibrated(target8, 2)
+    assert any("|kernels=another-build|" in key for key in curves() - before)
+
+
 def test_forward_rows_equal_single_position_decoding(target8):
     runner = target8.runner
     prompt, feed = torch.tensor(PROMPTS[1]), torch.tensor([4, 17, 23, 9, 31])

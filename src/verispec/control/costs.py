@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from verispec.models.device import device_tag, synchronize
+from verispec.models.kernels import build_key
 from verispec.models.runner import Cache, LoadedModel, Runner
 from verispec.paths import cpu_key, read_table, store_in_table
 from verispec.progress import status
@@ -149,11 +150,13 @@ def _cached(key: str, needed: int, measure: Callable[[], list[float]], what: str
 
 
 def _runner_key(runner: Runner, folder: str) -> str:
-    """What a runner's timings depend on: model, variant, device, dtype, threads and CPU kind."""
+    """What a runner's timings depend on: model, variant, device, dtype, the build of its C++ kernels (int8, kquant: a
+    changed kernel is timed anew), threads and CPU kind."""
     variant = runner.variant + device_tag(runner.device)  # a derived draft (fewer layers, int8, …) is timed on its own
     if runner.compiled:  # the C++ decoder stack changes the curve: timed apart
         variant += ",compiled"
-    return f"{folder}{variant}|{runner.dtype}|threads={torch.get_num_threads()}|cpu={cpu_key()}"
+    built = f"|kernels={build_key(runner.precision)}" if runner.precision in ("int8", "kquant") else ""
+    return f"{folder}{variant}|{runner.dtype}{built}|threads={torch.get_num_threads()}|cpu={cpu_key()}"
 
 
 def _cached_curve(runner: Runner, folder: str, max_positions: int, context: int = SHORT_CONTEXT) -> list[float]:
