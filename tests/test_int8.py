@@ -208,7 +208,7 @@ def test_verification_costs_are_measured_apart_for_the_compiled_stack(target8, m
 
 def test_verification_costs_are_measured_anew_for_a_changed_kernel_build(target8, monkeypatch):
     """A cached T(n) curve belongs to the build of the kernels it timed: the same build reads it back, another build
-    (a changed kernel, its prefetching) measures its own."""
+    (a changed kernel) measures its own (kquant's runner names its build in its variant; int8's key adds it)."""
     from verispec.control import costs
     from verispec.paths import read_table
 

@@ -107,10 +107,10 @@ def cpu_summary() -> str:
     say which generation runs it, and two generations with the same flags measure differently."""
     flags = set(cpu_flags().split(":", 1)[-1].split())
     try:
-        fields = dict(line.split(":", 1) for line in CPUINFO.read_text().split("\n\n")[0].splitlines() if ":" in line)
+        first = CPUINFO.read_text().split("\n\n")[0]  # the first processor's fields
     except OSError:
-        fields = {}
-    fields = {key.strip(): value.strip() for key, value in fields.items()}
+        first = ""
+    fields = {key.strip(): value.strip() for key, value in (line.split(":", 1) for line in first.splitlines() if ":" in line)}
     model = fields.get("model name") or platform.processor() or platform.machine()
     if "cpu family" in fields and "model" in fields:
         model += f" (family {fields['cpu family']} model {fields['model']})"

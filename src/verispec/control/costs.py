@@ -150,12 +150,13 @@ def _cached(key: str, needed: int, measure: Callable[[], list[float]], what: str
 
 
 def _runner_key(runner: Runner, folder: str) -> str:
-    """What a runner's timings depend on: model, variant, device, dtype, the build of its C++ kernels (int8, kquant: a
-    changed kernel is timed anew), threads and CPU kind."""
+    """What a runner's timings depend on: model, variant, device, dtype, the build of its C++ kernels (a changed kernel
+    is timed anew: a kquant runner's variant names its build, as its prompt caches need; int8's is added here),
+    threads and CPU kind."""
     variant = runner.variant + device_tag(runner.device)  # a derived draft (fewer layers, int8, …) is timed on its own
     if runner.compiled:  # the C++ decoder stack changes the curve: timed apart
         variant += ",compiled"
-    built = f"|kernels={build_key(runner.precision)}" if runner.precision in ("int8", "kquant") else ""
+    built = f"|kernels={build_key('int8')}" if runner.precision == "int8" else ""
     return f"{folder}{variant}|{runner.dtype}{built}|threads={torch.get_num_threads()}|cpu={cpu_key()}"
 
 
