@@ -300,6 +300,30 @@ def test_the_exact_attention_is_attention_and_each_position_is_computed_alone(he
         attend(q, keys, values, 62, None, scale)  # 62 + 5 slots > capacity 64
 
 
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_the_exact_attention_scores_blocks_of_slots_with_gaps_and_tails_as_the_portable_code_does(head_dim):
+    """Over hundreds of slots the vector code scores 16 at a time: consecutive blocks, blocks with gaps (a token
+    tree's), and a last short block all give the portable code's bits, and attention."""
+    attend = kquant_kernels().attend
+    torch.manual_seed(1)
+    heads, kv_heads, start, n, scale = 12, 2, 300, 7, head_dim**-0.5
+    keys, values = torch.randn(kv_heads, 320, head_dim), torch.randn(kv_heads, 320, head_dim)  # [kv_heads, capacity, d]
+    q = torch.randn(heads, n, head_dim)
+    mask = torch.rand(n, start + n) < 0.7  # [n, start + n]: each row sees a scattered set of slots
+    mask[:, 0] = True
+    mask[0, :200] = True  # and one sees long runs of consecutive ones as well
+    expected = {None: attend(q, keys, values, start, None, scale), "mask": attend(q, keys, values, start, mask, scale)}
+    for i in range(n):
+        seen = mask[i].nonzero()[:, 0]
+        seen_keys = keys[:, seen].double().repeat_interleave(heads // kv_heads, 0)  # [heads, seen, d]
+        weights = (torch.einsum("hd,hsd->hs", q[:, i].double(), seen_keys) * scale).softmax(-1)
+        reference = torch.einsum("hs,hsd->hd", weights, values[:, seen].double().repeat_interleave(heads // kv_heads, 0))
+        torch.testing.assert_close(expected["mask"][:, i].double(), reference, atol=1e-5, rtol=0)
+    with kernels_of("portable"):
+        assert torch.equal(attend(q, keys, values, start, None, scale), expected[None])
+        assert torch.equal(attend(q, keys, values, start, mask, scale), expected["mask"])
+
+
 # --- tiny GGUF models ----------------------------------------------------------------------------
 
 HIDDEN, HEADS, KV_HEADS, LAYERS = 256, 4, 2, 2

@@ -1,4 +1,5 @@
-"""The kquant kernels of this checkout against those of another git revision, in one process: a step's linear layers.
+"""The kquant kernels of this checkout against those of another git revision, in one process: a step's linear layers,
+or whole forward passes.
 
 Timings of separate processes move by several per cent on a shared VM, more than a kernel change is worth. Here the
 kernels of `--against REV` (kquant.cpp and its headers as that revision has them) are built under another module
@@ -8,7 +9,16 @@ builds' order alternating. Prints the median milliseconds per kind and build. `-
 an A/A: two builds of the same source (their code layout alone still moves kinds by a few per cent). `--model`
 times another shipped model's layers (a draft's).
 
+`--steps CONTEXT` times whole forward passes instead (what a change to the attention or the decoder stack is worth
+inside a step, where the cache and the weights compete for memory): n = 1, 2, 4, 8 new positions after CONTEXT
+cached tokens through each build's decoder stack (`Transformer.compiled_stack`), the other build prefetching for few
+rows as this one does, in rounds as above; and says whether both builds' logits are the same bits. `--attention`
+times the exact attention alone (`attend`, one layer of the model's shape over a random cache of 300, 1,024 and 3,000
+slots, the same n) and compares its outputs too.
+
     python benchmarks/probes/kquant_build_ab.py --against 9c70245 [--rows 1] [--rounds 12] [--model smollm2-135m-instruct]
+    python benchmarks/probes/kquant_build_ab.py --against 5b8cf76 --steps 1024 [--rounds 16]
+    python benchmarks/probes/kquant_build_ab.py --against 5b8cf76 --attention [--rounds 30]
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch.utils.cpp_extension import load
@@ -26,6 +37,7 @@ from verispec.models.kernels import FLAGS
 from verispec.models.kquant import kquant_kernels
 from verispec.models.loading import load_model
 from verispec.models.registry import DEFAULT_TARGET
+from verispec.models.transformer import Transformer
 from verispec.paths import cache_dir, cpu_summary
 
 KERNELS = "src/verispec/models/kernels"
@@ -44,15 +56,31 @@ def build_of(revision: str):
                         extra_ldflags=["-fopenmp"], build_directory=str(folder / "build"))
 
 
+WIDTHS = (1, 2, 4, 8)  # new positions a pass (`--steps`, `--attention`)
+
+
+def turns(builds: list[str], rounds: int):
+    """The builds' names round after round, their order reversed every other round (a drift of the machine's speed
+    then touches both alike)."""
+    for round_ in range(rounds):
+        yield from (builds if round_ % 2 == 0 else builds[::-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", required=True, help="the git revision whose kernels to time against")
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--model", default=DEFAULT_TARGET, help="a shipped model (a draft: smollm2-135m-instruct)")
+    parser.add_argument("--steps", type=int, metavar="CONTEXT", help="time whole forward passes after CONTEXT cached tokens")
+    parser.add_argument("--attention", action="store_true", help="time the exact attention alone")
     args = parser.parse_args()
     runner = load_model(args.model, "kquant").runner  # this checkout's kernels
     commit, other = build_of(args.against)
+    if args.steps is not None:
+        return time_steps(runner, commit, other, args.steps, args.rounds)
+    if args.attention:
+        return time_attention(runner.config, commit, other, args.rounds)
     kinds = {name: [getattr(layer, name) for layer in runner.layers] for name in ("qkv", "o", "gate_up", "down")}
     kinds["head"] = [runner.lm_head]
     builds = {"this checkout": runner.lm_head._linear, commit: other.linear}
@@ -60,14 +88,13 @@ def main() -> None:
     # measured on this CPU; off in another build; none before the switch): printed, as a timing compares both together
     settings = [getattr(module, "prefetch_few_rows", lambda: None)() for module in (kquant_kernels(), other)]
     seconds = {(kind, build): [] for kind in kinds for build in builds}
-    for round_ in range(args.rounds):
-        for build in (list(builds) if round_ % 2 == 0 else list(builds)[::-1]):
-            for kind, linears in kinds.items():
-                x = torch.randn(args.rows, linears[0].in_features)  # [rows, in]
-                began = time.perf_counter()
-                for linear in linears:
-                    builds[build](x, linear.packed, linear.kinds, linear.columns, linear.bias)
-                seconds[kind, build].append(time.perf_counter() - began)
+    for build in turns(list(builds), args.rounds):
+        for kind, linears in kinds.items():
+            x = torch.randn(args.rows, linears[0].in_features)  # [rows, in]
+            began = time.perf_counter()
+            for linear in linears:
+                builds[build](x, linear.packed, linear.kinds, linear.columns, linear.bias)
+            seconds[kind, build].append(time.perf_counter() - began)
     print(f"{cpu_summary()} · {args.rows} row(s) · median of {args.rounds} rounds · ms: this checkout / {commit}"
           f" · prefetching for few rows: {' / '.join('n/a' if on is None else 'on' if on else 'off' for on in settings)}")
     totals = dict.fromkeys(builds, 0.0)
@@ -78,6 +105,52 @@ def main() -> None:
         print(f"  {kind}: {mine * 1e3:.2f} / {theirs * 1e3:.2f} (×{mine / theirs:.3f})")
     mine, theirs = totals.values()
     print(f"  all: {mine * 1e3:.2f} / {theirs * 1e3:.2f} (×{mine / theirs:.3f})")
+
+
+def time_steps(runner, commit: str, other, context: int, rounds: int) -> None:
+    """Forward passes of n = 1, 2, 4, 8 positions after `context` cached tokens through each build's decoder stack."""
+    if hasattr(other, "set_prefetch_few_rows"):
+        other.set_prefetch_few_rows(kquant_kernels().prefetch_few_rows())
+    stacks = {"this checkout": runner.compiled_stack(kquant_kernels()), commit: runner.compiled_stack(other)}
+    cache = runner.new_cache(context + max(WIDTHS))
+    runner.forward(cache, torch.arange(100, 100 + context) % runner.config.vocab_size, logits="none")
+    seconds = {(build, n): [] for build in stacks for n in WIDTHS}
+    logits = {}
+    for build in turns(list(stacks), rounds):
+        with mock.patch.object(Transformer, "_compiled_layers", lambda self, stack=stacks[build]: stack):
+            for n in WIDTHS:
+                cache.truncate(context)
+                began = time.perf_counter()
+                logits[build, n] = runner.forward(cache, torch.arange(200, 200 + n), logits="all")  # [n, vocab]
+                seconds[build, n].append(time.perf_counter() - began)
+    same = all(torch.equal(logits["this checkout", n], logits[commit, n]) for n in WIDTHS)
+    print(f"{cpu_summary()} · {runner.config.num_layers} layers · {context} cached tokens · median of {rounds} rounds"
+          f" · ms: this checkout / {commit} · the same logits: {'yes' if same else 'NO'}")
+    for n in WIDTHS:
+        mine, theirs = (statistics.median(seconds[build, n]) for build in stacks)
+        print(f"  {n} new: {mine * 1e3:.2f} / {theirs * 1e3:.2f} (×{mine / theirs:.3f})")
+
+
+def time_attention(config, commit: str, other, rounds: int) -> None:
+    """`attend` of each build: one layer of the model's shape for n = 1, 2, 4, 8 new positions over random caches."""
+    builds = {"this checkout": kquant_kernels().attend, commit: other.attend}
+    heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+    print(f"{cpu_summary()} · attention of one layer ({heads} query heads, {kv_heads} KV heads, d {head_dim}) · median of"
+          f" {rounds} rounds · µs: this checkout / {commit}")
+    for context in (300, 1024, 3000):
+        keys, values = torch.randn(kv_heads, context + max(WIDTHS), head_dim), torch.randn(kv_heads, context + max(WIDTHS), head_dim)
+        line = []
+        for n in WIDTHS:
+            q = torch.randn(heads, n, head_dim)  # [heads, n, d]
+            seconds, outputs = {build: [] for build in builds}, {}
+            for build in turns(list(builds), rounds):
+                began = time.perf_counter()
+                outputs[build] = builds[build](q, keys, values, context, None, head_dim**-0.5)
+                seconds[build].append(time.perf_counter() - began)
+            mine, theirs = (statistics.median(seconds[build]) for build in builds)
+            same = torch.equal(*outputs.values())
+            line.append(f"{n} new {mine * 1e6:.0f} / {theirs * 1e6:.0f} (×{mine / theirs:.3f}{'' if same else ', NOT the same bits'})")
+        print(f"  {context} slots: " + "; ".join(line))
 
 
 if __name__ == "__main__":

@@ -711,23 +711,29 @@ class Transformer:
             return None
         key = tuple(self.layers)  # the layer objects themselves (compared by identity, kept alive)
         if self._compiled[0] != key:
-            cfg = self.config
-            shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
-            extension = kernels.extension(self.quant)
-            linears = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-            if self.quant == "kquant":
-                parts = lambda m: (m.packed, m.kinds, m.columns, m.bias)  # noqa: E731
-                layers = [(layer.input_norm, layer.post_norm, *(parts(m) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)))
-                          for layer in self.layers]
-                usable = extension is not None and all(isinstance(m, KQuantLinear) for m in linears)
-                compiled = extension.KQuantLayers(layers, *shape) if usable else None
-            else:
-                usable = extension is not None and all(m.use_fbgemm and m.residual for m in linears)
-                layers = [(layer.input_norm, layer.post_norm, layer.qkv.packed, layer.qkv.bias, layer.o.packed,
-                           layer.o.bias, layer.gate_up.packed, layer.down.packed) for layer in self.layers]
-                compiled = extension.Int8Layers(layers, *shape) if usable else None
-            self._compiled = key, compiled
+            self._compiled = key, self.compiled_stack(kernels.extension(self.quant))
         return self._compiled[1]
+
+    def compiled_stack(self, extension):
+        """The C++ decoder stack of this runner's layers as `extension` builds it (`kernels.extension(self.quant)`, or
+        another build of the same source a probe compares), or None without one or where a layer does not suit it."""
+        if extension is None:
+            return None
+        cfg = self.config
+        shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+        linears = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        if self.quant == "kquant":
+            if not all(isinstance(m, KQuantLinear) for m in linears):
+                return None
+            parts = lambda m: (m.packed, m.kinds, m.columns, m.bias)  # noqa: E731
+            layers = [(layer.input_norm, layer.post_norm, *(parts(m) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)))
+                      for layer in self.layers]
+            return extension.KQuantLayers(layers, *shape)
+        if not all(m.use_fbgemm and m.residual for m in linears):
+            return None
+        layers = [(layer.input_norm, layer.post_norm, layer.qkv.packed, layer.qkv.bias, layer.o.packed, layer.o.bias,
+                   layer.gate_up.packed, layer.down.packed) for layer in self.layers]
+        return extension.Int8Layers(layers, *shape)
 
     def _attend_rows(self, layer: int, rows: list[_Row], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store each row's keys/values in its cache and attend over it: q [heads, N, hd] -> [heads, N, hd]."""

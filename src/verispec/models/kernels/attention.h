@@ -171,54 +171,103 @@ struct Group {
 };
 
 #if EXACT_ATTENTION_AVX512
-// The vector code for d = 16·C (C ≤ 8): a key row is loaded once into C registers and scored against
-// every head of the group; a value row is loaded once per 2 heads, whose sums stay in registers.
-// The scores of slot j (its key row in `row`) for query heads g0 … g0+M−1, the M dot products interleaved
-// (M independent chains of multiply-adds in flight instead of one at a time; each is the same sequence).
-template <int C, int M>
-inline void score_heads(const Group& w, const __m512* row, int64_t g0, int64_t j, float* scores) {
-  __m512 acc[M];
-  for (int b = 0; b < M; ++b) acc[b] = _mm512_mul_ps(_mm512_loadu_ps(w.q + (g0 + b) * w.q_stride), row[0]);
-  for (int u = 1; u < C; ++u)
-    for (int b = 0; b < M; ++b) acc[b] = _mm512_fmadd_ps(_mm512_loadu_ps(w.q + (g0 + b) * w.q_stride + 16 * u), row[u], acc[b]);
-  for (int b = 0; b < M; ++b) scores[(g0 + b) * w.count + j] = reduce16(acc[b]) * w.scale;
+// The vector code for d = 16·C (C ≤ 8), in blocks of 16 slots whose key rows, then value rows, are read into the L1
+// cache once for every head of the group. Scores: a head's query is dotted with the block's 16 key rows at once (16
+// independent chains of multiply-adds), whose partial sums are then reduced together (`reduce16x16`) rather than
+// one horizontal sum per slot. Weighted values: a value row is loaded once per 2 heads.
+
+// The slot whose partial sums `reduce16x16` takes in input t, so that slot s comes out in lane s
+constexpr int kSlotOf[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+
+// acc[t] holds the 16 partial sums of slot kSlotOf[t]; returns the slots' sums, slot s in lane s, each added in
+// `reduce16`'s order (partial l with l + 8, then + 4, + 2, + 1): 15 additions and 30 shuffles for 16 sums.
+inline __m512 reduce16x16(const __m512 (&acc)[16]) {
+  __m512 halves[8], quarters[4], eighths[2];
+  for (int k = 0; k < 8; ++k)  // lanes 0–7: a[l] + a[l+8] of input 2k, lanes 8–15 of input 2k+1
+    halves[k] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * k], acc[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(acc[2 * k], acc[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int k = 0; k < 4; ++k)  // each 128-bit lane: b[l] + b[l+4] of one input
+    quarters[k] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * k], halves[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                _mm512_shuffle_f32x4(halves[2 * k], halves[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int k = 0; k < 2; ++k)  // each pair of lanes: c[l] + c[l+2] of one input
+    eighths[k] = _mm512_add_ps(_mm512_shuffle_ps(quarters[2 * k], quarters[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                               _mm512_shuffle_ps(quarters[2 * k], quarters[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_ps(eighths[0], eighths[1], _MM_SHUFFLE(2, 0, 2, 0)),  // d[0] + d[1]
+                       _mm512_shuffle_ps(eighths[0], eighths[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// The scores of one head for a block of up to 16 slots: out[s] = (q · key row of slot s) · scale for the lanes s set
+// in `lanes`, row(t) being the key row of slot kSlotOf[t]: per slot 16 lanes of C multiply-adds, then `reduce16`'s
+// additions (in `reduce16x16`), as `attend_group_portable` computes them.
+template <int C, typename Rows>
+inline void score_block(const float* q, const Rows& row, float scale, __mmask16 lanes, float* out) {
+  __m512 acc[16];
+  const __m512 first = _mm512_loadu_ps(q);
+  for (int t = 0; t < 16; ++t) acc[t] = _mm512_mul_ps(first, _mm512_loadu_ps(row(t)));
+  for (int u = 1; u < C; ++u) {
+    const __m512 query = _mm512_loadu_ps(q + 16 * u);
+    for (int t = 0; t < 16; ++t) acc[t] = _mm512_fmadd_ps(query, _mm512_loadu_ps(row(t) + 16 * u), acc[t]);
+  }
+  _mm512_mask_storeu_ps(out, lanes, _mm512_mul_ps(reduce16x16(acc), _mm512_set1_ps(scale)));
+}
+
+// The rows of values weighted for a pair of heads (or a lone last one), slots j0 … j0+m−1 added in slot order to
+// sums[b] (rows of d in memory, so that a block's value rows, read once into the L1 cache, serve every pair).
 template <int C>
-void attend_group(const Group& w, float* scores, float* totals) {
-  for (int64_t j = 0; j < w.count; ++j) {
-    const float* key = w.k + w.seen[j] * w.d;
-    __m512 row[C];
-    for (int u = 0; u < C; ++u) row[u] = _mm512_loadu_ps(key + 16 * u);
-    int64_t g = 0;
-    for (; g + 4 <= w.heads; g += 4) score_heads<C, 4>(w, row, g, j, scores);
-    switch (w.heads - g) {
-      case 3: score_heads<C, 3>(w, row, g, j, scores); break;
-      case 2: score_heads<C, 2>(w, row, g, j, scores); break;
-      case 1: score_heads<C, 1>(w, row, g, j, scores); break;
-      default: break;
+inline void weigh_values(const Group& w, int64_t g0, int pair, int64_t j0, int64_t m, const float* scores, float* sums) {
+  __m512 acc[2][C];
+  for (int b = 0; b < 2; ++b)
+    for (int u = 0; u < C; ++u) acc[b][u] = _mm512_loadu_ps(sums + (b < pair ? b : 0) * w.d + 16 * u);
+  for (int64_t j = j0; j < j0 + m; ++j) {
+    const float* value = w.v + w.seen[j] * w.d;
+    const __m512 w0 = _mm512_set1_ps(scores[j]);
+    const __m512 w1 = _mm512_set1_ps(pair == 2 ? scores[w.count + j] : 0.0f);
+    for (int u = 0; u < C; ++u) {
+      const __m512 x = _mm512_loadu_ps(value + 16 * u);
+      acc[0][u] = _mm512_fmadd_ps(w0, x, acc[0][u]);
+      acc[1][u] = _mm512_fmadd_ps(w1, x, acc[1][u]);  // unused for a lone last head
+    }
+  }
+  for (int b = 0; b < pair; ++b)
+    for (int u = 0; u < C; ++u) _mm512_storeu_ps(sums + b * w.d + 16 * u, acc[b][u]);
+}
+
+// Ask for the rows (of d floats, in `rows`) of the slots seen[j0 + 16 …] the block after j0 takes
+inline void prefetch_next_block(const float* rows, const int64_t* seen, int64_t j0, int64_t count, int64_t d) {
+  for (int64_t j = j0 + 16; j < std::min(j0 + 32, count); ++j)
+    for (int64_t line = 0; line < d; line += 16) _mm_prefetch(reinterpret_cast<const char*>(rows + seen[j] * d + line), _MM_HINT_T0);
+}
+
+// The group's attention, a block of 16 slots at a time (the next block's rows on their way: measured inside a decode
+// step, where the cache comes from memory, rather than the L2 cache of a probe). `sums` holds heads × d floats.
+template <int C>
+void attend_group(const Group& w, float* scores, float* totals, float* sums) {
+  constexpr int64_t d = 16 * C;
+  for (int64_t j0 = 0; j0 < w.count; j0 += 16) {
+    const int64_t m = std::min<int64_t>(16, w.count - j0);
+    prefetch_next_block(w.k, w.seen, j0, w.count, d);
+    if (m == 16 && w.seen[j0 + 15] == w.seen[j0] + 15) {  // consecutive slots (a chain's): rows at fixed offsets
+      const float* base = w.k + w.seen[j0] * d;
+      const auto row = [base](int t) { return base + kSlotOf[t] * d; };
+      for (int64_t g = 0; g < w.heads; ++g) score_block<C>(w.q + g * w.q_stride, row, w.scale, 0xffff, scores + g * w.count + j0);
+    } else {  // a token tree's slots, or a last block of fewer: its last slot repeated in the lanes past m, not stored
+      const float* key[16];
+      for (int t = 0; t < 16; ++t) key[t] = w.k + w.seen[j0 + std::min<int64_t>(kSlotOf[t], m - 1)] * d;
+      const auto row = [&key](int t) { return key[t]; };
+      const __mmask16 lanes = __mmask16((1u << m) - 1);
+      for (int64_t g = 0; g < w.heads; ++g) score_block<C>(w.q + g * w.q_stride, row, w.scale, lanes, scores + g * w.count + j0);
     }
   }
   for (int64_t g = 0; g < w.heads; ++g) totals[g] = normalize_weights(scores + g * w.count, w.count);
-  for (int64_t g0 = 0; g0 < w.heads; g0 += 2) {
-    const int pair = w.heads - g0 >= 2 ? 2 : 1;
-    __m512 acc[2][C];
-    for (int b = 0; b < 2; ++b)
-      for (int u = 0; u < C; ++u) acc[b][u] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < w.count; ++j) {
-      const float* value = w.v + w.seen[j] * w.d;
-      const __m512 w0 = _mm512_set1_ps(scores[g0 * w.count + j]);
-      const __m512 w1 = _mm512_set1_ps(pair == 2 ? scores[(g0 + 1) * w.count + j] : 0.0f);
-      for (int u = 0; u < C; ++u) {
-        const __m512 x = _mm512_loadu_ps(value + 16 * u);
-        acc[0][u] = _mm512_fmadd_ps(w0, x, acc[0][u]);
-        acc[1][u] = _mm512_fmadd_ps(w1, x, acc[1][u]);  // unused for a lone last head
-      }
-    }
-    for (int b = 0; b < pair; ++b) {
-      const __m512 total = _mm512_set1_ps(totals[g0 + b]);
-      for (int u = 0; u < C; ++u) _mm512_storeu_ps(w.out + (g0 + b) * w.out_stride + 16 * u, _mm512_div_ps(acc[b][u], total));
-    }
+  std::fill(sums, sums + w.heads * d, 0.0f);
+  for (int64_t j0 = 0; j0 < w.count; j0 += 16) {
+    prefetch_next_block(w.v, w.seen, j0, w.count, d);
+    for (int64_t g0 = 0; g0 < w.heads; g0 += 2)
+      weigh_values<C>(w, g0, w.heads - g0 >= 2 ? 2 : 1, j0, std::min<int64_t>(16, w.count - j0), scores + g0 * w.count, sums + g0 * d);
+  }
+  for (int64_t g = 0; g < w.heads; ++g) {
+    const __m512 total = _mm512_set1_ps(totals[g]);
+    for (int u = 0; u < C; ++u) _mm512_storeu_ps(w.out + g * w.out_stride + 16 * u, _mm512_div_ps(_mm512_loadu_ps(sums + g * d + 16 * u), total));
   }
 }
 #endif
@@ -313,7 +362,8 @@ inline at::Tensor attend(const at::Tensor& q_in, const at::Tensor& keys, const a
   const int64_t group = heads / kv_heads;
   at::parallel_for(0, kv_heads * n, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> seen(slots);
-    std::vector<float> scores(group * slots), totals(group);  // the group's weights [group, slots] and their sums
+    // the group's weights [group, slots], their sums [group] and its weighted values [group, d]
+    std::vector<float> scores(group * slots), totals(group), sums(group * d);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t kv = task / n, i = task % n;
       int64_t count = 0;  // the slots position i sees, in slot order
@@ -323,8 +373,8 @@ inline at::Tensor attend(const at::Tensor& q_in, const at::Tensor& keys, const a
                     keys.data_ptr<float>() + kv * keys.stride(0), values.data_ptr<float>() + kv * values.stride(0),
                     seen.data(), count, d, float(scale), out.data_ptr<float>() + (kv * group * n + i) * d, n * d};
 #if EXACT_ATTENTION_AVX512
-      if (vectors == Vectors::avx512 && d == 128) { attend_group<8>(w, scores.data(), totals.data()); continue; }
-      if (vectors == Vectors::avx512 && d == 64) { attend_group<4>(w, scores.data(), totals.data()); continue; }
+      if (vectors == Vectors::avx512 && d == 128) { attend_group<8>(w, scores.data(), totals.data(), sums.data()); continue; }
+      if (vectors == Vectors::avx512 && d == 64) { attend_group<4>(w, scores.data(), totals.data(), sums.data()); continue; }
 #endif
 #if EXACT_ATTENTION_AVX2
       if (vectors == Vectors::avx2 && d == 128) { attend_group_avx2<8>(w, scores.data(), totals.data()); continue; }
