@@ -306,7 +306,7 @@ def test_the_exact_attention_scores_blocks_of_slots_with_gaps_and_tails_as_the_p
     tree's), and a last short block all give the portable code's bits, and attention."""
     attend = kquant_kernels().attend
     torch.manual_seed(1)
-    heads, kv_heads, start, n, scale = 12, 2, 300, 7, head_dim**-0.5
+    heads, kv_heads, start, n, scale = 12, 2, 300, 19, head_dim**-0.5  # n: runs of 8, 8 and 3 positions a task
     keys, values = torch.randn(kv_heads, 320, head_dim), torch.randn(kv_heads, 320, head_dim)  # [kv_heads, capacity, d]
     q = torch.randn(heads, n, head_dim)
     mask = torch.rand(n, start + n) < 0.7  # [n, start + n]: each row sees a scattered set of slots

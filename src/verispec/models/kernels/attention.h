@@ -6,8 +6,10 @@
 // called it once per position and layer, and each call read the layer's whole cache again, so verifying
 // n positions cost n times the attention of a decode step, which at long contexts is a large part of the
 // step (BENCHMARKS.md, "What made kquant fast"). Here one parallel call per layer takes every new
-// position, a task per (KV head, position): each key and value row is read once for the query heads that
-// share it (grouped-query attention: 6 in Qwen2.5-1.5B) rather than once per head.
+// position, a task per (KV head, run of consecutive positions): each block of key and value rows is read
+// once for the positions of the run and the query heads that share it (grouped-query attention: 6 in
+// Qwen2.5-1.5B), where reading it again per position and head had made verification at long contexts
+// cost far more than its arithmetic (BENCHMARKS.md, "AVX-512 (Zen 5)").
 //
 // Exactness: for each (position, head) the arithmetic is a fixed sequence that depends only on the
 // position's visible slots: a dot product per slot (16-lane fused multiply-adds over the head dimension,
@@ -238,37 +240,56 @@ inline void prefetch_next_block(const float* rows, const int64_t* seen, int64_t 
     for (int64_t line = 0; line < d; line += 16) _mm_prefetch(reinterpret_cast<const char*>(rows + seen[j] * d + line), _MM_HINT_T0);
 }
 
-// The group's attention, a block of 16 slots at a time (the next block's rows on their way: measured inside a decode
-// step, where the cache comes from memory, rather than the L2 cache of a probe). `sums` holds heads × d floats.
+// The scores of block j0 (up to 16 of the slots `w` sees) for every head of the group
 template <int C>
-void attend_group(const Group& w, float* scores, float* totals, float* sums) {
+inline void score_heads(const Group& w, int64_t j0, float* scores) {
   constexpr int64_t d = 16 * C;
-  for (int64_t j0 = 0; j0 < w.count; j0 += 16) {
-    const int64_t m = std::min<int64_t>(16, w.count - j0);
-    prefetch_next_block(w.k, w.seen, j0, w.count, d);
-    if (m == 16 && w.seen[j0 + 15] == w.seen[j0] + 15) {  // consecutive slots (a chain's): rows at fixed offsets
-      const float* base = w.k + w.seen[j0] * d;
-      const auto row = [base](int t) { return base + kSlotOf[t] * d; };
-      for (int64_t g = 0; g < w.heads; ++g) score_block<C>(w.q + g * w.q_stride, row, w.scale, 0xffff, scores + g * w.count + j0);
-    } else {  // a token tree's slots, or a last block of fewer: its last slot repeated in the lanes past m, not stored
-      const float* key[16];
-      for (int t = 0; t < 16; ++t) key[t] = w.k + w.seen[j0 + std::min<int64_t>(kSlotOf[t], m - 1)] * d;
-      const auto row = [&key](int t) { return key[t]; };
-      const __mmask16 lanes = __mmask16((1u << m) - 1);
-      for (int64_t g = 0; g < w.heads; ++g) score_block<C>(w.q + g * w.q_stride, row, w.scale, lanes, scores + g * w.count + j0);
+  const int64_t m = std::min<int64_t>(16, w.count - j0);
+  prefetch_next_block(w.k, w.seen, j0, w.count, d);
+  if (m == 16 && w.seen[j0 + 15] == w.seen[j0] + 15) {  // consecutive slots (a chain's): rows at fixed offsets
+    const float* base = w.k + w.seen[j0] * d;
+    const auto row = [base](int t) { return base + kSlotOf[t] * d; };
+    for (int64_t g = 0; g < w.heads; ++g) score_block<C>(w.q + g * w.q_stride, row, w.scale, 0xffff, scores + g * w.count + j0);
+  } else {  // a token tree's slots, or a last block of fewer: its last slot repeated in the lanes past m, not stored
+    const float* key[16];
+    for (int t = 0; t < 16; ++t) key[t] = w.k + w.seen[j0 + std::min<int64_t>(kSlotOf[t], m - 1)] * d;
+    const auto row = [&key](int t) { return key[t]; };
+    const __mmask16 lanes = __mmask16((1u << m) - 1);
+    for (int64_t g = 0; g < w.heads; ++g) score_block<C>(w.q + g * w.q_stride, row, w.scale, lanes, scores + g * w.count + j0);
+  }
+}
+
+// The group's attention at `positions` positions (ws[p]: what position p sees), a block of 16 slots at a time for
+// every position: the positions see nearly the same slots (a chain's all but their last few), so each block of the
+// cache is read from memory once for them all and then used from the L1 cache (the next block's rows on their way).
+// Per position p and head g: scores[p] [heads, slots] (rows `count` apart), totals[p · heads + g], sums[p] [heads, d].
+template <int C>
+void attend_positions(const Group* ws, int64_t positions, int64_t slots, float* scores, float* totals, float* sums) {
+  constexpr int64_t d = 16 * C;
+  const int64_t heads = ws[0].heads;
+  int64_t most = 0;
+  for (int64_t p = 0; p < positions; ++p) most = std::max(most, ws[p].count);
+  for (int64_t j0 = 0; j0 < most; j0 += 16)
+    for (int64_t p = 0; p < positions; ++p)
+      if (j0 < ws[p].count) score_heads<C>(ws[p], j0, scores + p * heads * slots);
+  for (int64_t p = 0; p < positions; ++p)
+    for (int64_t g = 0; g < heads; ++g) totals[p * heads + g] = normalize_weights(scores + p * heads * slots + g * ws[p].count, ws[p].count);
+  std::fill(sums, sums + positions * heads * d, 0.0f);
+  for (int64_t j0 = 0; j0 < most; j0 += 16)
+    for (int64_t p = 0; p < positions; ++p) {
+      const Group& w = ws[p];
+      if (j0 >= w.count) continue;
+      prefetch_next_block(w.v, w.seen, j0, w.count, d);
+      for (int64_t g0 = 0; g0 < heads; g0 += 2)
+        weigh_values<C>(w, g0, heads - g0 >= 2 ? 2 : 1, j0, std::min<int64_t>(16, w.count - j0), scores + p * heads * slots + g0 * w.count,
+                        sums + (p * heads + g0) * d);
     }
-  }
-  for (int64_t g = 0; g < w.heads; ++g) totals[g] = normalize_weights(scores + g * w.count, w.count);
-  std::fill(sums, sums + w.heads * d, 0.0f);
-  for (int64_t j0 = 0; j0 < w.count; j0 += 16) {
-    prefetch_next_block(w.v, w.seen, j0, w.count, d);
-    for (int64_t g0 = 0; g0 < w.heads; g0 += 2)
-      weigh_values<C>(w, g0, w.heads - g0 >= 2 ? 2 : 1, j0, std::min<int64_t>(16, w.count - j0), scores + g0 * w.count, sums + g0 * d);
-  }
-  for (int64_t g = 0; g < w.heads; ++g) {
-    const __m512 total = _mm512_set1_ps(totals[g]);
-    for (int u = 0; u < C; ++u) _mm512_storeu_ps(w.out + g * w.out_stride + 16 * u, _mm512_div_ps(_mm512_loadu_ps(sums + g * d + 16 * u), total));
-  }
+  for (int64_t p = 0; p < positions; ++p)
+    for (int64_t g = 0; g < heads; ++g) {
+      const __m512 total = _mm512_set1_ps(totals[p * heads + g]);
+      for (int u = 0; u < C; ++u)
+        _mm512_storeu_ps(ws[p].out + g * ws[p].out_stride + 16 * u, _mm512_div_ps(_mm512_loadu_ps(sums + (p * heads + g) * d + 16 * u), total));
+    }
 }
 #endif
 
@@ -339,6 +360,8 @@ inline void attend_group_portable(const Group& w, float* scores, float* totals) 
   }
 }
 
+constexpr int64_t kPositionsPerTask = 8;
+
 // q [heads, n, head_dim] (the new positions' rotated queries), keys/values [kv_heads, capacity, head_dim]
 // (one layer's cache, the new positions' keys and values already stored at slots start … start+n−1),
 // mask: none for a chain (position i sees slots 0 … start+i), else bool [n, start+n] (a token tree:
@@ -360,27 +383,45 @@ inline at::Tensor attend(const at::Tensor& q_in, const at::Tensor& keys, const a
   at::Tensor out = at::empty({heads, n, d}, q.options());
   const bool* visible = mask.defined() ? mask.data_ptr<bool>() : nullptr;
   const int64_t group = heads / kv_heads;
-  at::parallel_for(0, kv_heads * n, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> seen(slots);
-    // the group's weights [group, slots], their sums [group] and its weighted values [group, d]
-    std::vector<float> scores(group * slots), totals(group), sums(group * d);
+  // A task: a KV head's group of query heads at consecutive positions (`pieces` runs of them), each block of the
+  // cache read once for all. As few runs as keep every thread busy (the KV heads times the runs a multiple of the
+  // threads: SmolLM2's 3 KV heads take 2 runs on 2 threads) and at most kPositionsPerTask positions a run (a
+  // prompt's piece: the scores of a run stay small).
+  const int64_t threads = at::get_num_threads();
+  int64_t pieces = (threads + kv_heads - 1) / kv_heads;
+  while (kv_heads * pieces % threads != 0) ++pieces;
+  pieces = std::min(n, std::max(pieces, (n + kPositionsPerTask - 1) / kPositionsPerTask));
+  const int64_t run = (n + pieces - 1) / pieces;
+  pieces = (n + run - 1) / run;  // no empty run
+  at::parallel_for(0, kv_heads * pieces, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> seen(run * slots);  // per position of the run: the slots it sees, in slot order
+    // per position: the group's weights [group, slots], their sums [group] and its weighted values [group, d]
+    std::vector<float> scores(run * group * slots), totals(run * group), sums(run * group * d);
+    std::vector<Group> ws;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t kv = task / n, i = task % n;
-      int64_t count = 0;  // the slots position i sees, in slot order
-      for (int64_t j = 0; j < slots; ++j)
-        if (visible ? visible[i * slots + j] : j <= start + i) seen[count++] = j;
-      const Group w{q.data_ptr<float>() + (kv * group * n + i) * d, n * d, group,
-                    keys.data_ptr<float>() + kv * keys.stride(0), values.data_ptr<float>() + kv * values.stride(0),
-                    seen.data(), count, d, float(scale), out.data_ptr<float>() + (kv * group * n + i) * d, n * d};
+      const int64_t kv = task / pieces, first = task % pieces * run, last = std::min(n, first + run);
+      ws.clear();
+      for (int64_t i = first; i < last; ++i) {
+        int64_t* sees = seen.data() + (i - first) * slots;
+        int64_t count = 0;
+        for (int64_t j = 0; j < slots; ++j)
+          if (visible ? visible[i * slots + j] : j <= start + i) sees[count++] = j;
+        ws.push_back(Group{q.data_ptr<float>() + (kv * group * n + i) * d, n * d, group,
+                           keys.data_ptr<float>() + kv * keys.stride(0), values.data_ptr<float>() + kv * values.stride(0),
+                           sees, count, d, float(scale), out.data_ptr<float>() + (kv * group * n + i) * d, n * d});
+      }
 #if EXACT_ATTENTION_AVX512
-      if (vectors == Vectors::avx512 && d == 128) { attend_group<8>(w, scores.data(), totals.data(), sums.data()); continue; }
-      if (vectors == Vectors::avx512 && d == 64) { attend_group<4>(w, scores.data(), totals.data(), sums.data()); continue; }
+      const int64_t positions = int64_t(ws.size());
+      if (vectors == Vectors::avx512 && d == 128) { attend_positions<8>(ws.data(), positions, slots, scores.data(), totals.data(), sums.data()); continue; }
+      if (vectors == Vectors::avx512 && d == 64) { attend_positions<4>(ws.data(), positions, slots, scores.data(), totals.data(), sums.data()); continue; }
 #endif
+      for (const Group& w : ws) {
 #if EXACT_ATTENTION_AVX2
-      if (vectors == Vectors::avx2 && d == 128) { attend_group_avx2<8>(w, scores.data(), totals.data()); continue; }
-      if (vectors == Vectors::avx2 && d == 64) { attend_group_avx2<4>(w, scores.data(), totals.data()); continue; }
+        if (vectors == Vectors::avx2 && d == 128) { attend_group_avx2<8>(w, scores.data(), totals.data()); continue; }
+        if (vectors == Vectors::avx2 && d == 64) { attend_group_avx2<4>(w, scores.data(), totals.data()); continue; }
 #endif
-      attend_group_portable(w, scores.data(), totals.data());
+        attend_group_portable(w, scores.data(), totals.data());
+      }
     }
   });
   return out;
