@@ -14,7 +14,8 @@ inside a step, where the cache and the weights compete for memory): n = 1, 2, 4,
 cached tokens through each build's decoder stack (`Transformer.compiled_stack`), the other build prefetching for few
 rows as this one does, in rounds as above; and says whether both builds' logits are the same bits. `--attention`
 times the exact attention alone (`attend`, one layer of the model's shape over a random cache of 300, 1,024 and 3,000
-slots, the same n) and compares its outputs too.
+slots, the same n) and compares its outputs too. `--kernels avx2` runs both builds' AVX2 code (an AVX2-only CPU's) on
+an AVX-512 one: an indication, as its memory and clocks are not that CPU's.
 
     python benchmarks/probes/kquant_build_ab.py --against 9c70245 [--rows 1] [--rounds 12] [--model smollm2-135m-instruct]
     python benchmarks/probes/kquant_build_ab.py --against 5b8cf76 --steps 1024 [--rounds 16]
@@ -59,6 +60,11 @@ def build_of(revision: str):
 WIDTHS = (1, 2, 4, 8)  # new positions a pass (`--steps`, `--attention`)
 
 
+def heading(*parts: str) -> str:
+    """The CPU, the code both builds run, then `parts`, in one line."""
+    return " · ".join([cpu_summary(), f"{kquant_kernels().kernels_in_use()} code", *parts])
+
+
 def turns(builds: list[str], rounds: int):
     """The builds' names round after round, their order reversed every other round (a drift of the machine's speed
     then touches both alike)."""
@@ -74,9 +80,13 @@ def main() -> None:
     parser.add_argument("--model", default=DEFAULT_TARGET, help="a shipped model (a draft: smollm2-135m-instruct)")
     parser.add_argument("--steps", type=int, metavar="CONTEXT", help="time whole forward passes after CONTEXT cached tokens")
     parser.add_argument("--attention", action="store_true", help="time the exact attention alone")
+    parser.add_argument("--kernels", help="the code both builds run (one of this CPU's `kernels_built()`; default the fastest)")
     args = parser.parse_args()
     runner = load_model(args.model, "kquant").runner  # this checkout's kernels
     commit, other = build_of(args.against)
+    if args.kernels:
+        for module in (kquant_kernels(), other):
+            module.use_kernels(args.kernels)
     if args.steps is not None:
         return time_steps(runner, commit, other, args.steps, args.rounds)
     if args.attention:
@@ -95,8 +105,8 @@ def main() -> None:
             for linear in linears:
                 builds[build](x, linear.packed, linear.kinds, linear.columns, linear.bias)
             seconds[kind, build].append(time.perf_counter() - began)
-    print(f"{cpu_summary()} · {args.rows} row(s) · median of {args.rounds} rounds · ms: this checkout / {commit}"
-          f" · prefetching for few rows: {' / '.join('n/a' if on is None else 'on' if on else 'off' for on in settings)}")
+    print(heading(f"{args.rows} row(s)", f"median of {args.rounds} rounds", f"ms: this checkout / {commit}",
+                  f"prefetching for few rows: {' / '.join('n/a' if on is None else 'on' if on else 'off' for on in settings)}"))
     totals = dict.fromkeys(builds, 0.0)
     for kind in kinds:
         mine, theirs = (statistics.median(seconds[kind, build]) for build in builds)
@@ -124,8 +134,8 @@ def time_steps(runner, commit: str, other, context: int, rounds: int) -> None:
                 logits[build, n] = runner.forward(cache, torch.arange(200, 200 + n), logits="all")  # [n, vocab]
                 seconds[build, n].append(time.perf_counter() - began)
     same = all(torch.equal(logits["this checkout", n], logits[commit, n]) for n in WIDTHS)
-    print(f"{cpu_summary()} · {runner.config.num_layers} layers · {context} cached tokens · median of {rounds} rounds"
-          f" · ms: this checkout / {commit} · the same logits: {'yes' if same else 'NO'}")
+    print(heading(f"{runner.config.num_layers} layers", f"{context} cached tokens", f"median of {rounds} rounds",
+                  f"ms: this checkout / {commit}", f"the same logits: {'yes' if same else 'NO'}"))
     for n in WIDTHS:
         mine, theirs = (statistics.median(seconds[build, n]) for build in stacks)
         print(f"  {n} new: {mine * 1e3:.2f} / {theirs * 1e3:.2f} (×{mine / theirs:.3f})")
@@ -135,10 +145,10 @@ def time_attention(config, commit: str, other, rounds: int) -> None:
     """`attend` of each build: one layer of the model's shape for n = 1, 2, 4, 8 new positions over random caches."""
     builds = {"this checkout": kquant_kernels().attend, commit: other.attend}
     heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-    print(f"{cpu_summary()} · attention of one layer ({heads} query heads, {kv_heads} KV heads, d {head_dim}) · median of"
-          f" {rounds} rounds · µs: this checkout / {commit}")
+    print(heading(f"attention of one layer ({heads} query heads, {kv_heads} KV heads, d {head_dim})", f"median of {rounds} rounds",
+                  f"µs: this checkout / {commit}"))
     for context in (300, 1024, 3000):
-        keys, values = torch.randn(kv_heads, context + max(WIDTHS), head_dim), torch.randn(kv_heads, context + max(WIDTHS), head_dim)
+        keys, values = (torch.randn(kv_heads, context + max(WIDTHS), head_dim) for _ in range(2))  # [kv_heads, capacity, d]
         line = []
         for n in WIDTHS:
             q = torch.randn(heads, n, head_dim)  # [heads, n, d]

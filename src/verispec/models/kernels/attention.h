@@ -172,12 +172,13 @@ struct Group {
   int64_t out_stride;
 };
 
-#if EXACT_ATTENTION_AVX512
-// The vector code for d = 16·C (C ≤ 8), in blocks of 16 slots whose key rows, then value rows, are read into the L1
-// cache once for every head of the group. Scores: a head's query is dotted with the block's 16 key rows at once (16
-// independent chains of multiply-adds), whose partial sums are then reduced together (`reduce16x16`) rather than
-// one horizontal sum per slot. Weighted values: a value row is loaded once per 2 heads.
+// The vector codes (d = 16·C, C ≤ 8) take a task's positions a block of 16 slots at a time (`attend_positions`): a
+// block's key rows, then its value rows, are read into the L1 cache once and serve every position and head there.
+// Scores: a head's query is dotted with several key rows at once (independent chains of multiply-adds), whose partial
+// sums are then reduced together (`reduce16x16`, `reduce4x16`) rather than one horizontal sum per slot, in
+// `reduce16`'s order. Weighted values: sums [heads, d] in memory, each value row added in slot order.
 
+#if EXACT_ATTENTION_AVX512
 // The slot whose partial sums `reduce16x16` takes in input t, so that slot s comes out in lane s
 constexpr int kSlotOf[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
 
@@ -200,7 +201,7 @@ inline __m512 reduce16x16(const __m512 (&acc)[16]) {
 
 // The scores of one head for a block of up to 16 slots: out[s] = (q · key row of slot s) · scale for the lanes s set
 // in `lanes`, row(t) being the key row of slot kSlotOf[t]: per slot 16 lanes of C multiply-adds, then `reduce16`'s
-// additions (in `reduce16x16`), as `attend_group_portable` computes them.
+// additions, as `attend_group_portable` computes them.
 template <int C, typename Rows>
 inline void score_block(const float* q, const Rows& row, float scale, __mmask16 lanes, float* out) {
   __m512 acc[16];
@@ -213,120 +214,162 @@ inline void score_block(const float* q, const Rows& row, float scale, __mmask16 
   _mm512_mask_storeu_ps(out, lanes, _mm512_mul_ps(reduce16x16(acc), _mm512_set1_ps(scale)));
 }
 
-// The rows of values weighted for a pair of heads (or a lone last one), slots j0 … j0+m−1 added in slot order to
-// sums[b] (rows of d in memory, so that a block's value rows, read once into the L1 cache, serve every pair).
 template <int C>
-inline void weigh_values(const Group& w, int64_t g0, int pair, int64_t j0, int64_t m, const float* scores, float* sums) {
-  __m512 acc[2][C];
-  for (int b = 0; b < 2; ++b)
-    for (int u = 0; u < C; ++u) acc[b][u] = _mm512_loadu_ps(sums + (b < pair ? b : 0) * w.d + 16 * u);
-  for (int64_t j = j0; j < j0 + m; ++j) {
-    const float* value = w.v + w.seen[j] * w.d;
-    const __m512 w0 = _mm512_set1_ps(scores[j]);
-    const __m512 w1 = _mm512_set1_ps(pair == 2 ? scores[w.count + j] : 0.0f);
-    for (int u = 0; u < C; ++u) {
-      const __m512 x = _mm512_loadu_ps(value + 16 * u);
-      acc[0][u] = _mm512_fmadd_ps(w0, x, acc[0][u]);
-      acc[1][u] = _mm512_fmadd_ps(w1, x, acc[1][u]);  // unused for a lone last head
+struct Avx512 {
+  static constexpr int64_t d = 16 * C;
+
+  // scores [heads, count]: the scores of block j0 (up to 16 of the slots `w` sees) for every head of the group
+  static void score(const Group& w, int64_t j0, float* scores) {
+    const int64_t m = std::min<int64_t>(16, w.count - j0);
+    if (m == 16 && w.seen[j0 + 15] == w.seen[j0] + 15) {  // consecutive slots (a chain's): rows at fixed offsets
+      const float* base = w.k + w.seen[j0] * d;
+      const auto row = [base](int t) { return base + kSlotOf[t] * d; };
+      for (int64_t g = 0; g < w.heads; ++g) score_block<C>(w.q + g * w.q_stride, row, w.scale, 0xffff, scores + g * w.count + j0);
+    } else {  // a token tree's slots, or a last block of fewer: its last slot repeated in the lanes past m, not stored
+      const float* key[16];
+      for (int t = 0; t < 16; ++t) key[t] = w.k + w.seen[j0 + std::min<int64_t>(kSlotOf[t], m - 1)] * d;
+      const auto row = [&key](int t) { return key[t]; };
+      const __mmask16 lanes = __mmask16((1u << m) - 1);
+      for (int64_t g = 0; g < w.heads; ++g) score_block<C>(w.q + g * w.q_stride, row, w.scale, lanes, scores + g * w.count + j0);
     }
   }
-  for (int b = 0; b < pair; ++b)
-    for (int u = 0; u < C; ++u) _mm512_storeu_ps(sums + b * w.d + 16 * u, acc[b][u]);
+
+  // sums [heads, d] += the value rows of block j0 weighed by scores [heads, count], two heads per value row loaded
+  static void weigh(const Group& w, int64_t j0, const float* scores, float* sums) {
+    const int64_t end = std::min(j0 + 16, w.count);
+    for (int64_t g0 = 0; g0 < w.heads; g0 += 2) {
+      const int pair = w.heads - g0 >= 2 ? 2 : 1;
+      __m512 acc[2][C];
+      for (int b = 0; b < 2; ++b)
+        for (int u = 0; u < C; ++u) acc[b][u] = _mm512_loadu_ps(sums + (g0 + (b < pair ? b : 0)) * d + 16 * u);
+      for (int64_t j = j0; j < end; ++j) {
+        const float* value = w.v + w.seen[j] * d;
+        const __m512 w0 = _mm512_set1_ps(scores[g0 * w.count + j]);
+        const __m512 w1 = _mm512_set1_ps(pair == 2 ? scores[(g0 + 1) * w.count + j] : 0.0f);
+        for (int u = 0; u < C; ++u) {
+          const __m512 x = _mm512_loadu_ps(value + 16 * u);
+          acc[0][u] = _mm512_fmadd_ps(w0, x, acc[0][u]);
+          acc[1][u] = _mm512_fmadd_ps(w1, x, acc[1][u]);  // unused for a lone last head
+        }
+      }
+      for (int b = 0; b < pair; ++b)
+        for (int u = 0; u < C; ++u) _mm512_storeu_ps(sums + (g0 + b) * d + 16 * u, acc[b][u]);
+    }
+  }
+};
+#endif
+
+#if EXACT_ATTENTION_AVX2
+// The sums of 4 slots' 16 partial sums (slot t's as two halves, low[t] and high[t]), [s0, s1, s2, s3], each added in
+// `reduce16`'s order
+inline __m128 reduce4x16(const __m256 (&low)[4], const __m256 (&high)[4]) {
+  __m256 b[4];
+  for (int t = 0; t < 4; ++t) b[t] = _mm256_add_ps(low[t], high[t]);  // a[l] + a[l+8]
+  // b[l] + b[l+4]: slots 0 and 1, then 2 and 3, one per 128-bit lane
+  const __m256 c01 = _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
+  const __m256 c23 = _mm256_add_ps(_mm256_permute2f128_ps(b[2], b[3], 0x20), _mm256_permute2f128_ps(b[2], b[3], 0x31));
+  // c[l] + c[l+2]: [d0 d0 d2 d2 | d1 d1 d3 d3]
+  const __m256 d = _mm256_add_ps(_mm256_shuffle_ps(c01, c23, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(c01, c23, _MM_SHUFFLE(3, 2, 3, 2)));
+  // d[0] + d[1]: [s0 s2 s0 s2 | s1 s3 s1 s3]
+  const __m256 e = _mm256_add_ps(_mm256_shuffle_ps(d, d, _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(d, d, _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm_unpacklo_ps(_mm256_castps256_ps128(e), _mm256_extractf128_ps(e, 1));
 }
 
+template <int C>
+struct Avx2 {
+  static constexpr int64_t d = 16 * C;
+
+  // scores [heads, count]: the scores of block j0 for every head of the group, 4 slots at a time (a head's 16 lanes
+  // as two halves, as `reduce16(low, high)` adds them); past the last slot the last one repeated, not stored
+  static void score(const Group& w, int64_t j0, float* scores) {
+    const int64_t m = std::min<int64_t>(16, w.count - j0);
+    for (int64_t s0 = 0; s0 < m; s0 += 4) {
+      const float* key[4];
+      for (int t = 0; t < 4; ++t) key[t] = w.k + w.seen[j0 + std::min<int64_t>(s0 + t, m - 1)] * d;
+      for (int64_t g = 0; g < w.heads; ++g) {
+        const float* q = w.q + g * w.q_stride;
+        __m256 low[4], high[4];
+        for (int t = 0; t < 4; ++t) {
+          low[t] = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(key[t]));
+          high[t] = _mm256_mul_ps(_mm256_loadu_ps(q + 8), _mm256_loadu_ps(key[t] + 8));
+        }
+        for (int u = 1; u < C; ++u) {
+          const __m256 q_low = _mm256_loadu_ps(q + 16 * u), q_high = _mm256_loadu_ps(q + 16 * u + 8);
+          for (int t = 0; t < 4; ++t) {
+            low[t] = _mm256_fmadd_ps(q_low, _mm256_loadu_ps(key[t] + 16 * u), low[t]);
+            high[t] = _mm256_fmadd_ps(q_high, _mm256_loadu_ps(key[t] + 16 * u + 8), high[t]);
+          }
+        }
+        const __m128 four = _mm_mul_ps(reduce4x16(low, high), _mm_set1_ps(w.scale));
+        float* out = scores + g * w.count + j0 + s0;
+        if (m - s0 >= 4) {
+          _mm_storeu_ps(out, four);
+        } else {
+          float lanes[4];
+          _mm_storeu_ps(lanes, four);
+          std::copy(lanes, lanes + (m - s0), out);
+        }
+      }
+    }
+  }
+
+  // sums [heads, d] += the value rows of block j0 weighed by scores [heads, count], in runs of 64 columns (8 registers)
+  static void weigh(const Group& w, int64_t j0, const float* scores, float* sums) {
+    constexpr int kRun = 8;
+    const int64_t end = std::min(j0 + 16, w.count);
+    for (int64_t g = 0; g < w.heads; ++g)
+      for (int64_t c0 = 0; c0 < d; c0 += 8 * kRun) {
+        const int units = int(std::min<int64_t>(kRun, (d - c0) / 8));
+        float* into = sums + g * d + c0;
+        __m256 acc[kRun];
+        for (int u = 0; u < units; ++u) acc[u] = _mm256_loadu_ps(into + 8 * u);
+        for (int64_t j = j0; j < end; ++j) {
+          const float* value = w.v + w.seen[j] * d + c0;
+          const __m256 weight = _mm256_set1_ps(scores[g * w.count + j]);
+          for (int u = 0; u < units; ++u) acc[u] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value + 8 * u), acc[u]);
+        }
+        for (int u = 0; u < units; ++u) _mm256_storeu_ps(into + 8 * u, acc[u]);
+      }
+  }
+};
+#endif
+
+#if EXACT_ATTENTION_AVX512 || EXACT_ATTENTION_AVX2
 // Ask for the rows (of d floats, in `rows`) of the slots seen[j0 + 16 …] the block after j0 takes
 inline void prefetch_next_block(const float* rows, const int64_t* seen, int64_t j0, int64_t count, int64_t d) {
   for (int64_t j = j0 + 16; j < std::min(j0 + 32, count); ++j)
     for (int64_t line = 0; line < d; line += 16) _mm_prefetch(reinterpret_cast<const char*>(rows + seen[j] * d + line), _MM_HINT_T0);
 }
 
-// The scores of block j0 (up to 16 of the slots `w` sees) for every head of the group
-template <int C>
-inline void score_heads(const Group& w, int64_t j0, float* scores) {
-  constexpr int64_t d = 16 * C;
-  const int64_t m = std::min<int64_t>(16, w.count - j0);
-  prefetch_next_block(w.k, w.seen, j0, w.count, d);
-  if (m == 16 && w.seen[j0 + 15] == w.seen[j0] + 15) {  // consecutive slots (a chain's): rows at fixed offsets
-    const float* base = w.k + w.seen[j0] * d;
-    const auto row = [base](int t) { return base + kSlotOf[t] * d; };
-    for (int64_t g = 0; g < w.heads; ++g) score_block<C>(w.q + g * w.q_stride, row, w.scale, 0xffff, scores + g * w.count + j0);
-  } else {  // a token tree's slots, or a last block of fewer: its last slot repeated in the lanes past m, not stored
-    const float* key[16];
-    for (int t = 0; t < 16; ++t) key[t] = w.k + w.seen[j0 + std::min<int64_t>(kSlotOf[t], m - 1)] * d;
-    const auto row = [&key](int t) { return key[t]; };
-    const __mmask16 lanes = __mmask16((1u << m) - 1);
-    for (int64_t g = 0; g < w.heads; ++g) score_block<C>(w.q + g * w.q_stride, row, w.scale, lanes, scores + g * w.count + j0);
-  }
-}
-
-// The group's attention at `positions` positions (ws[p]: what position p sees), a block of 16 slots at a time for
-// every position: the positions see nearly the same slots (a chain's all but their last few), so each block of the
-// cache is read from memory once for them all and then used from the L1 cache (the next block's rows on their way).
-// Per position p and head g: scores[p] [heads, slots] (rows `count` apart), totals[p · heads + g], sums[p] [heads, d].
-template <int C>
+// The group's attention at `positions` positions (ws[p]: what position p sees) through a vector code, a block of 16
+// slots at a time for every position: the positions see nearly the same slots (a chain's all but their last few), so
+// each block of the cache is read from memory once for them all and then used from the L1 cache (the next block's
+// rows on their way: measured inside a decode step, where the cache comes from memory). Per position p:
+// scores[p] [heads, slots] (rows `count` apart), totals[p] [heads], sums[p] [heads, d].
+template <typename Code>
 void attend_positions(const Group* ws, int64_t positions, int64_t slots, float* scores, float* totals, float* sums) {
-  constexpr int64_t d = 16 * C;
+  constexpr int64_t d = Code::d;
   const int64_t heads = ws[0].heads;
   int64_t most = 0;
   for (int64_t p = 0; p < positions; ++p) most = std::max(most, ws[p].count);
   for (int64_t j0 = 0; j0 < most; j0 += 16)
     for (int64_t p = 0; p < positions; ++p)
-      if (j0 < ws[p].count) score_heads<C>(ws[p], j0, scores + p * heads * slots);
+      if (j0 < ws[p].count) {
+        prefetch_next_block(ws[p].k, ws[p].seen, j0, ws[p].count, d);
+        Code::score(ws[p], j0, scores + p * heads * slots);
+      }
   for (int64_t p = 0; p < positions; ++p)
     for (int64_t g = 0; g < heads; ++g) totals[p * heads + g] = normalize_weights(scores + p * heads * slots + g * ws[p].count, ws[p].count);
   std::fill(sums, sums + positions * heads * d, 0.0f);
   for (int64_t j0 = 0; j0 < most; j0 += 16)
-    for (int64_t p = 0; p < positions; ++p) {
-      const Group& w = ws[p];
-      if (j0 >= w.count) continue;
-      prefetch_next_block(w.v, w.seen, j0, w.count, d);
-      for (int64_t g0 = 0; g0 < heads; g0 += 2)
-        weigh_values<C>(w, g0, heads - g0 >= 2 ? 2 : 1, j0, std::min<int64_t>(16, w.count - j0), scores + p * heads * slots + g0 * w.count,
-                        sums + (p * heads + g0) * d);
-    }
+    for (int64_t p = 0; p < positions; ++p)
+      if (j0 < ws[p].count) {
+        prefetch_next_block(ws[p].v, ws[p].seen, j0, ws[p].count, d);
+        Code::weigh(ws[p], j0, scores + p * heads * slots, sums + p * heads * d);
+      }
   for (int64_t p = 0; p < positions; ++p)
-    for (int64_t g = 0; g < heads; ++g) {
-      const __m512 total = _mm512_set1_ps(totals[p * heads + g]);
-      for (int u = 0; u < C; ++u)
-        _mm512_storeu_ps(ws[p].out + g * ws[p].out_stride + 16 * u, _mm512_div_ps(_mm512_loadu_ps(sums + (p * heads + g) * d + 16 * u), total));
-    }
-}
-#endif
-
-#if EXACT_ATTENTION_AVX2
-// The AVX2 code for d = 16·C: a head's 16 lanes as two halves; the scores of a (slot, head) as
-// `attend_group` sums them, then each head's weighted values in runs of 64 columns (8 registers).
-template <int C>
-void attend_group_avx2(const Group& w, float* scores, float* totals) {
-  for (int64_t j = 0; j < w.count; ++j) {
-    const float* key = w.k + w.seen[j] * w.d;
-    for (int64_t g = 0; g < w.heads; ++g) {
-      const float* q = w.q + g * w.q_stride;
-      __m256 low = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(key));
-      __m256 high = _mm256_mul_ps(_mm256_loadu_ps(q + 8), _mm256_loadu_ps(key + 8));
-      for (int u = 1; u < C; ++u) {
-        low = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16 * u), _mm256_loadu_ps(key + 16 * u), low);
-        high = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16 * u + 8), _mm256_loadu_ps(key + 16 * u + 8), high);
-      }
-      scores[g * w.count + j] = reduce16(low, high) * w.scale;
-    }
-  }
-  constexpr int kRun = 8;  // registers of 8 columns per run
-  for (int64_t g = 0; g < w.heads; ++g) {
-    totals[g] = normalize_weights(scores + g * w.count, w.count);
-    for (int64_t c0 = 0; c0 < w.d; c0 += 8 * kRun) {
-      const int units = int(std::min<int64_t>(kRun, (w.d - c0) / 8));
-      __m256 acc[kRun];
-      for (int u = 0; u < kRun; ++u) acc[u] = _mm256_setzero_ps();
-      for (int64_t j = 0; j < w.count; ++j) {
-        const float* value = w.v + w.seen[j] * w.d + c0;
-        const __m256 weight = _mm256_set1_ps(scores[g * w.count + j]);
-        for (int u = 0; u < units; ++u) acc[u] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value + 8 * u), acc[u]);
-      }
-      const __m256 total = _mm256_set1_ps(totals[g]);
-      for (int u = 0; u < units; ++u) _mm256_storeu_ps(w.out + g * w.out_stride + c0 + 8 * u, _mm256_div_ps(acc[u], total));
-    }
-  }
+    for (int64_t g = 0; g < heads; ++g)
+      for (int64_t c = 0; c < d; ++c) ws[p].out[g * ws[p].out_stride + c] = sums[(p * heads + g) * d + c] / totals[p * heads + g];
 }
 #endif
 
@@ -410,18 +453,18 @@ inline at::Tensor attend(const at::Tensor& q_in, const at::Tensor& keys, const a
                            keys.data_ptr<float>() + kv * keys.stride(0), values.data_ptr<float>() + kv * values.stride(0),
                            sees, count, d, float(scale), out.data_ptr<float>() + (kv * group * n + i) * d, n * d});
       }
+      const auto vector_code = [&](auto code) {  // the run through `code`, an `Avx512<C>` or `Avx2<C>`
+        attend_positions<decltype(code)>(ws.data(), int64_t(ws.size()), slots, scores.data(), totals.data(), sums.data());
+      };
 #if EXACT_ATTENTION_AVX512
-      const int64_t positions = int64_t(ws.size());
-      if (vectors == Vectors::avx512 && d == 128) { attend_positions<8>(ws.data(), positions, slots, scores.data(), totals.data(), sums.data()); continue; }
-      if (vectors == Vectors::avx512 && d == 64) { attend_positions<4>(ws.data(), positions, slots, scores.data(), totals.data(), sums.data()); continue; }
+      if (vectors == Vectors::avx512 && d == 128) { vector_code(Avx512<8>{}); continue; }
+      if (vectors == Vectors::avx512 && d == 64) { vector_code(Avx512<4>{}); continue; }
 #endif
-      for (const Group& w : ws) {
 #if EXACT_ATTENTION_AVX2
-        if (vectors == Vectors::avx2 && d == 128) { attend_group_avx2<8>(w, scores.data(), totals.data()); continue; }
-        if (vectors == Vectors::avx2 && d == 64) { attend_group_avx2<4>(w, scores.data(), totals.data()); continue; }
+      if (vectors == Vectors::avx2 && d == 128) { vector_code(Avx2<8>{}); continue; }
+      if (vectors == Vectors::avx2 && d == 64) { vector_code(Avx2<4>{}); continue; }
 #endif
-        attend_group_portable(w, scores.data(), totals.data());
-      }
+      for (const Group& w : ws) attend_group_portable(w, scores.data(), totals.data());
     }
   });
   return out;
