@@ -311,8 +311,8 @@ class Transformer:
     per layer and position, a tree node's keys gathered from its ancestors' slots). Longer int8 feeds
     (prompt prefill) use one batched SDPA call: prefill is shared by speculative and plain decoding.
     kquant attends every feed, prompts included, with its extension's own attention (`kernels/attention.h`:
-    every position of a layer in one call, each cached key read once per group of query heads, faster than
-    SDPA here), so its prefill is row-invariant too: a prompt fed in chunks (a server's) or whole
+    every position of a layer in one call, each block of the cache read once for a run of positions and every
+    query head that shares it, faster than SDPA here), so its prefill is row-invariant too: a prompt fed in chunks (a server's) or whole
     leaves the same cache, bit for bit. Float runners batch everything
     and are exact up to float rounding.
 
