@@ -5,17 +5,18 @@ Timings of separate processes move by several per cent on a shared VM, more than
 kernels of `--against REV` (kquant.cpp and its headers as that revision has them) are built under another module
 name and both builds run the shipped target's linear layers on the same packed weights: every layer of a kind (qkv,
 o, gate_up, down), then the head, for `--rows` activation rows (1: a decode step), in `--rounds` rounds, the two
-builds' order alternating. Prints the median milliseconds per kind and build. `--against HEAD` on a clean checkout is
-an A/A: two builds of the same source (their code layout alone still moves kinds by a few per cent). `--model`
-times another shipped model's layers (a draft's).
+builds' order alternating, the other build prefetching for few rows as this one does where it has the switch. Prints
+the median milliseconds per kind and build. `--against HEAD` on a clean checkout is an A/A: two builds of the same
+source (their code layout alone still moves kinds by a few per cent). `--model` times another shipped model's layers
+(a draft's).
 
 `--steps CONTEXT` times whole forward passes instead (what a change to the attention or the decoder stack is worth
 inside a step, where the cache and the weights compete for memory): n = 1, 2, 4, 8 new positions after CONTEXT
-cached tokens through each build's decoder stack (`Transformer.compiled_stack`), the other build prefetching for few
-rows as this one does, in rounds as above; and says whether both builds' logits are the same bits. `--attention`
-times the exact attention alone (`attend`, one layer of the model's shape over a random cache of 300, 1,024 and 3,000
-slots, the same n) and compares its outputs too. `--kernels avx2` runs both builds' AVX2 code (an AVX2-only CPU's) on
-an AVX-512 one: an indication, as its memory and clocks are not that CPU's.
+cached tokens through each build's decoder stack (`Transformer.compiled_stack`), in rounds as above; and says whether
+both builds' logits are the same bits. `--attention` times the exact attention alone (`attend`, one layer of the
+model's shape over a random cache of 300, 1,024 and 3,000 slots, the same n) and compares its outputs too. `--kernels
+avx2` runs both builds' AVX2 code (an AVX2-only CPU's) on an AVX-512 one: an indication, as its memory and clocks are
+not that CPU's.
 
     python benchmarks/probes/kquant_build_ab.py --against 9c70245 [--rows 1] [--rounds 12] [--model smollm2-135m-instruct]
     python benchmarks/probes/kquant_build_ab.py --against 5b8cf76 --steps 1024 [--rounds 16]
@@ -87,6 +88,8 @@ def main() -> None:
     if args.kernels:
         for module in (kquant_kernels(), other):
             module.use_kernels(args.kernels)
+    if hasattr(other, "set_prefetch_few_rows"):  # as this checkout prefetches (`kquant.settle_prefetch`), so the code alone differs
+        other.set_prefetch_few_rows(kquant_kernels().prefetch_few_rows())
     if args.steps is not None:
         return time_steps(runner, commit, other, args.steps, args.rounds)
     if args.attention:
@@ -94,8 +97,8 @@ def main() -> None:
     kinds = {name: [getattr(layer, name) for layer in runner.layers] for name in ("qkv", "o", "gate_up", "down")}
     kinds["head"] = [runner.lm_head]
     builds = {"this checkout": runner.lm_head._linear, commit: other.linear}
-    # each build's prefetching for one and two rows as loading left it (`kquant.settle_prefetch`: this checkout's as
-    # measured on this CPU; off in another build; none before the switch): printed, as a timing compares both together
+    # each build's prefetching for one and two rows (this checkout's as `kquant.settle_prefetch` measured it on this CPU,
+    # the other's the same where it has the switch): printed, as a timing compares both together
     settings = [getattr(module, "prefetch_few_rows", lambda: None)() for module in (kquant_kernels(), other)]
     seconds = {(kind, build): [] for kind in kinds for build in builds}
     for build in turns(list(builds), args.rounds):
@@ -119,8 +122,6 @@ def main() -> None:
 
 def time_steps(runner, commit: str, other, context: int, rounds: int) -> None:
     """Forward passes of n = 1, 2, 4, 8 positions after `context` cached tokens through each build's decoder stack."""
-    if hasattr(other, "set_prefetch_few_rows"):
-        other.set_prefetch_few_rows(kquant_kernels().prefetch_few_rows())
     stacks = {"this checkout": runner.compiled_stack(kquant_kernels()), commit: runner.compiled_stack(other)}
     cache = runner.new_cache(context + max(WIDTHS))
     runner.forward(cache, torch.arange(100, 100 + context) % runner.config.vocab_size, logits="none")
