@@ -11,12 +11,12 @@ source (their code layout alone still moves kinds by a few per cent). `--model` 
 (a draft's).
 
 `--steps CONTEXT` times whole forward passes instead (what a change to the attention or the decoder stack is worth
-inside a step, where the cache and the weights compete for memory): n = 1, 2, 4, 8 new positions after CONTEXT
-cached tokens through each build's decoder stack (`Transformer.compiled_stack`), in rounds as above; and says whether
-both builds' logits are the same bits. `--attention` times the exact attention alone (`attend`, one layer of the
-model's shape over a random cache of 300, 1,024 and 3,000 slots, the same n) and compares its outputs too. `--kernels
-avx2` runs both builds' AVX2 code (an AVX2-only CPU's) on an AVX-512 one: an indication, as its memory and clocks are
-not that CPU's.
+inside a step, where the cache and the weights compete for memory): n = 1, 2, 4, 8 new positions (`--widths`; 256: a
+prompt's piece) after CONTEXT cached tokens through each build's decoder stack (`Transformer.compiled_stack`), in
+rounds as above; and says whether both builds' logits (the last position's past 16) are the same bits. `--attention`
+times the exact attention alone (`attend`, one layer of the model's shape over a random cache of 300, 1,024 and 3,000
+slots, the same n) and compares its outputs too. `--kernels avx2` runs both builds' AVX2 code (an AVX2-only CPU's) on
+an AVX-512 one: an indication, as its memory and clocks are not that CPU's.
 
     python benchmarks/probes/kquant_build_ab.py --against 9c70245 [--rows 1] [--rounds 12] [--model smollm2-135m-instruct]
     python benchmarks/probes/kquant_build_ab.py --against 5b8cf76 --steps 1024 [--rounds 16]
@@ -58,9 +58,6 @@ def build_of(revision: str):
                         extra_ldflags=["-fopenmp"], build_directory=str(folder / "build"))
 
 
-WIDTHS = (1, 2, 4, 8)  # new positions a pass (`--steps`, `--attention`)
-
-
 def heading(*parts: str) -> str:
     """The CPU, the code both builds run, then `parts`, in one line."""
     return " · ".join([cpu_summary(), f"{kquant_kernels().kernels_in_use()} code", *parts])
@@ -81,8 +78,10 @@ def main() -> None:
     parser.add_argument("--model", default=DEFAULT_TARGET, help="a shipped model (a draft: smollm2-135m-instruct)")
     parser.add_argument("--steps", type=int, metavar="CONTEXT", help="time whole forward passes after CONTEXT cached tokens")
     parser.add_argument("--attention", action="store_true", help="time the exact attention alone")
+    parser.add_argument("--widths", default="1,2,4,8", help="--steps, --attention: new positions a pass (256: a prompt's piece)")
     parser.add_argument("--kernels", help="the code both builds run (one of this CPU's `kernels_built()`; default the fastest)")
     args = parser.parse_args()
+    widths = [int(n) for n in args.widths.split(",")]
     runner = load_model(args.model, "kquant").runner  # this checkout's kernels
     commit, other = build_of(args.against)
     if args.kernels:
@@ -91,9 +90,9 @@ def main() -> None:
     if hasattr(other, "set_prefetch_few_rows"):  # as this checkout prefetches (`kquant.settle_prefetch`), so the code alone differs
         other.set_prefetch_few_rows(kquant_kernels().prefetch_few_rows())
     if args.steps is not None:
-        return time_steps(runner, commit, other, args.steps, args.rounds)
+        return time_steps(runner, commit, other, args.steps, widths, args.rounds)
     if args.attention:
-        return time_attention(runner.config, commit, other, args.rounds)
+        return time_attention(runner.config, commit, other, widths, args.rounds)
     kinds = {name: [getattr(layer, name) for layer in runner.layers] for name in ("qkv", "o", "gate_up", "down")}
     kinds["head"] = [runner.lm_head]
     builds = {"this checkout": runner.lm_head._linear, commit: other.linear}
@@ -120,38 +119,38 @@ def main() -> None:
     print(f"  all: {mine * 1e3:.2f} / {theirs * 1e3:.2f} (×{mine / theirs:.3f})")
 
 
-def time_steps(runner, commit: str, other, context: int, rounds: int) -> None:
-    """Forward passes of n = 1, 2, 4, 8 positions after `context` cached tokens through each build's decoder stack."""
+def time_steps(runner, commit: str, other, context: int, widths: list[int], rounds: int) -> None:
+    """Forward passes of n in `widths` positions after `context` cached tokens through each build's decoder stack."""
     stacks = {"this checkout": runner.compiled_stack(kquant_kernels()), commit: runner.compiled_stack(other)}
-    cache = runner.new_cache(context + max(WIDTHS))
+    cache = runner.new_cache(context + max(widths))
     runner.forward(cache, torch.arange(100, 100 + context) % runner.config.vocab_size, logits="none")
-    seconds = {(build, n): [] for build in stacks for n in WIDTHS}
+    seconds = {(build, n): [] for build in stacks for n in widths}
     logits = {}
     for build in turns(list(stacks), rounds):
         with mock.patch.object(Transformer, "_compiled_layers", lambda self, stack=stacks[build]: stack):
-            for n in WIDTHS:
+            for n in widths:
                 cache.truncate(context)
                 began = time.perf_counter()
-                logits[build, n] = runner.forward(cache, torch.arange(200, 200 + n), logits="all")  # [n, vocab]
+                logits[build, n] = runner.forward(cache, torch.arange(200, 200 + n), logits="all" if n <= 16 else "last")
                 seconds[build, n].append(time.perf_counter() - began)
-    same = all(torch.equal(logits["this checkout", n], logits[commit, n]) for n in WIDTHS)
+    same = all(torch.equal(logits["this checkout", n], logits[commit, n]) for n in widths)
     print(heading(f"{runner.config.num_layers} layers", f"{context} cached tokens", f"median of {rounds} rounds",
                   f"ms: this checkout / {commit}", f"the same logits: {'yes' if same else 'NO'}"))
-    for n in WIDTHS:
+    for n in widths:
         mine, theirs = (statistics.median(seconds[build, n]) for build in stacks)
         print(f"  {n} new: {mine * 1e3:.2f} / {theirs * 1e3:.2f} (×{mine / theirs:.3f})")
 
 
-def time_attention(config, commit: str, other, rounds: int) -> None:
-    """`attend` of each build: one layer of the model's shape for n = 1, 2, 4, 8 new positions over random caches."""
+def time_attention(config, commit: str, other, widths: list[int], rounds: int) -> None:
+    """`attend` of each build: one layer of the model's shape for n in `widths` new positions over random caches."""
     builds = {"this checkout": kquant_kernels().attend, commit: other.attend}
     heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
     print(heading(f"attention of one layer ({heads} query heads, {kv_heads} KV heads, d {head_dim})", f"median of {rounds} rounds",
                   f"µs: this checkout / {commit}"))
     for context in (300, 1024, 3000):
-        keys, values = (torch.randn(kv_heads, context + max(WIDTHS), head_dim) for _ in range(2))  # [kv_heads, capacity, d]
+        keys, values = (torch.randn(kv_heads, context + max(widths), head_dim) for _ in range(2))  # [kv_heads, capacity, d]
         line = []
-        for n in WIDTHS:
+        for n in widths:
             q = torch.randn(heads, n, head_dim)  # [heads, n, d]
             seconds, outputs = {build: [] for build in builds}, {}
             for build in turns(list(builds), rounds):
