@@ -358,7 +358,7 @@ def test_the_backend_with_the_fewest_predicted_seconds_a_token_is_kept():
     assert chosen.precision == "kquant" and chosen.drafter == "ngram"
     assert chosen.backends["gguf"] == pytest.approx(0.033)
     assert chosen.backends["kquant"] == pytest.approx(0.036 / flat.predicted["ngram"][0])
-    assert "ms a token: gguf 33.0, kquant" in chosen.summary()
+    assert "predicted ms a token: gguf 33.0, kquant" in chosen.summary()
     slow = choose_plan("kquant", [0.050 * r for r in FLAT], {"ngram": 0.0}, max_gamma=4, alphas={"ngram": 0.1})
     assert choose_backend([steep, slow]).precision == "gguf"
     # faster, but not by BACKEND_MARGIN: the default backend stays (another backend is other numerics)

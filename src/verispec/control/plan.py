@@ -105,7 +105,7 @@ class Plan:
         considered += "".join(f", {name} ≤ {bound:.2f}× (not measured)" for name, bound in self.bounds.items())
         line = f"plan: {self.precision} · {chosen} · predicted over plain: {considered.lstrip(', ') or 'nothing to compare'}"
         if len(self.backends) > 1:
-            line += " · ms a token: " + ", ".join(f"{name} {seconds * 1e3:.1f}" for name, seconds in self.backends.items())
+            line += " · predicted ms a token: " + ", ".join(f"{name} {seconds * 1e3:.1f}" for name, seconds in self.backends.items())
         if len(self.prefills) > 1:
             line += " · a prompt token: " + ", ".join(f"{name} {seconds * 1e3:.1f}" for name, seconds in self.prefills.items())
         return line
