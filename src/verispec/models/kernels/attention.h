@@ -89,13 +89,6 @@ inline __m256 exp8(__m256 x) {  // the same operations as `exp_portable`, on 8 l
   const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
   return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(y), _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23)));
 }
-
-inline float reduce16(__m256 low, __m256 high) {  // 16 lanes held as two halves: the additions of `reduce16`
-  const __m256 b = _mm256_add_ps(low, high);
-  const __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
-  const __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));
-  return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));
-}
 #endif
 
 // The sum of 16 partial sums, halves added pairwise: (a[l] + a[l+8]), then (+4), (+2), (+1).
@@ -279,8 +272,8 @@ template <int C>
 struct Avx2 {
   static constexpr int64_t d = 16 * C;
 
-  // scores [heads, count]: the scores of block j0 for every head of the group, 4 slots at a time (a head's 16 lanes
-  // as two halves, as `reduce16(low, high)` adds them); past the last slot the last one repeated, not stored
+  // scores [heads, count]: the scores of block j0 for every head of the group, 4 slots at a time (a slot's 16 partial
+  // sums as two halves of 8); past the last slot the last one repeated, not stored
   static void score(const Group& w, int64_t j0, float* scores) {
     const int64_t m = std::min<int64_t>(16, w.count - j0);
     for (int64_t s0 = 0; s0 < m; s0 += 4) {
