@@ -298,6 +298,10 @@ def test_the_exact_attention_is_attention_and_each_position_is_computed_alone(he
         attend(q, keys, values, start, causal[:, 1:], scale)
     with pytest.raises(RuntimeError, match="do not match the cache"):
         attend(q, keys, values, 62, None, scale)  # 62 + 5 slots > capacity 64
+    blind = causal.clone()
+    blind[2] = False  # a position that sees nothing has no softmax: an error, not NaNs
+    with pytest.raises(RuntimeError, match="at least one slot"):
+        attend(q, keys, values, start, blind, scale)
 
 
 @pytest.mark.parametrize("head_dim", [128, 64])

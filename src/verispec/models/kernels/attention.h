@@ -442,6 +442,7 @@ inline at::Tensor attend(const at::Tensor& q_in, const at::Tensor& keys, const a
         int64_t count = 0;
         for (int64_t j = 0; j < slots; ++j)
           if (visible ? visible[i * slots + j] : j <= start + i) sees[count++] = j;
+        TORCH_CHECK(count > 0, "attend: every position must see at least one slot (row ", i, " of the mask is all False)");
         ws.push_back(Group{q.data_ptr<float>() + (kv * group * n + i) * d, n * d, group,
                            keys.data_ptr<float>() + kv * keys.stride(0), values.data_ptr<float>() + kv * values.stride(0),
                            sees, count, d, float(scale), out.data_ptr<float>() + (kv * group * n + i) * d, n * d});
