@@ -32,7 +32,8 @@ from verispec.control import CostModel
 from verispec.engine.build import auto_backends
 from verispec.engine.together import mixes_prompts
 from verispec.models import kquant
-from verispec.models.kquant import KQUANT_TYPES, KQuantLinear, KQuantWeight, kquant_kernels, kquant_suits, prefetch_pays, settle_prefetch
+from verispec.models.kquant import (KQUANT_TYPES, KQuantLinear, KQuantWeight, kquant_kernels, kquant_suits, settle_padding,
+                                   settle_prefetch, switch_pays)
 from verispec.models.gguf_weights import kquant_requantizes, kquant_runs
 from verispec.models.loading import load_model, parse_precision
 from verispec.models.requantize import quantize_q4_k, quantize_q6_k
@@ -198,7 +199,7 @@ def test_prefetching_for_few_rows_moves_no_value(name):
 
 
 def test_prefetching_for_few_rows_is_measured_once_and_kept_where_it_pays(monkeypatch, tmp_path):
-    """`prefetch_pays` keeps the setting under which the layers ran faster (a layer slow without it, then one slow
+    """`switch_pays` keeps the setting under which the layers ran faster (a layer slow without it, then one slow
     with it: the control); `settle_prefetch` measures only a model large enough to stream from memory, once, and a
     later model takes the kept choice unmeasured."""
     kernels = kquant_kernels()
@@ -214,13 +215,13 @@ def test_prefetching_for_few_rows_is_measured_once_and_kept_where_it_pays(monkey
         def __call__(self, x):
             time.sleep(0.004 if kernels.prefetch_few_rows() == self.slow_with else 0.0)
 
-    assert prefetch_pays([Layer(slow_with=False)], rounds=3)[0]
-    assert not prefetch_pays([Layer(slow_with=True)], rounds=3)[0]
-    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
-    measured = []
-    monkeypatch.setattr(kquant, "prefetch_pays", lambda linears: (measured.append(linears), (True, 0.9))[1])
     previous = kernels.prefetch_few_rows()
     try:
+        assert switch_pays(kernels.set_prefetch_few_rows, [Layer(slow_with=False)], rounds=3)[0]
+        assert not switch_pays(kernels.set_prefetch_few_rows, [Layer(slow_with=True)], rounds=3)[0]
+        monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+        measured = []
+        monkeypatch.setattr(kquant, "switch_pays", lambda switch, linears: (measured.append(linears), (True, 0.9))[1])
         assert not settle_prefetch(["small"], kquant.PREFETCH_MEASURED_FROM - 1) and not measured
         assert settle_prefetch(["large"], kquant.PREFETCH_MEASURED_FROM) and measured == [["large"]]
         assert settle_prefetch(["small"], 0) and kernels.prefetch_few_rows() and len(measured) == 1
@@ -231,21 +232,53 @@ def test_prefetching_for_few_rows_is_measured_once_and_kept_where_it_pays(monkey
         kernels.set_prefetch_few_rows(previous)
 
 
+def test_skipping_padded_sub_blocks_is_measured_on_the_first_padded_model_and_kept(monkeypatch, tmp_path):
+    """`settle_padding` measures only the padded layers (inputs not a multiple of 256) of the first model that has
+    some, keeps skipping unless reading them whole is faster, and a later model takes the kept choice unmeasured."""
+    kernels = kquant_kernels()
+
+    class Layer:
+        def __init__(self, in_features: int):
+            self.in_features = in_features
+
+    padded, whole = Layer(576), Layer(1536)
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    measured, faster = [], {"read whole": False}
+    monkeypatch.setattr(kquant, "switch_pays", lambda switch, linears: (measured.append(linears), (faster["read whole"], 0.8))[1])
+    previous = kernels.skip_padding()
+    try:
+        assert settle_padding([whole]) and kernels.skip_padding() and not measured  # nothing padded: skipping, unmeasured
+        assert settle_padding([whole, padded]) and measured == [[padded]]  # measured: skipping was faster
+        faster["read whole"] = True
+        assert settle_padding([padded]) and len(measured) == 1  # kept: not measured again
+        monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "other"))
+        assert not settle_padding([padded]) and not kernels.skip_padding() and len(measured) == 2
+        assert not settle_padding([whole]) and not kernels.skip_padding()  # a later model takes the kept choice
+    finally:
+        kernels.set_skip_padding(previous)
+
+
 @pytest.mark.parametrize("kind", [Q4_K, Q6_K])
 def test_an_input_narrower_than_its_super_blocks_is_multiplied_as_its_zero_padded_copy(kind):
     """A requantized layer's rows are padded with zeros to whole super-blocks (896 → 1024 inputs): the kernel
-    quantizes the narrower input as if padded (no padded copy is made) and skips the sub-blocks past it (their
-    weights here are random, not zeros), bit for bit the padded product: in the vector code (3 rows) and the AMX
-    tiles (11), with each kernel built here."""
+    quantizes the narrower input as if padded (no padded copy is made) and skips the sub-blocks past it or reads them
+    too (`set_skip_padding`; their weights here are random, not zeros), bit for bit the padded product either way: in
+    the vector code (3 rows) and the AMX tiles (11), with each kernel built here."""
     kernels = kquant_kernels()
     blocks = torch.from_numpy(random_blocks(kind, 32, 512, np.random.default_rng(3)))
     layer = KQuantLinear(KQuantWeight(kind, blocks, 512))
-    for name, (width, rows) in itertools.product(kernels.kernels_built(), itertools.product((300, 257, 511, 320), (3, 11))):
-        x = torch.randn(rows, width)  # the second super-block part-filled
-        padded = torch.cat([x, torch.zeros(rows, 512 - width)], dim=1)
-        with kernels_of(name):
-            got = kernels.linear(x, layer.packed, layer.kinds, layer.columns, None)
-            assert torch.equal(got, kernels.linear(padded, layer.packed, layer.kinds, layer.columns, None)), (name, width, rows)
+    previous = kernels.skip_padding()
+    try:
+        for name, (width, rows), skip in itertools.product(kernels.kernels_built(), itertools.product((300, 257, 511, 320), (3, 11)),
+                                                           (True, False)):
+            x = torch.randn(rows, width)  # the second super-block part-filled
+            padded = torch.cat([x, torch.zeros(rows, 512 - width)], dim=1)
+            with kernels_of(name):
+                assert kernels.set_skip_padding(skip) == skip
+                got = kernels.linear(x, layer.packed, layer.kinds, layer.columns, None)
+                assert torch.equal(got, kernels.linear(padded, layer.packed, layer.kinds, layer.columns, None)), (name, width, rows, skip)
+    finally:
+        kernels.set_skip_padding(previous)
 
 
 def test_bad_shapes_are_clear_errors():

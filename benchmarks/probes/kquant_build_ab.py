@@ -79,6 +79,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, metavar="CONTEXT", help="time whole forward passes after CONTEXT cached tokens")
     parser.add_argument("--attention", action="store_true", help="time the exact attention alone")
     parser.add_argument("--widths", default="1,2,4,8", help="--steps, --attention: new positions a pass (256: a prompt's piece)")
+    parser.add_argument("--prefetch", choices=("on", "off"), help="prefetching for few rows in both builds (default: as"
+                        " loading left it; a model under 512 MiB of weights does not measure it)")
     parser.add_argument("--kernels", help="the code both builds run (one of this CPU's `kernels_built()`; default the fastest)")
     args = parser.parse_args()
     widths = [int(n) for n in args.widths.split(",")]
@@ -87,6 +89,8 @@ def main() -> None:
     if args.kernels:
         for module in (kquant_kernels(), other):
             module.use_kernels(args.kernels)
+    if args.prefetch:
+        kquant_kernels().set_prefetch_few_rows(args.prefetch == "on")
     if hasattr(other, "set_prefetch_few_rows"):  # as this checkout prefetches (`kquant.settle_prefetch`), so the code alone differs
         other.set_prefetch_few_rows(kquant_kernels().prefetch_few_rows())
     if args.steps is not None:

@@ -24,15 +24,16 @@ from verispec.models.kquant import kquant_kernels
 from verispec.paths import cpu_summary
 
 
-def layer_seconds(runner, rounds: int) -> dict[tuple[str, bool], float]:
-    """(kind, prefetching) -> median seconds of one row through every layer of the kind (`head`: the output head)."""
-    kernels = kquant_kernels()
+def layer_seconds(runner, rounds: int, switch=None) -> dict[tuple[str, bool], float]:
+    """(kind, setting) -> median seconds of one row through every layer of the kind (`head`: the output head), the
+    kernel switch (`switch(on)`; default prefetching for few rows) on and off in turns."""
+    switch = switch or kquant_kernels().set_prefetch_few_rows
     kinds = {name: [getattr(layer, name) for layer in runner.layers] for name in ("qkv", "o", "gate_up", "down")}
     kinds["head"] = [runner.lm_head]
     seconds: dict[tuple[str, bool], list[float]] = {}
     for round_ in range(rounds):
         for on in (False, True) if round_ % 2 == 0 else (True, False):
-            kernels.set_prefetch_few_rows(on)
+            switch(on)
             for kind, layers in kinds.items():
                 x = torch.randn(1, layers[0].in_features)  # [1, in]
                 began = time.perf_counter()
@@ -42,9 +43,10 @@ def layer_seconds(runner, rounds: int) -> dict[tuple[str, bool], float]:
     return {key: statistics.median(values) for key, values in seconds.items()}
 
 
-def step_seconds(runner, on: bool, rounds: int, context: int = 300) -> float:
-    """The median whole decode step (one token after `context` cached ones, the head's logits) with prefetching `on`."""
-    kquant_kernels().set_prefetch_few_rows(on)
+def step_seconds(runner, on: bool, rounds: int, context: int = 300, switch=None) -> float:
+    """The median whole decode step (one token after `context` cached ones, the head's logits) with the switch (default
+    prefetching for few rows) `on`."""
+    (switch or kquant_kernels().set_prefetch_few_rows)(on)
     cache = runner.new_cache(context + 2)
     runner.forward(cache, torch.arange(100, 100 + context), logits="none")
     times = []

@@ -41,7 +41,7 @@ from verispec.paths import cpu_key, read_table, store_in_table
 from verispec.progress import status
 
 __all__ = ["KQUANT_TYPES", "KQuantWeight", "KQuantTiles", "KQuantLinear", "KQuantEmbedding", "concat_rows", "kquant_kernels", "kquant_suits",
-           "settle_prefetch"]
+           "settle_padding", "settle_prefetch"]
 
 KQUANT_TYPES = {"Q4_K": 12, "Q6_K": 14}  # ggml type name -> type number (what the kernels take)
 TILE_COLUMNS = 16  # output columns per packed tile (`kCols` in kernels/kquant.cpp)
@@ -71,49 +71,67 @@ KERNEL_CHOICES = "kernel_choices.json"  # choices measured on this CPU, per kern
 # Prefetching for one or two rows is measured on a model that streams its weights from memory wherever it loads:
 # larger than the largest L3 measured (480 MiB on the AMX Xeon; the shipped 1.5B's layers hold 1.0 GB)
 PREFETCH_MEASURED_FROM = 512 << 20
-PREFETCH_GAIN = 0.97  # the median decode step's layers must take this share or less with it (an A/A moves ~1 %)
+SWITCH_GAIN = 0.97  # a switch's layers must take this share or less of the time with it to turn it on (an A/A moves ~1 %)
+SUPER_BLOCK = 256  # inputs per k-quant super-block: a layer whose inputs are not a multiple is padded (`requantize.py`)
 
 
 def settle_prefetch(linears: list, linear_bytes: int) -> bool:
     """Whether the vector kernels prefetch the weight stream for one and two rows (`set_prefetch_few_rows`; the AVX-512
     code always does from three, the AVX2 code never): on the AMX Xeon that lost, on the Zen 5 EPYC it gained
-    (BENCHMARKS.md), so it is measured here, once per CPU kind, kernels, build and thread count, on the first model
-    loaded with `linear_bytes` ≥ PREFETCH_MEASURED_FROM (its `linears`, one row each, with and without, in turns:
-    `prefetch_pays`), and kept in the cache directory; a smaller model takes the kept choice, or none. The same bits
-    either way."""
+    (BENCHMARKS.md), so it is measured on the first model loaded with `linear_bytes` ≥ PREFETCH_MEASURED_FROM
+    (`settle_switch`); a smaller model takes the kept choice, or none. The same bits either way."""
     module = kquant_kernels()
     if module.kernels_in_use() == "portable":  # the portable code never prefetches
         return module.set_prefetch_few_rows(False)
-    key = (f"prefetch_few_rows|{build_key('kquant')}|{module.kernels_in_use()}|threads={torch.get_num_threads()}"
-           f"|cpu={cpu_key()}")
+    return settle_switch("prefetch_few_rows", module.set_prefetch_few_rows, linears, linear_bytes >= PREFETCH_MEASURED_FROM,
+                         "prefetching", default=False)
+
+
+def settle_padding(linears: list) -> bool:
+    """Whether the kernels skip a padded layer's sub-blocks past its input (`set_skip_padding`: fewer bytes, a hole in
+    the weight stream at every tile): on the AMX Xeon skipping gained, on the Zen 5 EPYC reading the zeros too was
+    faster (BENCHMARKS.md), so it is measured on the padded layers of the first model that has some (a requantized
+    draft's, `settle_switch`), skipping kept unless reading them whole is faster. The same bits either way."""
+    module = kquant_kernels()
+    padded = [layer for layer in linears if layer.in_features % SUPER_BLOCK]
+    reading_whole = settle_switch("read_padding", lambda on: not module.set_skip_padding(not on), padded, bool(padded),
+                                  "reading of padded layers", default=False)
+    return not reading_whole
+
+
+def settle_switch(name: str, switch, linears: list, measure: bool, what: str, default: bool) -> bool:
+    """A kernel switch's setting on this CPU (`switch(on)` sets it and returns it): the kept choice for this CPU kind,
+    kernels, build and thread count (the cache directory's KERNEL_CHOICES), else measured on `linears` where `measure`
+    (`switch_pays`) and kept, else `default`."""
+    module = kquant_kernels()
+    key = f"{name}|{build_key('kquant')}|{module.kernels_in_use()}|threads={torch.get_num_threads()}|cpu={cpu_key()}"
     choice = read_table(KERNEL_CHOICES).get(key)
-    if choice is None and linear_bytes >= PREFETCH_MEASURED_FROM:
-        with status("measuring the kquant kernels' prefetching (once per CPU kind)"):
-            on, ratio = prefetch_pays(linears)
+    if choice is None and measure:
+        with status(f"measuring the kquant kernels' {what} (once per CPU kind)"):
+            on, ratio = switch_pays(switch, linears)
         choice = {"on": on, "ratio": round(ratio, 4)}
         with contextlib.suppress(OSError):  # a cache directory that cannot be written: the choice holds for this process
             store_in_table(KERNEL_CHOICES, key, choice)
-    return module.set_prefetch_few_rows(bool(choice and choice["on"]))
+    return switch(bool(choice["on"]) if choice else default)
 
 
-def prefetch_pays(linears: list, rounds: int = 7) -> tuple[bool, float]:
-    """(whether to prefetch for few rows, the median seconds of one row through every layer of `linears` with it over
-    without it), the two timed in turns (their order alternating) so a shared CPU's drift touches both alike."""
-    module = kquant_kernels()
+def switch_pays(switch, linears: list, rounds: int = 7) -> tuple[bool, float]:
+    """(whether to turn the switch on, the median seconds of one row through every layer of `linears` with it on over
+    off), the two timed in turns (their order alternating) so a shared CPU's drift touches both alike; off after."""
     inputs = [torch.randn(1, layer.in_features) for layer in linears]
     seconds: dict[bool, list[float]] = {False: [], True: []}
     try:
         for round_ in range(rounds):
             for on in (False, True) if round_ % 2 == 0 else (True, False):
-                module.set_prefetch_few_rows(on)
+                switch(on)
                 start = time.perf_counter()
                 for layer, x in zip(linears, inputs):
                     layer(x)
                 seconds[on].append(time.perf_counter() - start)
     finally:
-        module.set_prefetch_few_rows(False)
+        switch(False)
     ratio = statistics.median(seconds[True]) / statistics.median(seconds[False])
-    return ratio <= PREFETCH_GAIN, ratio
+    return ratio <= SWITCH_GAIN, ratio
 
 
 def kquant_suits(path) -> bool:

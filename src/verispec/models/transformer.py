@@ -48,7 +48,8 @@ from verispec.models.cuda_graphs import GraphSteps, StoragePool, graphs_wanted
 from verispec.models.cuda_linear import row_kernels_wanted
 from verispec.models.device import CPU
 from verispec.models.int8 import Int8Linear
-from verispec.models.kquant import KQuantEmbedding, KQuantLinear, KQuantWeight, concat_rows, kquant_kernels, settle_prefetch
+from verispec.models.kquant import (KQuantEmbedding, KQuantLinear, KQuantWeight, concat_rows, kquant_kernels, settle_padding,
+                                    settle_prefetch)
 from verispec.models.layer_cache import Int8Store, KQuantStore
 from verispec.models.linear import PackedLinear
 from verispec.models.runner import RunnerConfig, ragged_rows, row_logits
@@ -397,7 +398,9 @@ class Transformer:
         store = KQuantStore(path, kernels.build_key("kquant"), bool(weights.requantized))  # the tiles, repacked once
         runner = cls(config, weights, torch.float32, quant="kquant", pack_rows=pack_rows, store=store)
         store.save()
-        settle_prefetch([m for layer in runner.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)], runner.linear_bytes)
+        linears = [m for layer in runner.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        settle_prefetch(linears, runner.linear_bytes)
+        settle_padding(linears + [runner.lm_head])  # after the prefetching it is measured with
         if weights.requantized:
             runner.variant += ",requantized"
         return runner

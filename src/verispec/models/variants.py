@@ -61,6 +61,10 @@ class _PaddedHead:
     def nbytes(self) -> int:
         return self.head.nbytes
 
+    @property
+    def in_features(self) -> int:
+        return self.head.in_features
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [rows, hidden] -> [rows, full]
         logits = self.head(x)  # [rows, kept]
         return F.pad(logits, (0, self.full - self.kept), value=float("-inf"))

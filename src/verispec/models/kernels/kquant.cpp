@@ -191,7 +191,8 @@ struct Activations {
   const int32_t* sums;        // [rows, K / 16]
   const int16_t* pair_sums;   // [rows, K / 32]: the sums over each 32 values (Q4_K's sub-blocks)
   int64_t k, blocks;
-  int64_t width;  // the input's own width (≤ K): past it every value is zero (a requantized draft's rows padded)
+  int64_t width;  // the input's own width (≤ K): past it every value is zero (a requantized draft's rows padded); K
+                  // where the kernels read a padded layer whole (`skip_padding` off)
 
   // The sub-blocks of `size` values in super-block b that hold any of the input. Past them every product is zero,
   // so the vector and AMX kernels skip them (a padded layer's weights are not read) and their sums stay the same.
@@ -277,6 +278,11 @@ void dot_tile_portable(int64_t kind, const uint8_t* tile, const Activations& a, 
 }
 
 bool prefetch_few_rows = false;  // the vector code prefetches for one and two rows too (`set_prefetch_few_rows`)
+// Whether the kernels skip a padded layer's sub-blocks past its input (`Activations::sub_blocks`; `set_skip_padding`):
+// fewer bytes read, but a hole in the weight stream at every tile, which on the Zen 5 EPYC slowed SmolLM2's 576-wide
+// layers 1.4–1.6× where on the AMX Xeon skipping gained; `models/kquant.settle_padding` measures it. The same bits
+// either way: the products past the input are zeros.
+bool skip_padding = true;
 
 #if KQ_AVX512 || KQ_AVX2
 // Ask for the tile-block `kAhead` blocks further on, a share of its cache lines per sub-block step (part `j` of `steps`),
@@ -982,7 +988,7 @@ at::Tensor linear(at::Tensor x, std::vector<at::Tensor> packed, std::vector<int6
   }
   auto y = at::empty({rows, total}, x.options());
   const Activations a{q.data_ptr<int8_t>(), d.data_ptr<float>(), sums.data_ptr<int32_t>(), pair_sums.data_ptr<int16_t>(),
-                      k, k / kBlock, x.size(1)};
+                      k, k / kBlock, skip_padding ? x.size(1) : k};
   std::vector<Part> parts;
   for (size_t i = 0, offset = 0; i < packed.size(); offset += columns[i], ++i)
     parts.push_back({kinds[i], packed[i].data_ptr<uint8_t>(), columns[i], int64_t(offset)});
@@ -1070,6 +1076,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kernels_in_use", &kernels_in_use, "the kernels that run");
   m.def("set_prefetch_few_rows", &set_prefetch_few_rows, "prefetch the weight stream for one and two rows too", py::arg("on"));
   m.def("prefetch_few_rows", [] { return prefetch_few_rows; }, "whether the vector code prefetches for one and two rows");
+  m.def("set_skip_padding", [](bool on) { return skip_padding = on; }, "skip a padded layer's sub-blocks past its input",
+        py::arg("on"));
+  m.def("skip_padding", [] { return skip_padding; }, "whether the kernels skip a padded layer's sub-blocks past its input");
   m.def("attend", &exact_attention::attend, "q [heads, n, d] over one layer's cache [kv_heads, capacity, d] from slot `start` "
         "(mask: None for a chain, else bool [n, start + n]) -> [heads, n, d], each position on its own",
         py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("start"), py::arg("mask"), py::arg("scale"));
