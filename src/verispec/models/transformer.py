@@ -313,9 +313,9 @@ class Transformer:
     (prompt prefill) use one batched SDPA call: prefill is shared by speculative and plain decoding.
     kquant attends every feed, prompts included, with its extension's own attention (`kernels/attention.h`:
     every position of a layer in one call, each block of the cache read once for a run of positions and every
-    query head that shares it, faster than SDPA here), so its prefill is row-invariant too: a prompt fed in chunks (a server's) or whole
-    leaves the same cache, bit for bit. Float runners batch everything
-    and are exact up to float rounding.
+    query head that shares it, faster than SDPA here), so its prefill is row-invariant too: a prompt fed in
+    chunks (a server's) or whole leaves the same cache, bit for bit. Float runners batch everything and are
+    exact up to float rounding.
 
     A row's company in `forward_ragged` does not matter (float32, int8, and bfloat16 where oneDNN
     packs it): its logits (and cached keys/values) are the same bits whether it is fed alone or among
