@@ -14,26 +14,18 @@ draft step's ratio predicts from the draft's share of a step's time (`Generation
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 
 import torch
-from kquant_prefetch import layer_seconds, step_seconds
+from kernel_switch import arguments, decode_in_turns, report_decoding, step_seconds, time_codes
 
-from verispec import GenerationConfig, load
+from verispec import load
 from verispec.models.kquant import kquant_kernels
 from verispec.paths import cpu_summary
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernels", default="avx512,avx2", help="vector codes to time the layers with (those built here)")
-    parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument("--questions", default="question.jsonl")
-    parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--generate-rounds", type=int, default=2)
-    args = parser.parse_args()
+    args = arguments(__doc__.splitlines()[0])
     engine = load()
     draft = engine.drafter.model.runner  # the plan's hybrid drafter's model
     kernels = kquant_kernels()
@@ -41,50 +33,19 @@ def main() -> None:
     default, kept = kernels.kernels_in_use(), kernels.skip_padding()
     print(f"{cpu_summary()} · {torch.get_num_threads()} threads · plan {engine.drafter_spec} · kept by settle_padding: "
           f"{'skipping' if kept else 'reading whole'}", flush=True)
-    ratios = {}
-    for name in args.kernels.split(","):
-        if name not in kernels.kernels_built():
-            print(f"  {name}: not built here")
-            continue
-        kernels.use_kernels(name)
-        seconds = layer_seconds(draft, args.rounds, read_whole)
-        totals = {on: sum(value for (_, o), value in seconds.items() if o == on) for on in (False, True)}
-        ratios[name] = totals[True] / totals[False]
-        kinds = dict.fromkeys(kind for kind, _ in seconds)
-        per_kind = ", ".join(f"{kind} ×{seconds[kind, True] / seconds[kind, False]:.3f}" for kind in kinds)
-        print(f"  {name} draft layers, whole / skipping: {totals[True] * 1e3:.2f} / {totals[False] * 1e3:.2f} ms "
-              f"(×{ratios[name]:.3f}; {per_kind})")
-    kernels.use_kernels(default)
+    time_codes(draft, args.kernels, args.rounds, read_whole, "draft layers, whole / skipping")
     steps = {on: [] for on in (False, True)}
     for round_ in range(args.rounds):
         for on in (False, True) if round_ % 2 == 0 else (True, False):
-            steps[on].append(step_seconds(draft, on, 5, switch=read_whole))
+            steps[on].append(step_seconds(draft, on, 5, read_whole))
     step = {on: statistics.median(values) for on, values in steps.items()}
     step_ratio = step[True] / step[False]
     print(f"  the draft's decode step ({default}): whole / skipping {step[True] * 1e3:.2f} / {step[False] * 1e3:.2f} ms (×{step_ratio:.3f})")
-    questions = [json.loads(line) for line in open(args.questions)]
-    prompts = [next(q["turns"][0] for q in questions if q["category"] == c) for c in dict.fromkeys(q["category"] for q in questions)]
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens)
-    rates: dict[bool, list[float]] = {False: [], True: []}
-    tokens: dict[bool, list[list[int]]] = {False: [], True: []}
-    draft_share: list[float] = []  # the draft's share of the decoding time, skipping
-    for round_ in range(args.generate_rounds):
-        for i, prompt in enumerate(prompts):
-            for on in (False, True) if (round_ + i) % 2 == 0 else (True, False):
-                read_whole(on)
-                result = engine.generate(prompt, config)
-                decoding = result.stats.wall_seconds - result.stats.prefill_seconds
-                rates[on].append(result.stats.new_tokens / decoding)
-                tokens[on].append(result.token_ids)
-                if not on:
-                    draft_share.append(result.stats.phases.get("draft", 0.0) / decoding)
+    rates, same, prompts, skipping = decode_in_turns(engine, args, read_whole)
     read_whole(not kept)
-    share = statistics.mean(draft_share)
+    share = statistics.mean(r.stats.phases.get("draft", 0.0) / (r.stats.wall_seconds - r.stats.prefill_seconds) for r in skipping)
     predicted = 1.0 / (1.0 - share * (1.0 - step_ratio))
-    ratio = statistics.mean(rates[True]) / statistics.mean(rates[False])
-    print(f"  decoding, {len(prompts)} prompts × {args.generate_rounds} (the draft {share:.0%} of it): "
-          f"{statistics.mean(rates[False]):.2f} → {statistics.mean(rates[True]):.2f} tok/s after the prefill "
-          f"(×{ratio:.3f} measured, ×{predicted:.3f} predicted), same tokens: {tokens[True] == tokens[False]}")
+    report_decoding(f"decoding (the draft {share:.0%} of it)", rates, same, prompts, args, predicted)
 
 
 if __name__ == "__main__":
