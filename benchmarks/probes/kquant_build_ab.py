@@ -5,10 +5,10 @@ Timings of separate processes move by several per cent on a shared VM, more than
 kernels of `--against REV` (kquant.cpp and its headers as that revision has them) are built under another module
 name and both builds run the shipped target's linear layers on the same packed weights: every layer of a kind (qkv,
 o, gate_up, down), then the head, for `--rows` activation rows (1: a decode step), in `--rounds` rounds, the two
-builds' order alternating, the other build prefetching for few rows as this one does where it has the switch. Prints
-the median milliseconds per kind and build. `--against HEAD` on a clean checkout is an A/A: two builds of the same
-source (their code layout alone still moves kinds by a few per cent). `--model` times another shipped model's layers
-(a draft's).
+builds' order alternating, the other build's kernel switches (prefetching for few rows, skipping a padded layer's
+sub-blocks) set as this one's where it has them. Prints the median milliseconds per kind and build. `--against HEAD`
+on a clean checkout is an A/A: two builds of the same source (their code layout alone still moves kinds by a few per
+cent). `--model` times another shipped model's layers (a draft's).
 
 `--steps CONTEXT` times whole forward passes instead (what a change to the attention or the decoder stack is worth
 inside a step, where the cache and the weights compete for memory): n = 1, 2, 4, 8 new positions (`--widths`; 256: a
@@ -91,8 +91,12 @@ def main() -> None:
             module.use_kernels(args.kernels)
     if args.prefetch:
         kquant_kernels().set_prefetch_few_rows(args.prefetch == "on")
-    if hasattr(other, "set_prefetch_few_rows"):  # as this checkout prefetches (`kquant.settle_prefetch`), so the code alone differs
+    # the other build's switches as this checkout's (`kquant.settle_prefetch`, `settle_padding`) where it has them, so the
+    # code alone differs
+    if hasattr(other, "set_prefetch_few_rows"):
         other.set_prefetch_few_rows(kquant_kernels().prefetch_few_rows())
+    if hasattr(other, "set_skip_padding"):
+        other.set_skip_padding(kquant_kernels().skip_padding())
     if args.steps is not None:
         return time_steps(runner, commit, other, args.steps, widths, args.rounds)
     if args.attention:
@@ -100,9 +104,10 @@ def main() -> None:
     kinds = {name: [getattr(layer, name) for layer in runner.layers] for name in ("qkv", "o", "gate_up", "down")}
     kinds["head"] = [runner.lm_head]
     builds = {"this checkout": runner.lm_head._linear, commit: other.linear}
-    # each build's prefetching for one and two rows (this checkout's as `kquant.settle_prefetch` measured it on this CPU,
-    # the other's the same where it has the switch): printed, as a timing compares both together
-    settings = [getattr(module, "prefetch_few_rows", lambda: None)() for module in (kquant_kernels(), other)]
+    # each build's switches (the other's as this checkout's where it has them): printed, as a timing compares both together
+    settings = {name: [getattr(module, name, lambda: None)() for module in (kquant_kernels(), other)]
+                for name in ("prefetch_few_rows", "skip_padding")}
+    said = lambda name: " / ".join("n/a" if on is None else "on" if on else "off" for on in settings[name])  # noqa: E731
     seconds = {(kind, build): [] for kind in kinds for build in builds}
     for build in turns(list(builds), args.rounds):
         for kind, linears in kinds.items():
@@ -112,7 +117,7 @@ def main() -> None:
                 builds[build](x, linear.packed, linear.kinds, linear.columns, linear.bias)
             seconds[kind, build].append(time.perf_counter() - began)
     print(heading(f"{args.rows} row(s)", f"median of {args.rounds} rounds", f"ms: this checkout / {commit}",
-                  f"prefetching for few rows: {' / '.join('n/a' if on is None else 'on' if on else 'off' for on in settings)}"))
+                  f"prefetching for few rows: {said('prefetch_few_rows')}", f"skipping padded sub-blocks: {said('skip_padding')}"))
     totals = dict.fromkeys(builds, 0.0)
     for kind in kinds:
         mine, theirs = (statistics.median(seconds[kind, build]) for build in builds)
