@@ -20,16 +20,17 @@ import torch
 from kernel_switch import arguments, decode_in_turns, report_decoding, step_seconds, time_codes
 
 from verispec import load
-from verispec.models.kquant import kquant_kernels
+from verispec.models.kquant import kquant_kernels, read_padding_whole
 from verispec.paths import cpu_summary
 
 
 def main() -> None:
     args = arguments(__doc__.splitlines()[0])
     engine = load()
-    draft = engine.drafter.model.runner  # the plan's hybrid drafter's model
-    kernels = kquant_kernels()
-    read_whole = lambda on: not kernels.set_skip_padding(not on)  # noqa: E731 - the switch: on reads padded layers whole
+    if getattr(engine.drafter, "model", None) is None:
+        raise SystemExit(f"the plan here drafts with {engine.drafter_spec!r}, no draft model: nothing padded to time")
+    draft = engine.drafter.model.runner  # the plan's drafter's model (hybrid's SmolLM2)
+    kernels, read_whole = kquant_kernels(), read_padding_whole  # the switch: on reads padded layers whole
     default, kept = kernels.kernels_in_use(), kernels.skip_padding()
     print(f"{cpu_summary()} · {torch.get_num_threads()} threads · plan {engine.drafter_spec} · kept by settle_padding: "
           f"{'skipping' if kept else 'reading whole'}", flush=True)

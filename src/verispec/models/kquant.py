@@ -41,7 +41,7 @@ from verispec.paths import cpu_key, read_table, store_in_table
 from verispec.progress import status
 
 __all__ = ["KQUANT_TYPES", "KQuantWeight", "KQuantTiles", "KQuantLinear", "KQuantEmbedding", "concat_rows", "kquant_kernels", "kquant_suits",
-           "settle_padding", "settle_prefetch"]
+           "read_padding_whole", "settle_padding", "settle_prefetch"]
 
 KQUANT_TYPES = {"Q4_K": 12, "Q6_K": 14}  # ggml type name -> type number (what the kernels take)
 TILE_COLUMNS = 16  # output columns per packed tile (`kCols` in kernels/kquant.cpp)
@@ -92,11 +92,14 @@ def settle_padding(linears: list) -> bool:
     the weight stream at every tile): on the AMX Xeon skipping gained, on the Zen 5 EPYC reading the zeros too was
     faster (BENCHMARKS.md), so it is measured on the padded layers of the first model that has some (a requantized
     draft's, `settle_switch`), skipping kept unless reading them whole is faster. The same bits either way."""
-    module = kquant_kernels()
     padded = [layer for layer in linears if layer.in_features % SUPER_BLOCK]
-    reading_whole = settle_switch("read_padding", lambda on: not module.set_skip_padding(not on), padded, bool(padded),
-                                  "reading of padded layers", default=False)
-    return not reading_whole
+    return not settle_switch("read_padding", read_padding_whole, padded, bool(padded), "reading of padded layers", default=False)
+
+
+def read_padding_whole(on: bool) -> bool:
+    """The padding switch as `settle_padding` measures it: on, the kernels read a padded layer's sub-blocks past its
+    input too (`set_skip_padding(False)`); returns whether they do."""
+    return not kquant_kernels().set_skip_padding(not on)
 
 
 def settle_switch(name: str, switch, linears: list, measure: bool, what: str, default: bool) -> bool:

@@ -396,7 +396,7 @@ inline void attend_group_portable(const Group& w, float* scores, float* totals) 
   }
 }
 
-constexpr int64_t kPositionsPerTask = 8;
+constexpr int64_t kPositionsPerTask = 8;  // the most positions a task takes (a prompt's piece is cut in runs of them)
 
 // q [heads, n, head_dim] (the new positions' rotated queries), keys/values [kv_heads, capacity, head_dim]
 // (one layer's cache, the new positions' keys and values already stored at slots start … start+n−1),
